@@ -1,0 +1,1 @@
+"""SlimWise: decode-only expert pruning for MoE serving."""

@@ -1,0 +1,21 @@
+"""Models shipped with the package, addressable by name wherever a model directory is expected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHECKPOINTS = Path(__file__).parent / "testbed" / "checkpoints"
+#: name -> directory under slimwise/testbed/checkpoints
+EMBEDDED = {"testbed-a": "qwen3moe-a", "testbed-b": "qwen2moe-b"}
+
+
+def embedded_model_dir(name: str) -> Path | None:
+    sub = EMBEDDED.get(name)
+    if sub is None:
+        return None
+    path = CHECKPOINTS / sub
+    return path if (path / "config.json").is_file() else None
+
+
+def available_embedded() -> list[str]:
+    return [name for name in EMBEDDED if embedded_model_dir(name) is not None]

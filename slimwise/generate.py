@@ -1,0 +1,248 @@
+"""Reference engine on transformers: full-model prefill, then decode with the full or the pruned model.
+
+Modes (the three things SlimWise compares):
+  full      the model as is;
+  uniform   classic pruning: the pruned model prefills and decodes;
+  slimwise  the full model prefills (prompt KV cache and first token are the full model's), the pruned
+            model decodes on that same cache.
+The pruned model is either a masked view of the full model's weights (`ExpertMask`, one copy in memory) or
+a separately loaded pruned checkpoint (`decode_model`); both give the same tokens.
+
+The loop is gpt-fast style: left-padded batch, one prefill forward, then one forward per generated token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from slimwise.adapters import get_adapter
+from slimwise.errors import SlimWiseError
+from slimwise.masking import ExpertMask
+from slimwise.plan import PrunePlan, model_fingerprint
+
+Mode = Literal["full", "uniform", "slimwise"]
+MODES: tuple[str, ...] = ("full", "uniform", "slimwise")
+
+# config fields that must agree for a decoder to read another model's cache
+_CACHE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "vocab_size", "layer_types", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    batch_size: int = 16
+    eos_token_id: int | list[int] | None = None  # default: tokenizer's, else the model's
+    progress: bool = False
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens, the EOS that ended the output included
+    finish_reason: str  # "eos" | "stop" | "length"
+    text: str | None = None
+    first_logits: torch.Tensor | None = field(default=None, repr=False)  # prefill logits (for tests/fidelity)
+
+
+class StepObserver(Protocol):
+    """Told which rows of the flattened batch are real tokens of each phase before every forward."""
+
+    def before_forward(self, phase: str, rows: torch.Tensor) -> None: ...
+
+
+def check_decode_compatible(prefill_model: nn.Module, decode_model: nn.Module) -> None:
+    """Refuse a decoder that cannot read the prefill model's cache (attention shapes, vocabulary, layers)."""
+    a = get_adapter(prefill_model.config).text_config(prefill_model.config)
+    b = get_adapter(decode_model.config).text_config(decode_model.config)
+    for name in _CACHE_FIELDS:
+        va, vb = getattr(a, name, None), getattr(b, name, None)
+        if va != vb:
+            raise SlimWiseError(f"decode model differs from the prefill model in {name} ({vb!r} vs {va!r}): "
+                                "it cannot read the prefill cache; pass a checkpoint pruned from this model")
+
+
+def _eos_ids(config: GenerationConfig, tokenizer, model: nn.Module) -> set[int]:
+    eos = config.eos_token_id
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(model.generation_config, "eos_token_id", None) or model.config.eos_token_id
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+
+def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator) -> torch.Tensor:
+    """Greedy when temperature is 0, else temperature / top-k / top-p sampling from a seeded generator."""
+    if config.temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits / config.temperature
+    if config.top_k > 0:
+        kth = torch.topk(logits, min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) > config.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class PhaseSplitEngine:
+    """Generate in `full`, `uniform` or `slimwise` mode with one full model and a plan (or a pruned checkpoint)."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, plan: PrunePlan | None = None,
+                 decode_model: nn.Module | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.decode_model = decode_model.eval() if decode_model is not None else None
+        self.mask: ExpertMask | None = None
+        if decode_model is not None:
+            check_decode_compatible(model, decode_model)
+            manifest = getattr(decode_model, "slimwise_manifest", None)
+            if manifest and manifest.get("source_fingerprint") != model_fingerprint(model):
+                raise SlimWiseError("decode model was pruned from other weights than the prefill model "
+                                    "(fingerprint mismatch): export it from this model")
+            if plan is not None:
+                adapter = get_adapter(decode_model.config)
+                if plan.num_kept != adapter.num_experts(decode_model.config):
+                    raise SlimWiseError(f"decode model has {adapter.num_experts(decode_model.config)} experts but the "
+                                        f"plan keeps {plan.num_kept}: pass the checkpoint exported from this plan")
+        elif plan is not None:
+            self.mask = ExpertMask(model, plan)
+
+    def close(self) -> None:
+        if self.mask is not None:
+            self.mask.remove()
+
+    # ----- phases --------------------------------------------------------------------------------------
+    def _phase(self, mode: str, phase: str):
+        """(model, context factory) that runs `phase` ("prefill" or "decode") of `mode`."""
+        if mode not in MODES:
+            raise SlimWiseError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        pruned = mode == "uniform" or (mode == "slimwise" and phase == "decode")
+        if not pruned:
+            return self.model, (lambda: self.mask.pruned(False)) if self.mask else nullcontext
+        if self.decode_model is not None:
+            return self.decode_model, nullcontext
+        if self.mask is None:
+            raise SlimWiseError(f"mode {mode!r} needs a plan or a decode model")
+        return self.model, lambda: self.mask.pruned(True)
+
+    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise SlimWiseError("text prompts need a tokenizer; pass token ids or a model dir with a tokenizer")
+                out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
+            else:
+                out.append([int(t) for t in p])
+            if not out[-1]:
+                raise SlimWiseError("an empty prompt cannot be prefilled; give every prompt at least one token")
+        return out
+
+    # ----- generation ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], mode: Mode = "slimwise",
+                 config: GenerationConfig | None = None, observer: StepObserver | None = None,
+                 keep_first_logits: bool = False) -> list[Generation]:
+        config = config or GenerationConfig()
+        ids = self._encode(prompts)
+        eos = _eos_ids(config, self.tokenizer, self.model)
+        generator = torch.Generator().manual_seed(config.seed)
+        results: list[Generation] = []
+        bar = tqdm(total=len(ids), desc=f"generate[{mode}]", unit="seq", disable=not config.progress)
+        for start in range(0, len(ids), config.batch_size):
+            batch = ids[start:start + config.batch_size]
+            results += self._generate_batch(batch, mode, config, eos, generator, observer, keep_first_logits)
+            bar.update(len(batch))
+        bar.close()
+        return results
+
+    def prefill(self, batch: Sequence[Sequence[int]], mode: Mode = "slimwise", observer: StepObserver | None = None):
+        """Left-padded prefill of token-id prompts with `mode`'s prefill model.
+
+        Returns (cache, last-position logits [B, V] float32, attention mask, position ids).
+        """
+        device = next(self.model.parameters()).device
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+        width = max(len(p) for p in batch)
+        input_ids = torch.full((len(batch), width), pad, dtype=torch.long, device=device)
+        attention = torch.zeros((len(batch), width), dtype=torch.long, device=device)
+        for i, p in enumerate(batch):
+            input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp_min(0)
+        model, ctx = self._phase(mode, "prefill")
+        if observer is not None:
+            observer.before_forward("prompt", attention.reshape(-1).bool())
+        with ctx():
+            out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True,
+                        logits_to_keep=1)
+        return out.past_key_values, out.logits[:, -1, :].float(), attention, positions
+
+    def _generate_batch(self, batch, mode, config, eos, generator, observer, keep_first_logits):
+        device = next(self.model.parameters()).device
+        cache, logits, attention, positions = self.prefill(batch, mode, observer)
+        first_logits = logits.clone() if keep_first_logits else None
+
+        generated: list[list[int]] = [[] for _ in batch]
+        reasons: list[str | None] = [None] * len(batch)
+        texts: list[str | None] = [None] * len(batch)
+        next_pos = positions[:, -1:] + 1
+        model, ctx = self._phase(mode, "decode")
+        for step in range(config.max_new_tokens):
+            tokens = sample_next(logits, config, generator)
+            for i, t in enumerate(tokens.tolist()):
+                if reasons[i] is not None:
+                    continue
+                generated[i].append(t)
+                if t in eos:
+                    reasons[i] = "eos"
+                elif config.stop and self.tokenizer is not None:
+                    text = self.tokenizer.decode(generated[i])
+                    hit = [text.index(s) for s in config.stop if s in text]
+                    if hit:
+                        reasons[i], texts[i] = "stop", text[:min(hit)]
+            if all(r is not None for r in reasons) or step == config.max_new_tokens - 1:
+                break
+            alive = torch.tensor([r is None for r in reasons], device=device)
+            if observer is not None:
+                observer.before_forward("decode", alive)
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            with ctx():
+                out = model(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_pos,
+                            past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+
+        results = []
+        for i, p in enumerate(batch):
+            reason = reasons[i] or "length"
+            text = texts[i]
+            if text is None and self.tokenizer is not None:
+                body = generated[i][:-1] if reason == "eos" else generated[i]
+                text = self.tokenizer.decode(body)
+            results.append(Generation(p, generated[i], reason, text,
+                                      first_logits[i] if first_logits is not None else None))
+        return results

@@ -1,0 +1,75 @@
+"""Masked view of a full model: pruned experts made unselectable in the routers, one weight copy.
+
+`ExpertMask` wraps each pruned layer's router. While `active` is False the router runs its stock forward
+(bit-identical to the unpruned model); while True it routes only to the plan's kept experts. The reference
+engine switches it on for decode steps (SlimWise) or for everything (uniform pruning). An optional per-token
+mask restricts pruning to some rows of a batch (mixed prompt/decode batches).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from slimwise.adapters import MoEAdapter, get_adapter
+from slimwise.plan import PrunePlan
+
+
+class ExpertMask:
+    """Installs masked routers on `model` for `plan`; use as a context manager or call `remove()`."""
+
+    def __init__(self, model: nn.Module, plan: PrunePlan, adapter: MoEAdapter | None = None):
+        self.model = model
+        self.adapter = adapter or get_adapter(model.config)
+        self.active = False
+        self.token_mask: torch.Tensor | None = None  # bool [num_tokens]: rows to prune (None = all rows)
+        self._originals: list[tuple[nn.Module, object]] = []
+        num_experts = self.adapter.num_experts(model.config)
+        plan.check_model(model, self.adapter)
+        for layer in self.adapter.moe_layers(model):
+            pruned = torch.ones(num_experts, dtype=torch.bool, device=layer.router.weight.device)
+            pruned[plan.kept(layer.index)] = False
+            if not pruned.any():
+                continue  # nothing pruned: this layer always runs its stock router
+            self._install(layer.router, pruned)
+
+    def _install(self, router: nn.Module, pruned: torch.Tensor) -> None:
+        original = router.forward
+        adapter = self.adapter
+
+        def forward(hidden_states, *args, **kwargs):
+            if not self.active:
+                return original(hidden_states, *args, **kwargs)
+            if self.token_mask is None:
+                return adapter.route(router, hidden_states, pruned)
+            rows = self.token_mask.reshape(-1, 1)
+            full = original(hidden_states, *args, **kwargs)
+            masked = adapter.route(router, hidden_states, pruned)
+            return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))
+
+        router.forward = forward
+        self._originals.append((router, original))
+
+    @contextmanager
+    def pruned(self, active: bool = True, token_mask: torch.Tensor | None = None):
+        """Route to the kept experts inside the block (optionally only for rows where token_mask is True)."""
+        previous = (self.active, self.token_mask)
+        self.active, self.token_mask = active, token_mask
+        try:
+            yield self
+        finally:
+            self.active, self.token_mask = previous
+
+    def remove(self) -> None:
+        for router, _ in self._originals:
+            if "forward" in router.__dict__:
+                del router.forward
+        self._originals.clear()
+
+    def __enter__(self) -> ExpertMask:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()

@@ -1,0 +1,61 @@
+"""Loading models and tokenizers from local directories (never from a hub: SlimWise runs offline)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from slimwise.adapters import get_adapter
+from slimwise.errors import SlimWiseError
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PLAN_FILE = "slimwise_plan.json"
+MANIFEST_FILE = "slimwise_manifest.json"
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A local model directory with a config.json, or one of the embedded testbed names."""
+    p = Path(path)
+    if not p.is_dir():
+        from slimwise.embedded import embedded_model_dir
+
+        embedded = embedded_model_dir(str(path))
+        if embedded is not None:
+            return embedded
+        raise SlimWiseError(f"model directory {path} does not exist; pass a local checkpoint directory "
+                            "(SlimWise never downloads weights)")
+    if not (p / "config.json").is_file():
+        raise SlimWiseError(f"{p} has no config.json; pass a transformers checkpoint directory")
+    return p
+
+
+def load_config(path: str | Path):
+    return AutoConfig.from_pretrained(resolve_model_dir(path), local_files_only=True)
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu") -> nn.Module:
+    """Load a supported MoE checkpoint for inference; refuse dense or unknown models up front."""
+    model_dir = resolve_model_dir(path)
+    get_adapter(load_config(model_dir))  # clear error for dense/unknown families before loading weights
+    torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+    model.slimwise_source_dir = str(model_dir)
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved next to a model, or None when there is none (token-id prompts still work)."""
+    model_dir = resolve_model_dir(path)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def read_manifest(path: str | Path) -> dict | None:
+    f = Path(path) / MANIFEST_FILE
+    return json.loads(f.read_text()) if f.is_file() else None

@@ -1,0 +1,228 @@
+"""Prune plans: which original experts each MoE layer keeps, tied to the model they were made for.
+
+A plan is a small JSON file. It is built from criterion scores (`make_plan`), validated against the
+family's constraints (top-k, DeepSeek groups) and checked against a model's fingerprint before use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from slimwise.adapters import MoEAdapter, get_adapter
+from slimwise.errors import SlimWiseError
+
+PLAN_FORMAT = "slimwise-plan/1"
+Scope = Literal["layer", "global"]
+
+# config keys that change without the weights changing
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
+                         "_attn_implementation_autoset", "_experts_implementation", "output_attentions",
+                         "output_hidden_states", "return_dict", "architectures"}
+
+
+def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[str, str]:
+    """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree)."""
+    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        sample = flat[::step][:samples_per_tensor].to(torch.float32).cpu().numpy().tobytes()
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(sample)
+    return {"config_sha256": config_hash, "weights_sha256": h.hexdigest()[:16]}
+
+
+@dataclass
+class PrunePlan:
+    """Kept original expert ids per MoE layer (decoder-layer index), plus how they were chosen."""
+
+    family: str
+    num_experts: int
+    top_k: int
+    kept_experts: dict[int, list[int]]
+    criterion: str = "manual"
+    ratio: float = 0.0
+    phase: str | None = None
+    scope: Scope = "layer"
+    num_groups: int = 1
+    fingerprint: dict[str, str] | None = None
+    meta: dict = field(default_factory=dict)
+    format: str = PLAN_FORMAT
+
+    def __post_init__(self) -> None:
+        self.kept_experts = {int(k): sorted(int(e) for e in v) for k, v in self.kept_experts.items()}
+
+    # ----- queries -------------------------------------------------------------------------------------
+    def kept(self, layer: int) -> list[int]:
+        """Kept ids of a layer; a layer absent from the plan keeps every expert."""
+        return self.kept_experts.get(layer, list(range(self.num_experts)))
+
+    @property
+    def is_uniform(self) -> bool:
+        return len({len(v) for v in self.kept_experts.values()}) <= 1
+
+    @property
+    def num_kept(self) -> int:
+        if not self.is_uniform:
+            raise SlimWiseError("this plan keeps a different number of experts per layer (made with --global); "
+                                "a stock checkpoint needs one count: serve it by masking instead of exporting")
+        return len(next(iter(self.kept_experts.values()))) if self.kept_experts else self.num_experts
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is pruned (ratio 0)."""
+        return all(len(v) == self.num_experts for v in self.kept_experts.values())
+
+    def pruned_mask(self, layer: int, device=None) -> torch.Tensor:
+        mask = torch.ones(self.num_experts, dtype=torch.bool, device=device)
+        mask[self.kept(layer)] = False
+        return mask
+
+    # ----- validation ----------------------------------------------------------------------------------
+    def validate(self, min_kept_per_group: int = 1) -> None:
+        group = self.num_experts // self.num_groups
+        for layer, kept in self.kept_experts.items():
+            if any(e < 0 or e >= self.num_experts for e in kept) or len(set(kept)) != len(kept):
+                raise SlimWiseError(f"plan layer {layer}: expert ids must be distinct and in [0, {self.num_experts})")
+            if len(kept) < self.top_k:
+                raise SlimWiseError(f"plan layer {layer} keeps {len(kept)} experts, fewer than top-k={self.top_k}; "
+                                    "use a smaller ratio")
+            if self.num_groups > 1:
+                per_group = [sum(1 for e in kept if e // group == g) for g in range(self.num_groups)]
+                if min(per_group) < min_kept_per_group:
+                    raise SlimWiseError(f"plan layer {layer} keeps {per_group} experts per group; every one of the "
+                                        f"{self.num_groups} groups needs at least {min_kept_per_group}: use a smaller ratio")
+
+    def check_model(self, model: nn.Module, adapter: MoEAdapter | None = None, check_fingerprint: bool = True) -> None:
+        """Refuse a plan made for another model (family, expert count, layers, fingerprint)."""
+        adapter = adapter or get_adapter(model.config)
+        if adapter.family != self.family or adapter.num_experts(model.config) != self.num_experts:
+            raise SlimWiseError(f"plan is for a {self.family} model with {self.num_experts} experts, but the model is "
+                                f"{adapter.family} with {adapter.num_experts(model.config)}: use the plan's source model")
+        layers = {layer.index for layer in adapter.moe_layers(model)}
+        if not set(self.kept_experts) <= layers:
+            raise SlimWiseError(f"plan names MoE layers {sorted(set(self.kept_experts) - layers)} that the model "
+                                "does not have: use the plan's source model")
+        if check_fingerprint and self.fingerprint is not None:
+            actual = getattr(model, "_slimwise_fingerprint", None) or model_fingerprint(model)
+            model._slimwise_fingerprint = actual
+            if actual != self.fingerprint:
+                raise SlimWiseError(f"plan fingerprint {self.fingerprint} does not match the model's {actual}: "
+                                    "the plan was made for other weights; recalibrate or pass the right model")
+
+    # ----- io ------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["kept_experts"] = {str(k): v for k, v in self.kept_experts.items()}
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> PrunePlan:
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SlimWiseError(f"cannot read plan {path}: {exc}; pass a plan JSON written by `slimwise plan`") from exc
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise SlimWiseError(f"{path} is not a SlimWise plan (format {PLAN_FORMAT}); make one with `slimwise plan`")
+        return cls(**d)
+
+    @classmethod
+    def full(cls, model: nn.Module) -> PrunePlan:
+        """The empty plan: every expert kept (ratio 0)."""
+        adapter = get_adapter(model.config)
+        n = adapter.num_experts(model.config)
+        return cls(family=adapter.family, num_experts=n, top_k=adapter.top_k(model.config),
+                   kept_experts={layer.index: list(range(n)) for layer in adapter.moe_layers(model)},
+                   num_groups=adapter.num_groups(model.config), fingerprint=model_fingerprint(model))
+
+
+def _keep_count(n: int, ratio: float) -> int:
+    return n - int(math.floor(ratio * n + 0.5))
+
+
+def make_plan(
+    scores: torch.Tensor,
+    layers: list[int],
+    ratio: float,
+    *,
+    family: str,
+    top_k: int,
+    num_groups: int = 1,
+    min_kept_per_group: int = 1,
+    scope: Scope = "layer",
+    criterion: str = "manual",
+    phase: str | None = None,
+    fingerprint: dict[str, str] | None = None,
+    meta: dict | None = None,
+) -> PrunePlan:
+    """Prune the lowest-scoring experts. `scores` is [len(layers), E]; higher means more important.
+
+    scope="layer" prunes round(ratio*E) experts in every layer (per group for grouped routing, so a sliced
+    checkpoint stays valid). scope="global" spends one budget of round(ratio*L*E) across layers on scores
+    normalised per layer (criteria are not comparable across layers otherwise), never below top-k per layer.
+    Ties break towards the lower expert id, so plans are deterministic.
+    """
+    if not 0.0 <= ratio < 1.0 or math.isnan(ratio):
+        raise SlimWiseError(f"ratio {ratio} is outside [0, 1): pass the share of experts to prune, e.g. 0.5")
+    if scores.dim() != 2 or scores.shape[0] != len(layers):
+        raise SlimWiseError(f"scores of shape {tuple(scores.shape)} do not match {len(layers)} MoE layers")
+    n_layers, n = scores.shape
+    scores = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
+    group = n // num_groups
+    kept: dict[int, list[int]] = {}
+    if scope == "layer":
+        keep_per_group = _keep_count(group, ratio)
+        for row, layer in enumerate(layers):
+            ids: list[int] = []
+            for g in range(num_groups):
+                block = scores[row, g * group:(g + 1) * group]
+                order = torch.sort(-block, stable=True).indices[:keep_per_group]
+                ids += (order + g * group).tolist()
+            kept[layer] = sorted(ids)
+    elif scope == "global":
+        norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
+        budget = n_layers * n - _keep_count(n_layers * n, ratio)
+        remaining = [n] * n_layers
+        per_group = [[group] * num_groups for _ in range(n_layers)]
+        pruned = torch.zeros(n_layers, n, dtype=torch.bool)
+        flat_order = torch.sort(norm.reshape(-1), stable=True).indices.tolist()
+        for flat in flat_order:
+            if budget == 0:
+                break
+            row, e = divmod(flat, n)
+            g = e // group
+            if remaining[row] - 1 < top_k or per_group[row][g] - 1 < min_kept_per_group:
+                continue
+            pruned[row, e] = True
+            remaining[row] -= 1
+            per_group[row][g] -= 1
+            budget -= 1
+        kept = {layer: (~pruned[row]).nonzero().flatten().tolist() for row, layer in enumerate(layers)}
+    else:
+        raise SlimWiseError(f"scope {scope!r} is not 'layer' or 'global'")
+    plan = PrunePlan(family=family, num_experts=n, top_k=top_k, kept_experts=kept, criterion=criterion,
+                     ratio=ratio, phase=phase, scope=scope, num_groups=num_groups, fingerprint=fingerprint,
+                     meta=meta or {})
+    plan.validate(min_kept_per_group)
+    return plan

@@ -1,0 +1,118 @@
+"""Plans, criteria and statistics: formulas on hand-made numbers, constraints and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slimwise.criteria import CRITERIA, plan_from_stats, register_criterion, score_experts
+from slimwise.errors import SlimWiseError
+from slimwise.plan import PrunePlan, make_plan
+from slimwise.stats import ExpertStats
+
+
+def hand_stats() -> ExpertStats:
+    s = ExpertStats.zeros([0, 2], 4, meta={"family": "qwen3_moe", "top_k": 1, "fingerprint": {"a": "b"}})
+    # layer 0: expert 0 fires 10 times with small gates, expert 1 twice with big gates and big outputs
+    s.count[0] = torch.tensor([10.0, 2.0, 5.0, 0.0])
+    s.gate_sum[0] = torch.tensor([1.0, 1.8, 2.5, 0.0])
+    s.norm_sum[0] = torch.tensor([10.0, 20.0, 5.0, 0.0])
+    s.norm_sq_sum[0] = torch.tensor([10.0, 200.0, 5.0, 0.0])
+    s.gate_norm_sum[0] = torch.tensor([1.0, 18.0, 2.5, 0.0])
+    s.count[1] = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    s.gate_sum[1] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    s.norm_sum[1] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    s.norm_sq_sum[1] = s.norm_sum[1] ** 2
+    s.gate_norm_sum[1] = s.gate_sum[1] * s.norm_sum[1]
+    s.tokens[:] = torch.tensor([17.0, 4.0])
+    return s
+
+
+def test_criteria_formulas():
+    s = hand_stats()
+    assert score_experts(s, "frequency")[0].tolist() == [10, 2, 5, 0]
+    assert torch.allclose(score_experts(s, "soft")[0], torch.tensor([1.0, 1.8, 2.5, 0.0], dtype=torch.float64))
+    assert score_experts(s, "ean")[0].tolist() == [10, 20, 5, 0]
+    reap = score_experts(s, "reap")[0]
+    assert torch.allclose(reap, torch.tensor([0.1, 9.0, 0.5, 0.0], dtype=torch.float64))
+    assert not torch.isnan(reap).any()  # never-fired expert scores 0, not NaN
+    assert torch.allclose(s.norm_mean()[0], torch.tensor([1.0, 10.0, 1.0, 0.0], dtype=torch.float64))
+    assert torch.allclose(s.norm_std()[0], torch.tensor([0.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+
+
+def test_criterion_registry_is_one_function():
+    @register_criterion("always_first")
+    def always_first(stats):
+        out = torch.zeros_like(stats.count)
+        out[:, 0] = 1
+        return out
+
+    try:
+        plan = plan_from_stats(hand_stats(), "always_first", 0.75)
+        assert plan.kept_experts == {0: [0], 2: [0]}
+    finally:
+        CRITERIA.pop("always_first")
+    with pytest.raises(SlimWiseError, match="unknown criterion"):
+        score_experts(hand_stats(), "nope")
+
+
+def test_criteria_choose_differently():
+    s = hand_stats()
+    assert plan_from_stats(s, "frequency", 0.5).kept_experts[0] == [0, 2]
+    assert plan_from_stats(s, "reap", 0.5).kept_experts[0] == [1, 2]
+    assert plan_from_stats(s, "ean", 0.5).kept_experts[0] == [0, 1]
+    assert plan_from_stats(s, "soft", 0.5).kept_experts[2] == [0, 1]
+
+
+def test_make_plan_uniform_counts_and_ties():
+    scores = torch.zeros(3, 8)  # all tied: lowest ids are kept, deterministically
+    plan = make_plan(scores, [1, 2, 3], 0.25, family="qwen3_moe", top_k=2)
+    assert all(v == list(range(6)) for v in plan.kept_experts.values())
+    assert plan.is_uniform and plan.num_kept == 6
+    assert make_plan(scores, [1, 2, 3], 0.0, family="qwen3_moe", top_k=2).is_empty
+
+
+def test_make_plan_groups_keep_every_group():
+    scores = torch.arange(16, dtype=torch.float64)[None].repeat(2, 1)  # high ids score high: group 0 is weakest
+    plan = make_plan(scores, [0, 1], 0.5, family="deepseek_v3", top_k=4, num_groups=4, min_kept_per_group=2)
+    for kept in plan.kept_experts.values():
+        assert [sum(1 for e in kept if e // 4 == g) for g in range(4)] == [2, 2, 2, 2]
+    with pytest.raises(SlimWiseError, match="group"):
+        make_plan(scores, [0, 1], 0.75, family="deepseek_v3", top_k=4, num_groups=4, min_kept_per_group=2)
+
+
+def test_global_plan_spends_one_budget_and_respects_top_k():
+    scores = torch.tensor([[1.0, 1.0, 1.0, 1.0], [10.0, 0.1, 0.1, 0.1]])
+    plan = make_plan(scores, [0, 1], 0.5, family="qwen3_moe", top_k=1, scope="global")
+    assert sum(len(v) for v in plan.kept_experts.values()) == 4
+    assert plan.kept_experts[1] == [0]  # the layer with one dominant expert gives up the most
+    assert not plan.is_uniform
+    with pytest.raises(SlimWiseError, match="non-uniform|different number"):
+        _ = plan.num_kept
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5, float("nan")])
+def test_ratio_outside_range_refused(ratio):
+    with pytest.raises(SlimWiseError, match="outside"):
+        make_plan(torch.ones(1, 8), [0], ratio, family="qwen3_moe", top_k=2)
+
+
+def test_plan_below_top_k_refused():
+    with pytest.raises(SlimWiseError, match="top-k"):
+        make_plan(torch.ones(1, 8), [0], 0.9, family="qwen3_moe", top_k=2)
+
+
+def test_plan_and_stats_roundtrip(tmp_path):
+    s = hand_stats()
+    s.save(tmp_path / "s.safetensors")
+    t = ExpertStats.load(tmp_path / "s.safetensors")
+    assert t.layers == s.layers and t.meta == s.meta and torch.equal(t.count, s.count)
+    plan = plan_from_stats(t, "reap", 0.5)
+    plan.save(tmp_path / "p.json")
+    again = PrunePlan.load(tmp_path / "p.json")
+    assert again == plan and again.fingerprint == {"a": "b"} and again.phase is None
+    (tmp_path / "bad.json").write_text("{\"x\": 1}")
+    with pytest.raises(SlimWiseError, match="not a SlimWise plan"):
+        PrunePlan.load(tmp_path / "bad.json")
+    with pytest.raises(SlimWiseError, match="slimwise calibrate"):
+        ExpertStats.load(tmp_path / "p.json")
