@@ -28,7 +28,11 @@ def get_adapter(config) -> MoEAdapter:
             f"model type {model_type!r} is not a supported MoE family; supported: {', '.join(supported_families())}"
         )
     adapter = cls()
-    if adapter.num_experts(config) <= 1:
+    try:
+        routed = adapter.num_experts(config)
+    except SlimWiseError:
+        routed = 0
+    if routed <= 1:
         raise SlimWiseError(
             f"model type {model_type!r} has no routed experts in this config (dense model); "
             f"SlimWise needs an MoE checkpoint of: {', '.join(supported_families())}"

@@ -1,0 +1,90 @@
+"""The `slimwise` console script, run as a real process: the full core flow and its error handling."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+from slimwise.tiny import save_tiny_model
+
+SLIMWISE = [sys.executable, "-m", "slimwise.cli"]
+
+
+def run(*args, check=True):
+    proc = subprocess.run([*SLIMWISE, *map(str, args)], capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"slimwise {' '.join(map(str, args))} failed:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = save_tiny_model("qwen3_moe", root / "model", initializer_range=0.15)
+    build_tokenizer(model)
+    export_jsonl(make_split("calib", 2, seed=0), root / "calib.jsonl")
+    export_jsonl(make_split("test", 1, seed=0), root / "test.jsonl")
+    return root
+
+
+def test_help_lists_subcommands():
+    out = run("--help").stdout
+    for name in ("calibrate", "plan", "prune", "generate", "demo"):
+        assert name in out
+
+
+def test_core_flow(workdir):
+    model, stats, plan, pruned = (workdir / n for n in ("model", "stats.safetensors", "plan.json", "pruned"))
+    out = run("calibrate", model, "--data", workdir / "calib.jsonl", "--phase", "decode", "--out", stats,
+              "--max-new-tokens", "8")
+    assert "MoE layers" in out.stdout and stats.is_file()
+    run("plan", "--stats", stats, "--criterion", "reap", "--ratio", "0.5", "--out", plan)
+    saved = json.loads(plan.read_text())
+    assert saved["criterion"] == "reap" and saved["phase"] == "decode"
+    assert all(len(v) == 8 for v in saved["kept_experts"].values())
+    run("prune", model, "--plan", plan, "--out", pruned)
+    assert json.loads((pruned / "config.json").read_text())["num_experts"] == 8
+    assert (pruned / "tokenizer.json").is_file() and (pruned / "slimwise_plan.json").is_file()
+
+    results = {}
+    for mode, extra in (("full", []), ("slimwise", ["--plan", plan]), ("uniform", ["--plan", plan]),
+                        ("slimwise-sliced", ["--decode-model", pruned])):
+        out_file = workdir / f"{mode}.jsonl"
+        run("generate", model, "--mode", mode.split("-")[0], "--prompts", workdir / "test.jsonl",
+            "--max-new-tokens", "10", "--out", out_file, *extra)
+        results[mode] = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert len(results["full"]) == 13
+    assert [r["token_ids"] for r in results["slimwise"]] == [r["token_ids"] for r in results["slimwise-sliced"]]
+    assert [r["token_ids"][0] for r in results["slimwise"]] == [r["token_ids"][0] for r in results["full"]]
+    assert all(isinstance(r["text"], str) for r in results["full"])
+
+
+def test_errors_are_one_line_and_nonzero(workdir):
+    cases = [
+        ("prune", workdir / "model", "--stats", workdir / "missing.safetensors", "--out", workdir / "x"),
+        ("prune", workdir / "model", "--plan", workdir / "calib.jsonl", "--out", workdir / "x"),
+        ("calibrate", workdir / "nope", "--data", workdir / "calib.jsonl", "--out", workdir / "s"),
+        ("generate", workdir / "model", "--mode", "slimwise", "--prompts", workdir / "test.jsonl"),
+    ]
+    for args in cases:
+        proc = run(*args, check=False)
+        assert proc.returncode == 2, proc.stderr
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("slimwise: error:")]
+        assert len(lines) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not (workdir / "x").exists() and not (workdir / "s").exists()
+
+
+def test_prune_ratio_refused(workdir):
+    stats = workdir / "stats2.safetensors"
+    run("calibrate", workdir / "model", "--data", workdir / "calib.jsonl", "--phase", "prompt", "--out", stats)
+    for ratio in ("1.0", "-0.2", "0.9"):
+        proc = run("prune", workdir / "model", "--stats", stats, "--ratio", ratio, "--out", workdir / "r", check=False)
+        assert proc.returncode == 2 and "slimwise: error:" in proc.stderr
+    assert not (workdir / "r").exists()
+    shutil.rmtree(workdir / "r", ignore_errors=True)
