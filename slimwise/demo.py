@@ -1,28 +1,25 @@
 """`slimwise demo`: the main job on the embedded default model, end to end in a few minutes.
 
 decode-aware calibration on the testbed's target domain -> REAP plan at 50% -> pruned checkpoint export
--> full / uniform / SlimWise generation on test problems -> table + JSON/Markdown report.
+-> full / uniform / SlimWise generation on test problems -> table + JSON / Markdown report + plots.
 When no trained testbed model is shipped yet, a small random Qwen3-MoE is built so the pipeline still runs
 (its accuracies are then meaningless; the fidelity columns are not).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
-from slimwise.calibrate import CalibrationConfig, calibrate
-from slimwise.criteria import plan_from_stats
 from slimwise.embedded import embedded_model_dir
-from slimwise.evaluation import GradedSample, evaluate_modes
+from slimwise.evaluation import EvalConfig, Sweep
 from slimwise.export import export_pruned
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
-from slimwise.models import load_model, load_tokenizer
-from slimwise.testbed import TARGET_DOMAIN, build_tokenizer, grade, make_split
+from slimwise.models import load_model
+from slimwise.report import console_table
+from slimwise.testbed import TARGET_DOMAIN, build_tokenizer, families_in_domain
 from slimwise.tiny import save_tiny_model
 
 MODES = ("full", "uniform", "slimwise")
@@ -43,45 +40,38 @@ def _default_model(out_dir: Path, console: Console) -> Path:
 
 
 def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0, ratio: float = 0.5,
-             criterion: str = "reap") -> dict:
+             criterion: str = "reap", model: str | Path | None = None, max_new_tokens: int = 160,
+             batch_size: int = 32) -> dict:
+    """Calibrate (decode phase), plan, export, evaluate full / uniform / SlimWise; print and save the report."""
     console = Console()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model_dir = _default_model(out_dir, console)
-    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
-    console.print(f"model: {model_dir} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters)")
+    model_dir = Path(model) if model is not None else _default_model(out_dir, console)
+    per_family = math.ceil(samples / len(families_in_domain(TARGET_DOMAIN)))
+    config = EvalConfig(criteria=(criterion,), ratios=(ratio,), phases=("decode",), modes=MODES,
+                        n_per_family=per_family, max_samples=samples, seed=seed, max_new_tokens=max_new_tokens,
+                        batch_size=batch_size, out_dir=str(out_dir), cache=False, headline=(criterion, ratio, "decode"))
+    console.rule("[bold]1/4 load")
+    sweep = Sweep(model_dir, config, out_dir, console)
+    console.print(f"model: {model_dir} ({sum(p.numel() for p in sweep.model.parameters()) / 1e6:.1f}M parameters, "
+                  f"{sweep.adapter.num_experts(sweep.model.config)} experts, top-{sweep.adapter.top_k(sweep.model.config)});"
+                  f" {len(sweep.samples)} {TARGET_DOMAIN} test problems")
 
-    calib = make_split("calib", 16, seed=seed, domain=TARGET_DOMAIN)
-    stats = calibrate(model, [s.prompt for s in calib], tokenizer,
-                      CalibrationConfig(phase="decode", max_new_tokens=128, seed=seed))
-    plan = plan_from_stats(stats, criterion, ratio)
-    plan.save(out_dir / "plan.json")
+    console.rule("[bold]2/4 decode-aware calibration and plan")
+    spec = sweep.build_plans()[0]
+    plan = spec.plan
     export_pruned(load_model(model_dir), plan, out_dir / "pruned", source_dir=model_dir, force=True)
-    console.print(f"plan: {criterion} at {ratio:.0%} keeps {plan.num_kept}/{plan.num_experts} experts per layer; "
-                  f"pruned checkpoint in {out_dir / 'pruned'}")
+    console.print(f"plan: {criterion} at {ratio:.0%} keeps {plan.num_kept}/{plan.num_experts} experts per layer "
+                  f"({spec.path}); pruned checkpoint in {out_dir / 'pruned'}")
 
-    per_family = max(1, samples // 5)
-    test = make_split("test", per_family, seed=seed, domain=TARGET_DOMAIN)[:samples]
-    graded = [GradedSample(s.prompt, s.answer, s.family, s.to_dict()) for s in test]
-    engine = PhaseSplitEngine(model, tokenizer, plan=plan)
-    config = GenerationConfig(max_new_tokens=160, batch_size=32, seed=seed, progress=True)
-    report = evaluate_modes(engine, graded, MODES, config,
-                            grader=lambda s, g: grade(s.raw, g.text or "", g.finish_reason == "eos").correct)
-    engine.close()
+    console.rule("[bold]3/4 generate full / uniform / SlimWise")
+    report = sweep.run([spec])
+    sweep.close()
 
-    table = Table(title=f"SlimWise demo: {criterion} {ratio:.0%} on {len(graded)} {TARGET_DOMAIN} test problems")
-    for col in ("mode", "accuracy (95% CI)", "mean len", "EOS %", "len ratio vs full", "exact match vs full", "sec"):
-        table.add_column(col, justify="right")
-    for mode in MODES:
-        m = report[mode]
-        table.add_row(mode, f"{m['accuracy']:.1%} ({m['accuracy_ci_low']:.0%}-{m['accuracy_ci_high']:.0%})",
-                      f"{m['length_mean']:.1f}", f"{m['eos_share']:.0%}", f"{m['length_ratio_mean']:.2f}",
-                      f"{m['exact_match']:.0%}", f"{m['seconds']:.1f}")
-    console.print(table)
-    summary = {"model": str(model_dir), "criterion": criterion, "ratio": ratio, "samples": len(graded),
-               "calibration_tokens": stats.tokens.tolist(), "modes": report,
-               "seconds_total": round(time.perf_counter() - t0, 1)}
-    (out_dir / "report.json").write_text(json.dumps(summary, indent=1))
-    console.print(f"report: {out_dir / 'report.json'}  (total {summary['seconds_total']}s)")
-    return summary
+    console.rule("[bold]4/4 result")
+    console.print(console_table(report, f"SlimWise demo: {criterion} {ratio:.0%} on {report['tasks']['n']} "
+                                        f"{TARGET_DOMAIN} test problems"))
+    report["demo_seconds_total"] = round(time.perf_counter() - t0, 1)
+    console.print(f"report: {out_dir / 'report.md'} (+ report.json, plots)  total {report['demo_seconds_total']}s")
+    return report

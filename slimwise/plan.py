@@ -23,16 +23,30 @@ from slimwise.errors import SlimWiseError
 PLAN_FORMAT = "slimwise-plan/1"
 Scope = Literal["layer", "global"]
 
-# config keys that change without the weights changing
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache",
-                         "_attn_implementation_autoset", "_experts_implementation", "output_attentions",
-                         "output_hidden_states", "return_dict", "architectures"}
+# config keys that fix the weights' shapes, routing and attention: what a plan depends on. A whitelist, because
+# loaders normalise other fields differently (vLLM rewrites sliding_window, label maps, architectures, ...).
+_STRUCTURAL_KEYS = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts",
+                    "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+                    "n_shared_experts", "first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers",
+                    "layer_types", "hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+                    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                    "swiglu_limit", "full_attention_interval"}
+
+
+def config_fingerprint(config_dict: dict) -> str:
+    """Hash of the structural fields of a model config (nested text_config merged in)."""
+    merged = dict(config_dict)
+    if isinstance(merged.get("text_config"), dict):
+        merged.update(merged["text_config"])
+    cfg = {k: v for k, v in merged.items() if k in _STRUCTURAL_KEYS or k.startswith("linear_")}
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[str, str]:
     """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree)."""
-    cfg = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    config_hash = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    config_hash = config_fingerprint(model.config.to_dict())
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)

@@ -40,7 +40,7 @@ def _run(req: dict) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=req["enforce_eager"], skip_tokenizer_init=True,
-              max_model_len=512, seed=req["seed"], **req.get("extra", {}))
+              max_model_len=512, seed=req["seed"], kv_cache_memory_bytes=512 << 20, **req.get("extra", {}))
     params = SamplingParams(temperature=req["temperature"], max_tokens=req["max_tokens"], seed=req["seed"],
                             detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)

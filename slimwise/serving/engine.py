@@ -1,0 +1,111 @@
+"""`VllmEngine`: the evaluation engine protocol (generate(prompts, mode, config)) on real vLLM engines.
+
+One vLLM engine per mode, built on demand with the SlimWise plugin's model class:
+  full      stock architecture, no plan;
+  slimwise  SlimWise class + plan: prompt tokens use every expert, generated tokens the kept ones;
+  uniform   SlimWise class + plan with `slimwise_mask_all`: every token pruned (classic pruning).
+Greedy outputs equal the reference engine's (`PhaseSplitEngine`) for the same token-id prompts.
+vLLM spawns workers: construct this under an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from slimwise.errors import SlimWiseError
+from slimwise.generate import Generation, GenerationConfig
+from slimwise.plan import PrunePlan
+from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
+from slimwise.serving.routing import LOG_EVERY_KEY, MASK_ALL_KEY, MIN_BATCH_KEY, PLAN_KEY
+
+
+def slimwise_overrides(model_dir: str | Path, plan: PrunePlan | str | Path | None, *, mask_all: bool = False,
+                       min_decode_batch: int = 0, log_every: int = 0) -> dict:
+    """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in STOCK_ARCHS:
+        raise SlimWiseError(f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}")
+    if plan is None:
+        return {}
+    plan_value = plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
+    return {"architectures": [slimwise_arch(arch)], PLAN_KEY: plan_value, MASK_ALL_KEY: mask_all,
+            MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
+
+
+class VllmEngine:
+    """Generate with vLLM in full / uniform / slimwise mode (one engine alive at a time)."""
+
+    def __init__(self, model_dir: str | Path, plan: PrunePlan | None = None, tokenizer=None, *,
+                 dtype: str = "float32", enforce_eager: bool = True, max_model_len: int | None = None,
+                 min_decode_batch: int = 0, engine_kwargs: dict | None = None):
+        self.model_dir = str(model_dir)
+        self.plan = plan
+        self.tokenizer = tokenizer
+        # an explicit KV budget: vLLM's CPU backend otherwise reserves 92% of RAM and refuses to start on a busy box
+        self.kwargs = dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_memory_bytes=512 << 20,
+                           **(engine_kwargs or {}))
+        if max_model_len is not None:
+            self.kwargs["max_model_len"] = max_model_len
+        self.min_decode_batch = min_decode_batch
+        self._mode: str | None = None
+        self.llm = None
+
+    def _engine(self, mode: str):
+        if mode == self._mode:
+            return self.llm
+        from vllm import LLM
+
+        self.close()
+        if mode != "full" and self.plan is None:
+            raise SlimWiseError(f"mode {mode!r} needs a plan")
+        overrides = {} if mode == "full" else slimwise_overrides(
+            self.model_dir, self.plan, mask_all=mode == "uniform", min_decode_batch=self.min_decode_batch)
+        self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
+                       skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
+        self._mode = mode
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            del self.llm
+            self.llm = None
+            self._mode = None
+            gc.collect()
+
+    def counters(self) -> list[dict]:
+        return self.llm.collective_rpc("slimwise_counters") if self.llm is not None else []
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], mode: str = "slimwise",
+                 config: GenerationConfig | None = None) -> list[Generation]:
+        from vllm import SamplingParams
+
+        config = config or GenerationConfig()
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+               for p in prompts]
+        eos = config.eos_token_id if config.eos_token_id is not None else (
+            self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None and eos >= 0 else []))
+        params = SamplingParams(
+            temperature=config.temperature, top_p=config.top_p, top_k=config.top_k if config.top_k > 0 else -1,
+            max_tokens=config.max_new_tokens, seed=config.seed, stop=list(config.stop) or None,
+            stop_token_ids=sorted(eos_ids) or None, ignore_eos=not eos_ids, detokenize=self.tokenizer is not None)
+        outs = self._engine(mode).generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=config.progress)
+        results = []
+        for p, out in zip(ids, outs, strict=True):
+            o = out.outputs[0]
+            tokens = list(o.token_ids)
+            if tokens and tokens[-1] in eos_ids:
+                reason = "eos"
+            elif o.finish_reason == "stop":
+                reason = "stop"
+            else:
+                reason = "length"
+            text = o.text if self.tokenizer is not None else None
+            if reason == "eos" and self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens[:-1])
+            results.append(Generation(list(p), tokens, reason, text))
+        return results

@@ -1,0 +1,76 @@
+"""vLLM general plugin (entry point `vllm.general_plugins: slimwise`), run in every vLLM process.
+
+1. Registers the SlimWise model classes with vLLM's ModelRegistry (lazily, by import path).
+2. Wraps the model runner's `_model_forward` (the documented per-step override point, outside any compiled
+   region or CUDA graph) so that, before each forward, the model's `DecodeRouting` learns which scheduled
+   tokens are generated tokens: position >= the request's prompt length.
+Both steps are idempotent (vLLM may load plugins several times per process).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
+
+logger = logging.getLogger("slimwise.serving")
+_NO_ROUTING = object()
+
+
+def _routing_of(runner):
+    cached = getattr(runner, "_slimwise_routing", None)
+    if cached is None:
+        model = runner.get_model()
+        routing = getattr(model, "slimwise", None)
+        cached = routing if routing is not None and routing.active else _NO_ROUTING
+        runner._slimwise_routing = cached
+    return None if cached is _NO_ROUTING else cached
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_slimwise_patched", False):
+        return
+    original = GPUModelRunner._model_forward
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        routing = _routing_of(self)
+        if routing is not None and positions is not None:
+            num_reqs = self.input_batch.num_reqs
+            starts = self.query_start_loc.np[: num_reqs + 1]
+            prompt_lens = np.repeat(self.input_batch.num_prompt_tokens[:num_reqs], np.diff(starts))
+            routing.set_step(positions[0] if positions.dim() == 2 else positions, prompt_lens)
+        return original(self, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
+                        inputs_embeds=inputs_embeds, **model_kwargs)
+
+    GPUModelRunner._model_forward = _model_forward
+    GPUModelRunner._slimwise_patched = True
+
+
+def register() -> None:
+    from vllm import ModelRegistry
+
+    for stock in STOCK_ARCHS:
+        name = slimwise_arch(stock)
+        if name not in ModelRegistry.get_supported_archs():
+            ModelRegistry.register_model(name, f"slimwise.serving.models:{name}")
+    _patch_model_runner()
+    _add_worker_method()
+
+
+def _add_worker_method() -> None:
+    """`LLM.collective_rpc("slimwise_counters")` reads each worker's routing counters (no pickled callables)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    if not hasattr(WorkerBase, "slimwise_counters"):
+        WorkerBase.slimwise_counters = read_counters
+
+
+def read_counters(worker) -> dict:
+    """For `LLM.collective_rpc(read_counters)`: the routing counters of a worker's model."""
+    routing = _routing_of(worker.model_runner)
+    return routing.counters.as_dict() if routing is not None else {}
