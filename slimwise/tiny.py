@@ -70,7 +70,11 @@ def _olmoe(**kw) -> PretrainedConfig:
 
 @tiny_config_factory("deepseek_v3")
 def _deepseek_v3(**kw) -> PretrainedConfig:
-    # 16 routed experts in 4 groups of 4, 2 groups per token, top-4; layer 0 dense, layers 1-2 MoE.
+    """16 routed experts in 4 groups of 4, 2 groups per token, top-4; layer 0 dense, layers 1-2 MoE.
+
+    MLA dims are small for the tests. vLLM's CPU MLA decode kernel only handles the real latent size
+    (kv_lora_rank + qk_rope_head_dim = 576): pass kv_lora_rank=512, qk_rope_head_dim=64 for a vLLM CPU model.
+    """
     args = dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, intermediate_size=128,
                 moe_intermediate_size=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
                 n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
@@ -101,8 +105,8 @@ _HYBRID = dict(
     num_experts=16,
     num_experts_per_tok=4,
     linear_conv_kernel_dim=4,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
+    linear_key_head_dim=64,  # vLLM's CPU Gated DeltaNet kernel rejects 32 ("Unexpected head dim size")
+    linear_value_head_dim=64,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     initializer_range=_ROUTED_INIT,
@@ -121,8 +125,8 @@ def _qwen3_5_moe(**kw) -> PretrainedConfig:
 
     AutoModelForCausalLM builds the text-only Qwen3_5MoeForCausalLM from it.
     """
-    text = dict(_HYBRID, **kw)
-    text.pop("intermediate_size")  # not a Qwen3.5-MoE field: every layer is sparse
+    # no intermediate_size: not a Qwen3.5-MoE field (every layer is sparse)
+    text = {key: value for key, value in _HYBRID.items() if key != "intermediate_size"} | kw
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=64,
                   num_position_embeddings=64)
     return AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision,

@@ -176,7 +176,7 @@ def test_dense_or_unknown_model_is_refused(model_type):
         get_adapter(config)
     for family in FAMILIES:
         assert family in str(err.value)
-    assert sorted(FAMILIES) == supported_families()
+    assert set(FAMILIES) <= set(supported_families())
 
 
 def test_single_expert_config_is_refused_as_dense():
