@@ -105,10 +105,70 @@ def cmd_generate(args) -> None:
             print(json.dumps({"text": o.text, "finish_reason": o.finish_reason, "tokens": len(o.token_ids)}))
 
 
+def cmd_serve(args) -> None:
+    from slimwise.serving.server import ServeConfig, serve
+
+    code = serve(ServeConfig(model=args.model, plan=args.plan, delta=args.distilled, disaggregated=args.disaggregated,
+                             decode_model=args.decode_model, prefill_url=args.prefill_url, decode_url=args.decode_url,
+                             host=args.host, port=args.port, served_model_name=args.served_model_name,
+                             min_decode_batch=args.min_decode_batch, log_every=args.log_every,
+                             vllm_args=list(args.vllm_args)))
+    if code:
+        raise SystemExit(code)
+
+
+def cmd_distill(args) -> None:
+    from slimwise.data import load_prompts
+    from slimwise.distill import DistillConfig, distill
+    from slimwise.models import load_model, load_tokenizer
+    from slimwise.plan import PrunePlan
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
+        raise SlimWiseError(f"output {out} exists and is not empty; choose a new path or pass --force")
+    plan = PrunePlan.load(args.plan)
+    prompts = load_prompts(args.data, limit=args.max_samples)
+    model = load_model(args.model, dtype=args.dtype)
+    checkpoint = out.with_name(out.name + ".ckpt.pt")
+    config = DistillConfig(
+        params=args.params, mode=args.mode, steps=args.steps, max_minutes=args.minutes, batch_size=args.batch_size,
+        lr=args.lr, lora_lr=args.lora_lr, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy,
+        max_new_tokens=args.max_new_tokens, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        lora_targets=args.lora_targets, seed=args.seed, checkpoint=str(checkpoint),
+        checkpoint_every=args.checkpoint_every, resume=args.resume)
+    delta = distill(model, plan, prompts, load_tokenizer(args.model), config)
+    delta.save(out, force=args.force)
+    checkpoint.unlink(missing_ok=True)
+    m = delta.manifest
+    print(f"wrote {out}: {'+'.join(m['params'])} delta ({m['mode']}), {m['trainable_params']:,} trainable parameters "
+          f"({100 * m['trainable_share']:.3f}% of the model), {m['steps']} steps, loss {m['loss_history'][0]:.4f} -> "
+          f"{m['loss_history'][-1]:.4f}, {m['seconds']:.0f}s wall, peak memory {m['peak_memory_mb']:.0f} MB")
+
+
 def cmd_demo(args) -> None:
     from slimwise.demo import run_demo
 
     run_demo(out_dir=args.out, samples=args.samples, seed=args.seed)
+
+
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def cmd_eval(args) -> None:
+    from slimwise.evaluation import EvalConfig, run_eval
+
+    config = EvalConfig(
+        criteria=args.criteria, ratios=args.ratios, phases=args.phases, plans=tuple(args.plan or ()),
+        stats=tuple(args.stats or ()), scope="global" if args.global_budget else "layer", modes=args.modes,
+        distilled=args.distilled, engine=args.engine, data=args.data, grader=args.grader, domain=args.domain,
+        families=args.families, split=args.split, n_per_family=args.per_family, max_samples=args.max_samples,
+        calib_data=args.calib_data, calib_domain=args.calib_domain, calib_per_family=args.calib_per_family,
+        calib_max_new_tokens=args.calib_max_new_tokens, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, threads=args.threads, kl=not args.no_kl,
+        traffic=not args.no_traffic, out_dir=args.out, plots=not args.no_plots, cache=not args.no_cache,
+        cache_dir=args.cache_dir)
+    run_eval(args.models, config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,16 +217,119 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write generations as JSONL here instead of printing")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("distill", help="distil a decode-only delta (router / norm / LoRA) so the pruned decoder "
+                       "continues full-model caches like the full model")
+    p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights dtype for training (default: float32)")
+    p.add_argument("--plan", required=True, help="the prune plan JSON to distil the decoder of")
+    p.add_argument("--data", required=True, help="calibration prompts: .jsonl ('prompt' field), .txt or a directory")
+    p.add_argument("--out", required=True, help="delta directory to write (delta.safetensors + delta.json)")
+    p.add_argument("--params", type=_csv(str), default=("router", "norm"),
+                   help="comma-separated trainable sets among router,norm,lora (default: router,norm)")
+    p.add_argument("--mode", default="slimwise", choices=["slimwise", "uniform"],
+                   help="slimwise: full prefill, decode-only delta; uniform: the uniform-pruned baseline")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--minutes", type=float, default=None, help="wall-clock cap on training (keeps the steps done)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lora-lr", type=float, default=None, help="LoRA learning rate (default: --lr)")
+    p.add_argument("--loss", default="fkl", choices=["fkl", "rkl", "jsd"], help="fkl = KL(full || student)")
+    p.add_argument("--ce-weight", type=float, default=0.0, help="add cross-entropy on the full model's tokens")
+    p.add_argument("--on-policy", type=float, default=0.0, help="share of steps on the student's own samples")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the full model's continuations")
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-alpha", type=float, default=16.0)
+    p.add_argument("--lora-targets", type=_csv(str), default=("q_proj", "k_proj", "v_proj", "o_proj"),
+                   help="comma-separated Linear module names for LoRA (default: q_proj,k_proj,v_proj,o_proj)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=25, help="steps between resumable checkpoints "
+                   "(OUT.ckpt.pt, removed once the delta is written)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.ckpt.pt")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output")
+    p.set_defaults(func=cmd_distill)
+
+    p = sub.add_parser("eval", help="accuracy, length, fidelity and decode traffic of full / uniform / SlimWise "
+                       "over criteria x ratios x calibration phases; JSON + Markdown report + plots")
+    p.add_argument("models", nargs="+", help="model directories or embedded names (testbed-a testbed-b)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--out", default="runs/eval", help="report directory (one subdirectory per model if several)")
+    p.add_argument("--plan", action="append", help="evaluate this plan JSON (repeatable) instead of the grid")
+    p.add_argument("--stats", action="append", help="calibration stats to plan from (repeatable) instead of "
+                   "calibrating")
+    p.add_argument("--criteria", type=_csv(str), default=("frequency", "soft", "ean", "reap"),
+                   help="comma-separated criteria (default: frequency,soft,ean,reap)")
+    p.add_argument("--ratios", type=_csv(float), default=(0.25, 0.5, 0.75),
+                   help="comma-separated shares of experts to prune (default: 0.25,0.5,0.75)")
+    p.add_argument("--phases", type=_csv(str), default=("prompt", "decode"),
+                   help="comma-separated calibration phases (default: prompt,decode)")
+    p.add_argument("--global", dest="global_budget", action="store_true", help="one pruning budget across layers")
+    p.add_argument("--modes", type=_csv(str), default=("full", "uniform", "slimwise"),
+                   help="comma-separated among full,uniform,slimwise,distilled (default: full,uniform,slimwise)")
+    p.add_argument("--distilled", help="a `slimwise distill` delta: adds mode distilled on the plan it was made for")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="hf (reference) or vllm (if installed)")
+    p.add_argument("--data", help="JSONL with prompt and answer (optional family) instead of the testbed")
+    p.add_argument("--grader", default="testbed", help="testbed | exact | contains | module:function")
+    p.add_argument("--domain", help="testbed domain: arithmetic (default, the target), lists, text, or all")
+    p.add_argument("--families", type=_csv(str), default=(), help="comma-separated testbed families")
+    p.add_argument("--split", default="test", choices=["test", "heldout", "calib"], help="testbed split")
+    p.add_argument("--per-family", type=int, default=48, help="testbed problems per family (default: 48)")
+    p.add_argument("--max-samples", type=int, default=None, help="cap on problems (round-robin over families)")
+    p.add_argument("--calib-data", help="calibration prompts (JSONL) instead of the testbed calib split")
+    p.add_argument("--calib-domain", help="testbed domain to calibrate on (default: arithmetic, the target; "
+                   "evaluating other domains then measures transfer)")
+    p.add_argument("--calib-per-family", type=int, default=16)
+    p.add_argument("--calib-max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--batch-size", type=int, default=32, help="decode batch size (traffic is measured at it)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL")
+    p.add_argument("--no-traffic", action="store_true", help="skip decode-traffic counting")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-cache", action="store_true", help="recompute calibration and runs cached in --out")
+    p.add_argument("--cache-dir", help="where cached stats and generations go (default: OUT/cache)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server in vLLM: colocated (one engine) or disaggregated PD",
+                       description="Serve MODEL with SlimWise in vLLM's OpenAI server. Unknown options are passed "
+                                   "to `vllm serve` unchanged (e.g. --tensor-parallel-size, --max-num-seqs).")
+    p.add_argument("model", help="the full model's checkpoint directory")
+    p.add_argument("--plan", help="prune plan; without it the model is served unpruned")
+    p.add_argument("--distilled", help="decode-only delta from `slimwise distill`")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="full-model prefill instance + pruned decode instance + proxy behind one endpoint")
+    p.add_argument("--decode-model", help="pruned checkpoint for the decode instance (default: exported from --plan)")
+    p.add_argument("--prefill-url", help="attach the proxy to a prefill instance started elsewhere")
+    p.add_argument("--decode-url", help="attach the proxy to a decode instance started elsewhere")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="endpoint port (disaggregated: instances on port+1, +2)")
+    p.add_argument("--served-model-name", help="model name clients use (both instances share it)")
+    p.add_argument("--min-decode-batch", type=int, default=0,
+                   help="load-aware: use the pruned experts only when a step has at least this many decode tokens")
+    p.add_argument("--log-every", type=int, default=100, help="log routing counters every N steps (0: never)")
+    p.set_defaults(func=cmd_serve, vllm_args=[])
+
     p = sub.add_parser("demo", help="the main job on the embedded default model: calibrate, prune 50%%, compare modes")
     p.add_argument("--out", default="runs/demo", help="where to write the report")
     p.add_argument("--samples", type=int, default=64, help="test prompts per mode")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    from slimwise.perf.cli import add_roofline_parser
+
+    add_roofline_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "serve":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.vllm_args = extra
     try:
         args.func(args)
     except SlimWiseError as exc:

@@ -15,7 +15,7 @@ import numpy as np
 
 from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
 
-logger = logging.getLogger("slimwise.serving")
+logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
 _NO_ROUTING = object()
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan, config_fingerprint
 
-logger = logging.getLogger("slimwise.serving")
+logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
 
 #: hf_overrides / config keys the SlimWise model classes read.
 PLAN_KEY = "slimwise_plan"          # path to a plan JSON (or the plan as a dict)

@@ -73,6 +73,12 @@ def corpus_texts(seed: int = 0, n_per_family: int = 200) -> list[str]:
     return [s.text for s in samples]
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% if not message['content'].endswith('\\n') %}{{ '\\n' }}{% endif %}{% endfor %}"
+)
+
+
 def build_tokenizer(
     out_dir: str | os.PathLike, seed: int = 0, n_per_family: int = 200, min_count: int = 20
 ) -> PreTrainedTokenizerFast:
@@ -99,6 +105,8 @@ def build_tokenizer(
         "clean_up_tokenization_spaces": False,
         "model_max_length": MODEL_MAX_LENGTH,
         "padding_side": "right",
+        # chat requests (OpenAI /v1/chat/completions) become the task's plain prompt: content + newline
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
