@@ -41,8 +41,12 @@ def _default_model(out_dir: Path, console: Console) -> Path:
 
 def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0, ratio: float = 0.5,
              criterion: str = "reap", model: str | Path | None = None, max_new_tokens: int = 160,
-             batch_size: int = 32) -> dict:
-    """Calibrate (decode phase), plan, export, evaluate full / uniform / SlimWise; print and save the report."""
+             batch_size: int = 32, threads: int | None = 1, **overrides) -> dict:
+    """Calibrate (decode phase), plan, export, evaluate full / uniform / SlimWise; print and save the report.
+
+    One torch thread by default: the testbed models are too small to gain from more, and on a shared box extra
+    threads only contend (measured 10-40x slower per step under load). `overrides` go to EvalConfig.
+    """
     console = Console()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +55,8 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     per_family = math.ceil(samples / len(families_in_domain(TARGET_DOMAIN)))
     config = EvalConfig(criteria=(criterion,), ratios=(ratio,), phases=("decode",), modes=MODES,
                         n_per_family=per_family, max_samples=samples, seed=seed, max_new_tokens=max_new_tokens,
-                        batch_size=batch_size, out_dir=str(out_dir), cache=False, headline=(criterion, ratio, "decode"))
+                        batch_size=batch_size, out_dir=str(out_dir), cache=False, headline=(criterion, ratio, "decode"),
+                        threads=threads, **overrides)
     console.rule("[bold]1/4 load")
     sweep = Sweep(model_dir, config, out_dir, console)
     console.print(f"model: {model_dir} ({sum(p.numel() for p in sweep.model.parameters()) / 1e6:.1f}M parameters, "
@@ -70,7 +75,7 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     sweep.close()
 
     console.rule("[bold]4/4 result")
-    console.print(console_table(report, f"SlimWise demo: {criterion} {ratio:.0%} on {report['tasks']['n']} "
+    Console(width=max(console.width, 130)).print(console_table(report, f"SlimWise demo: {criterion} {ratio:.0%} on {report['tasks']['n']} "
                                         f"{TARGET_DOMAIN} test problems"))
     report["demo_seconds_total"] = round(time.perf_counter() - t0, 1)
     console.print(f"report: {out_dir / 'report.md'} (+ report.json, plots)  total {report['demo_seconds_total']}s")

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +47,7 @@ DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 DEFAULT_PHASES = ("prompt", "decode")
 ENGINES = ("hf", "vllm")
 GRADERS = ("testbed", "exact", "contains")
+KL_REFERENCE_BYTES = 1 << 30  # cache the full model's teacher-forced log-probs across plans below this size
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -380,11 +383,32 @@ class GenerationEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], mode: str, config: GenerationConfig) -> list[Generation]: ...
 
 
-def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None
-                ) -> GenerationEngine:
-    """`hf`: the reference PhaseSplitEngine; `vllm`: `slimwise.serving.VllmEngine(model_dir, tokenizer=,
-    plan=)` when that plugin is installed (generation only: KL and traffic are measured on the HF model)."""
+def distillation_available() -> bool:
+    """True when `slimwise.distill` exists and the reference engine takes a delta (mode `distilled`)."""
+    try:
+        importlib.import_module("slimwise.distill")
+    except ImportError:
+        return False
+    return "delta" in inspect.signature(PhaseSplitEngine.__init__).parameters
+
+
+def load_delta(path: str | Path):
+    """A distilled decode-only delta (`slimwise distill` output)."""
+    if not distillation_available():
+        raise SlimWiseError("distillation is not available yet in this install: drop mode distilled and --distilled")
+    from slimwise.distill import Delta
+
+    return Delta.load(path)
+
+
+def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None,
+                delta: Any = None) -> GenerationEngine:
+    """`hf`: the reference PhaseSplitEngine (with a distilled `delta` for mode distilled); `vllm`:
+    `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=)` when that plugin is installed (generation only:
+    KL and traffic are measured on the HF model)."""
     if kind == "hf":
+        if delta is not None:
+            return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta)
         return PhaseSplitEngine(model, tokenizer, plan=plan)
     if kind == "vllm":
         cls = None
@@ -488,7 +512,7 @@ class EvalConfig:
     stats: tuple[str, ...] = ()  # calibration stats files (phase read from them): skip calibration
     scope: str = "layer"
     modes: tuple[str, ...] = ("full", "uniform", "slimwise")
-    distilled: str | None = None  # a distilled decoder delta (mode `distilled`)
+    distilled: str | None = None  # a `slimwise distill` delta: adds mode `distilled` on the plan it was made for
     engine: str = "hf"
     # tasks
     data: str | None = None  # JSONL with prompt/answer[/family]; default: the testbed
@@ -496,11 +520,11 @@ class EvalConfig:
     domain: str | None = None  # testbed domain (default: the target domain); "all" = every domain
     families: tuple[str, ...] = ()
     split: str = "test"
-    n_per_family: int = 24
+    n_per_family: int = 48  # 240 target-domain problems: about ±6 pp at 50% accuracy, default sweep < 20 min
     max_samples: int | None = None
     # calibration
     calib_data: str | None = None
-    calib_domain: str | None = None  # default: the target domain
+    calib_domain: str | None = None  # default: the target domain (also when other domains are evaluated)
     calib_per_family: int = 16
     calib_max_new_tokens: int = 128
     # generation
@@ -518,6 +542,7 @@ class EvalConfig:
     out_dir: str = "runs/eval"
     plots: bool = True
     cache: bool = True
+    cache_dir: str | None = None  # default: <out>/cache (generations, stats); keep it out of committed reports
     progress: bool = True
     headline: tuple[str, float, str] = ("reap", 0.5, "decode")  # plan the length plot and summary show
 
@@ -530,8 +555,12 @@ class EvalConfig:
             raise SlimWiseError(f"unknown modes {bad}; choose among {', '.join(EVAL_MODES)}")
         if "distilled" in self.modes or self.distilled:
             if not self.distilled:
-                raise SlimWiseError("mode distilled needs --distilled DELTA (a distilled decoder delta)")
-            raise SlimWiseError("distillation is not available yet: drop mode distilled and --distilled")
+                raise SlimWiseError("mode distilled needs --distilled DELTA (the output of `slimwise distill`)")
+            if not distillation_available():
+                raise SlimWiseError("distillation is not available yet in this install: drop mode distilled and "
+                                    "--distilled")
+            if self.engine != "hf":
+                raise SlimWiseError("mode distilled runs on the reference engine: use --engine hf")
         if self.engine not in ENGINES:
             raise SlimWiseError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if not self.plans:
@@ -606,7 +635,7 @@ class Sweep:
         self.console = console or Console()
         self.out_dir = Path(out_dir or config.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.cache_dir = self.out_dir / "cache"
+        self.cache_dir = Path(config.cache_dir) / model_label(model) if config.cache_dir else self.out_dir / "cache"
         self.model_name = model_label(model)
         self.model_dir = resolve_model_dir(model)
         t0 = time.perf_counter()
@@ -626,6 +655,14 @@ class Sweep:
         self.calibration: dict[str, dict] = {}
         self._kl_reference: dict[int, torch.Tensor] = {}
         self._full: list[Generation] | None = None
+        self.delta = load_delta(config.distilled) if config.distilled else None
+        self.modes = [m for m in dict.fromkeys([*config.modes, *(["distilled"] if self.delta else [])]) if m != "full"]
+
+    def _delta_fits(self, spec: PlanSpec) -> bool:
+        """A delta belongs to one plan (same kept experts on the same weights): mode distilled runs only there."""
+        from slimwise.distill import plan_hash
+
+        return self.delta is not None and self.delta.manifest.get("plan_hash") == plan_hash(spec.plan)
 
     def _domain(self) -> str | None:
         from slimwise.testbed import TARGET_DOMAIN
@@ -641,7 +678,7 @@ class Sweep:
             return load_prompts(cfg.calib_data), str(cfg.calib_data)
         from slimwise.testbed import TARGET_DOMAIN, make_split
 
-        domain = cfg.calib_domain or (cfg.domain if cfg.domain and not cfg.families else TARGET_DOMAIN)
+        domain = cfg.calib_domain or TARGET_DOMAIN  # the deployment's domain, whatever is evaluated
         calib = make_split("calib", cfg.calib_per_family, seed=cfg.seed, domain=None if domain == "all" else domain)
         return [s.prompt for s in calib], f"testbed calib split, {domain}, {cfg.calib_per_family}/family"
 
@@ -681,6 +718,8 @@ class Sweep:
                 plan = PrunePlan.load(p)
                 plan.check_model(self.model, self.adapter)
                 label = f"{plan.criterion}-{plan.phase or 'na'}-{plan.ratio:g}"
+                if any(sp.label == label for sp in specs):
+                    label = f"{label}-{Path(p).stem}"
                 specs.append(PlanSpec(label, plan, plan.criterion, plan.ratio, plan.phase, str(p)))
             return specs
         t0 = time.perf_counter()
@@ -691,12 +730,11 @@ class Sweep:
             stats_by_phase[phase] = stats
             self.calibration[phase] = {"stats": str(s), "cached": True, "source": stats.meta.get("data"),
                                        "tokens_counted": float(stats.tokens[0]), "seconds": 0.0}
-        for phase in cfg.phases:
-            if phase not in stats_by_phase:
-                self.console.print(f"[bold]calibrating[/] ({phase} phase)")
-                stats_by_phase[phase] = self.calibrate(phase)
+        for phase in cfg.phases if not cfg.stats else ():  # given stats replace calibration
+            self.console.print(f"[bold]calibrating[/] ({phase} phase)")
+            stats_by_phase[phase] = self.calibrate(phase)
         plan_dir = self.out_dir / "plans"
-        for phase in cfg.phases if not cfg.stats else stats_by_phase:
+        for phase in stats_by_phase:
             for criterion in cfg.criteria:
                 for ratio in cfg.ratios:
                     plan = plan_from_stats(stats_by_phase[phase], criterion, ratio, scope=cfg.scope)
@@ -710,7 +748,9 @@ class Sweep:
     # ----- runs ------------------------------------------------------------------------------------------
     def _run_key(self, mode: str, spec: PlanSpec | None) -> str:
         g = self.gen_config
+        delta = _digest(self.delta.manifest) if mode == "distilled" and self.delta is not None else None
         return _digest({"fp": self.fingerprint, "prompts": self.prompt_ids, "mode": mode, "engine": self.config.engine,
+                        "delta": delta,
                         "kept": spec.kept_key if spec else None, "max_new": g.max_new_tokens, "bs": g.batch_size,
                         "t": g.temperature, "seed": g.seed, "kl": self.config.kl, "traffic": self.config.traffic})
 
@@ -724,7 +764,8 @@ class Sweep:
             rec["cached"] = True
             return rec
         plan = spec.plan if spec else None
-        engine = make_engine(self.config.engine, self.model, self.tokenizer, plan, self.model_dir)
+        engine = make_engine(self.config.engine, self.model, self.tokenizer, plan, self.model_dir,
+                             self.delta if mode == "distilled" else None)
         hf = isinstance(engine, PhaseSplitEngine)
         meter = DecodeTrafficMeter(self.model, _active_experts(plan, mode), self.config.batch_size) \
             if self.config.traffic and hf else None
@@ -760,10 +801,13 @@ class Sweep:
         return rec
 
     def _kl(self, mode: str, plan: PrunePlan | None) -> list[float]:
-        engine = PhaseSplitEngine(self.model, self.tokenizer, plan=plan)
+        engine = make_engine("hf", self.model, self.tokenizer, plan, None, self.delta if mode == "distilled" else None)
+        conts = [g.token_ids for g in self.full()]
+        vocab = int(getattr(self.adapter.text_config(self.model.config), "vocab_size", 0) or 0)
+        # keep the full model's log-probs across plans only while they are small (testbed vocabularies)
+        reference = self._kl_reference if vocab * sum(map(len, conts)) * 4 <= KL_REFERENCE_BYTES else None
         try:
-            return teacher_forced_kl(engine, self.prompt_ids, [g.token_ids for g in self.full()], mode,
-                                     self.config.kl_batch_size, self._kl_reference)
+            return teacher_forced_kl(engine, self.prompt_ids, conts, mode, self.config.kl_batch_size, reference)
         finally:
             engine.close()
 
@@ -787,11 +831,15 @@ class Sweep:
         t_start, cpu_start = time.perf_counter(), time.process_time()
         cfg = self.config
         specs = self.build_plans() if specs is None else specs
-        modes = [m for m in cfg.modes if m != "full"]
-        total = 1 + len(specs) * len(modes)
-        self.console.print(f"[bold]{self.model_name}[/]: {len(self.samples)} samples, {len(specs)} plans x "
-                           f"{len(modes)} pruned modes + full = {total} runs "
-                           f"({len({s.kept_key for s in specs})} distinct kept sets)")
+        modes = self.modes
+        if self.delta is not None and not any(self._delta_fits(sp) for sp in specs):
+            raise SlimWiseError(f"the delta {cfg.distilled} was distilled for another plan than any evaluated here: "
+                                "pass --plan PLAN, the plan given to `slimwise distill`")
+        todo = [(sp, m) for sp in specs for m in modes if m != "distilled" or self._delta_fits(sp)]
+        total = 1 + len(todo)
+        self.console.print(f"[bold]{self.model_name}[/]: {len(self.samples)} samples, {len(specs)} plans, modes "
+                           f"{', '.join(modes)}: {total} runs with full ({len({s.kept_key for s in specs})} distinct "
+                           "kept sets)", soft_wrap=True)
         t0 = time.perf_counter()
         self.full()
         full_metrics = self._metrics(self._full_rec)
@@ -801,20 +849,22 @@ class Sweep:
         shared: dict[tuple[str, str], dict] = {}
         done = 1
         t0 = time.perf_counter()
-        for spec in specs:
-            for mode in modes:
-                done += 1
-                key = (mode, spec.kept_key)
-                if key not in shared:
-                    shared[key] = self._metrics(self._generate(mode, spec))
-                    self._say(done, total, mode, spec, shared[key])
-                else:
-                    self.console.print(f"[{done}/{total}] {mode:8s} {spec.label}: same kept experts as an earlier "
-                                       "plan, reusing its run")
-                runs.append({"mode": mode, "criterion": spec.criterion, "ratio": spec.ratio, "phase": spec.phase,
-                             "label": spec.label, "plan": spec.path, "kept_key": spec.kept_key,
-                             "kept_per_layer": spec.plan.num_kept if spec.plan.is_uniform else None,
-                             "metrics": shared[key]})
+        for spec, mode in todo:
+            done += 1
+            key = (mode, spec.kept_key)
+            if key not in shared:
+                shared[key] = self._metrics(self._generate(mode, spec))
+                elapsed = time.perf_counter() - t0
+                eta = elapsed / (done - 1) * (total - done)
+                self._say(done, total, mode, spec, shared[key], f"elapsed {elapsed / 60:.1f} min, ETA "
+                          f"{eta / 60:.1f} min")
+            else:
+                self.console.print(f"[{done}/{total}] {mode:8s} {spec.label}: same kept experts as an earlier "
+                                   "plan, reusing its run")
+            runs.append({"mode": mode, "criterion": spec.criterion, "ratio": spec.ratio, "phase": spec.phase,
+                         "label": spec.label, "plan": spec.path, "kept_key": spec.kept_key,
+                         "kept_per_layer": spec.plan.num_kept if spec.plan.is_uniform else None,
+                         "metrics": shared[key]})
         self.timing["pruned_runs_s"] = time.perf_counter() - t0
         self.timing["total_s"] = time.perf_counter() - t_start + self.timing.get("load_s", 0.0)
         self.timing["process_cpu_s"] = time.process_time() - cpu_start  # > wall when threads run in parallel
@@ -827,7 +877,8 @@ class Sweep:
         self.write(report)
         return report
 
-    def _say(self, done: int, total: int, mode: str, spec: PlanSpec | None, m: dict[str, Any]) -> None:
+    def _say(self, done: int, total: int, mode: str, spec: PlanSpec | None, m: dict[str, Any],
+             extra: str = "") -> None:
         kl = m.get("kl_mean")
         tr = (m.get("traffic") or {}).get("distinct_experts_per_layer_step")
         took = "cached" if m.get("cached") else f"{m['seconds'] + m.get('kl_seconds', 0):.1f}s"
@@ -836,7 +887,7 @@ class Sweep:
             f"[{m['accuracy_ci_low']:.0%}, {m['accuracy_ci_high']:.0%}]  len {m['length_mean']:.1f}  "
             f"EM {m['exact_match']:.0%}  KL {'-' if kl is None else f'{kl:.3f}'}  "
             f"experts/step {'-' if tr is None else f'{tr:.1f}'}  "
-            f"({took})", soft_wrap=True)
+            f"({took}{'; ' + extra if extra else ''})", soft_wrap=True)
 
     # ----- report ----------------------------------------------------------------------------------------
     def _comparisons(self, full_metrics: dict, runs: list[dict]) -> list[dict]:
@@ -852,10 +903,11 @@ class Sweep:
             for mode, r in modes.items():
                 row[f"{mode}_minus_full"] = paired_difference(r["metrics"]["correct"], full_metrics["correct"],
                                                               self.config.n_boot, self.config.seed)
-            if "slimwise" in modes and "uniform" in modes:
-                row["slimwise_minus_uniform"] = paired_difference(modes["slimwise"]["metrics"]["correct"],
-                                                                  modes["uniform"]["metrics"]["correct"],
-                                                                  self.config.n_boot, self.config.seed)
+            for a, b in (("slimwise", "uniform"), ("distilled", "slimwise"), ("distilled", "uniform")):
+                if a in modes and b in modes:
+                    row[f"{a}_minus_{b}"] = paired_difference(modes[a]["metrics"]["correct"],
+                                                              modes[b]["metrics"]["correct"],
+                                                              self.config.n_boot, self.config.seed)
             out.append(row)
         return out
 
@@ -884,6 +936,10 @@ class Sweep:
                             "torch": torch.__version__, "python": platform.python_version(),
                             "platform": platform.platform()},
             "calibration": self.calibration,
+            "distilled": None if self.delta is None else {
+                "path": str(self.config.distilled),
+                **{k: self.delta.manifest.get(k) for k in ("mode", "params", "plan_hash", "steps", "trainable_params",
+                                                           "trainable_share", "seconds")}},
             "timing": {k: round(v, 2) for k, v in self.timing.items()},
             "full": full_metrics,
             "runs": runs,
@@ -906,7 +962,7 @@ class Sweep:
 
         if self.config.plots:
             report["plots"] = write_plots(report, self.out_dir)
-        (self.out_dir / "report.json").write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+        (self.out_dir / "report.json").write_text(dumps_compact(report) + "\n")
         write_markdown(report, self.out_dir / "report.md")
         self.console.print(f"report: {self.out_dir / 'report.md'}, {self.out_dir / 'report.json'}"
                            + (f", {len(report['plots'])} plots" if report["plots"] else "")
@@ -915,6 +971,15 @@ class Sweep:
 
     def close(self) -> None:
         self._kl_reference.clear()
+
+
+_NUMBER_LIST = re.compile(r"\[\s*(?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*\s*\]")
+
+
+def dumps_compact(obj: Any) -> str:
+    """Indented JSON with every list of numbers on one line (per-sample vectors stay readable and small)."""
+    text = json.dumps(obj, indent=1, default=_json_default)
+    return _NUMBER_LIST.sub(lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "), text)
 
 
 def _json_default(obj: Any) -> Any:

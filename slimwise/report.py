@@ -1,0 +1,566 @@
+"""Markdown report and PNG plots of an evaluation (`slimwise.evaluation` report dict -> files).
+
+Kept apart from the metrics so the JSON stays the single source of truth: every number in the Markdown and
+the plots is read back from it. Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+MODE_COLORS = {"full": "black", "uniform": "tab:red", "slimwise": "tab:blue", "distilled": "tab:green"}
+PHASE_STYLES = {"decode": ("-", "o"), "prompt": ("--", "s"), "all": (":", "^"), None: ("-.", "D")}
+PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png", "traffic_vs_ratio.png")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _pct(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}%"
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _signed_pp(d: dict | None) -> str:
+    if not d:
+        return "–"
+    mark = " **↑**" if d["ci_low"] > 0 else (" **↓**" if d["ci_high"] < 0 else "")
+    return f"{100 * d['diff']:+.1f} pp [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]{mark}"
+
+
+def _criteria(report: dict) -> list[str]:
+    return list(dict.fromkeys(r["criterion"] for r in report["runs"]))
+
+
+def _phases(report: dict) -> list[str | None]:
+    return list(dict.fromkeys(r["phase"] for r in report["runs"]))
+
+
+def _modes(report: dict) -> list[str]:
+    return list(dict.fromkeys(r["mode"] for r in report["runs"]))
+
+
+def headline_runs(report: dict) -> tuple[str, float, str | None, dict[str, dict]]:
+    """The configured headline plan's runs per mode, else the closest available (criterion, ratio, phase)."""
+    criterion, ratio, phase = report["config"].get("headline", ("reap", 0.5, "decode"))
+    runs = report["runs"]
+    if not runs:
+        return criterion, ratio, phase, {}
+
+    distilled = {(r["criterion"], r["ratio"], r["phase"]) for r in runs if r["mode"] == "distilled"}
+
+    def score(r: dict) -> tuple:  # a plan with a distilled run first: it is the one the delta was made for
+        return ((r["criterion"], r["ratio"], r["phase"]) not in distilled, r["criterion"] != criterion,
+                r["phase"] != phase, abs(r["ratio"] - ratio))
+
+    best = min(runs, key=score)
+    picked = {r["mode"]: r for r in runs if (r["criterion"], r["ratio"], r["phase"]) ==
+              (best["criterion"], best["ratio"], best["phase"])}
+    return best["criterion"], best["ratio"], best["phase"], picked
+
+
+def table_row(mode: str, run: dict | None, m: dict, full: dict) -> list[str]:
+    """One row of the main table (also used by the demo's console table)."""
+    tr = m.get("traffic") or {}
+    diff = None if mode == "full" else m["accuracy"] - full["accuracy"]
+    mb = tr.get("expert_bytes_per_step")
+    return [
+        mode,
+        run["criterion"] if run else "–",
+        str(run["phase"]) if run else "–",
+        f"{run['ratio']:.2f}" if run else "0",
+        f"{_pct(m['accuracy'])} [{_pct(m['accuracy_ci_low'], 0)}, {_pct(m['accuracy_ci_high'], 0)}]",
+        "–" if diff is None else f"{100 * diff:+.1f} pp",
+        f"{m['length_mean']:.1f} / {m['length_median']:.0f} / {m['length_p90']:.0f}",
+        _pct(m["eos_share"], 0),
+        _pct(m["truncated_share"], 0),
+        f"{m['length_ratio_mean']:.2f} / {m['length_ratio_median']:.2f} ({m['length_ratio_p10']:.2f}–"
+        f"{m['length_ratio_p90']:.2f})",
+        _pct(m["exact_match"], 0),
+        _num(m.get("first_diff_mean"), ".1f"),
+        _num(m.get("kl_mean"), ".4f"),
+        (f"{tr['distinct_experts_per_layer_step']:.1f} ({tr['uniform_expectation']:.1f})"
+         if tr.get("distinct_experts_per_layer_step") is not None else "–"),
+        "–" if mb is None else f"{mb / 2**20:.2f}",
+    ]
+
+
+TABLE_HEADER = ["mode", "criterion", "calib", "ratio", "accuracy [95% CI]", "Δ acc vs full",
+                "len mean / med / p90", "EOS", "truncated", "len ratio vs full: mean / med (p10–p90)", "exact match",
+                "first diff pos", "KL(full‖mode)", "experts/layer/step (uniform-routing exp.)", "expert MiB/step"]
+
+
+def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+def _sorted_runs(report: dict) -> list[dict]:
+    order = {m: i for i, m in enumerate(_modes(report))}
+    return sorted(report["runs"], key=lambda r: (r["criterion"], str(r["phase"]), r["ratio"], order[r["mode"]]))
+
+
+def main_table(report: dict) -> list[list[str]]:
+    full = report["full"]
+    return [table_row("full", None, full, full)] + [table_row(r["mode"], r, r["metrics"], full)
+                                                    for r in _sorted_runs(report)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def summary_lines(report: dict) -> list[str]:
+    """Plain statements of what the numbers show, including where SlimWise does not beat uniform."""
+    s, full = report["summary"], report["full"]
+    lines = [f"- Full model: accuracy {_pct(full['accuracy'])} "
+             f"[{_pct(full['accuracy_ci_low'], 0)}, {_pct(full['accuracy_ci_high'], 0)}] on {report['tasks']['n']} "
+             f"problems, mean length {full['length_mean']:.1f} tokens, {_pct(full['eos_share'], 0)} stopped by EOS."]
+    comps = [c for c in report["comparisons"] if "slimwise_minus_uniform" in c]
+    if comps:
+        lines.append(
+            f"- SlimWise − uniform accuracy (paired bootstrap 95% CI) over {len(comps)} plans: significantly higher "
+            f"in {s['slimwise_better']}, significantly lower in {s['slimwise_worse']}, not distinguishable in "
+            f"{s['no_significant_difference']} (point estimate higher in {s['slimwise_higher_point_estimate']}, "
+            f"lower in {s['slimwise_lower_point_estimate']}).")
+        lower = [c for c in comps if c["slimwise_minus_uniform"]["diff"] < 0]
+        ties = [c for c in comps if c["slimwise_minus_uniform"]["diff"] == 0]
+        if lower:
+            names = ", ".join(f"{c['criterion']}/{c['phase']}/{c['ratio']:g} "
+                              f"({100 * c['slimwise_minus_uniform']['diff']:+.1f} pp)" for c in lower)
+            lines.append(f"- SlimWise scores below uniform pruning (point estimate) at: {names}.")
+        if ties:
+            names = ", ".join(f"{c['criterion']}/{c['phase']}/{c['ratio']:g}" for c in ties)
+            lines.append(f"- SlimWise ties uniform pruning at: {names}.")
+        if not lower and not ties:
+            lines.append("- SlimWise's point estimate is above uniform pruning's at every plan.")
+        by_phase: dict[str, list[float]] = {}
+        for c in report["comparisons"]:
+            if "slimwise_minus_full" in c:
+                by_phase.setdefault(str(c["phase"]), []).append(c["slimwise_minus_full"]["diff"])
+        if len(by_phase) > 1:
+            parts = ", ".join(f"{p}: {100 * sum(v) / len(v):+.1f} pp" for p, v in by_phase.items())
+            lines.append(f"- Mean SlimWise − full accuracy by calibration phase: {parts}.")
+    by_ratio: dict[float, dict[str, list[dict]]] = {}
+    for r in report["runs"]:
+        by_ratio.setdefault(r["ratio"], {}).setdefault(r["mode"], []).append(r["metrics"])
+
+    def mean(ms: list[dict], key: str) -> float | None:
+        vals = [m[key] for m in ms if m.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def per_ratio(key: str, fmt: str) -> str:
+        return "; ".join(f"{ratio:.0%}: " + ", ".join(f"{mode} {_num(mean(ms, key), fmt)}" for mode, ms in modes.items())
+                         for ratio, modes in sorted(by_ratio.items()))
+
+    if by_ratio:
+        lines.append("- Mean length ratio to full (averaged over criteria and calibration phases) — "
+                     + per_ratio("length_ratio_mean", ".2f") + ".")
+        lines.append("- Mean KL(full‖mode) per generated token — " + per_ratio("kl_mean", ".3f") + ".")
+        lines.append("- Whole-output exact match with full — " + per_ratio("exact_match", ".2f") + ".")
+        plans: dict[str, dict[str, float | None]] = {}
+        for r in report["runs"]:
+            plans.setdefault(r["label"], {})[r["mode"]] = r["metrics"].get("kl_mean")
+        both = [v for v in plans.values() if v.get("slimwise") is not None and v.get("uniform") is not None]
+        if both:
+            lower = sum(v["slimwise"] < v["uniform"] for v in both)
+            lines.append(f"- SlimWise's KL is below uniform pruning's in {lower} of {len(both)} plans.")
+    ftr = full.get("traffic") or {}
+    if ftr.get("distinct_experts_per_layer_step") is not None and by_ratio:
+        parts = []
+        for ratio, modes in sorted(by_ratio.items()):
+            tr = [m["traffic"]["distinct_experts_per_layer_step"] for m in modes.get("slimwise", [])
+                  if (m.get("traffic") or {}).get("distinct_experts_per_layer_step") is not None]
+            if tr:
+                avg = sum(tr) / len(tr)
+                parts.append(f"{avg:.1f} at {ratio:.0%} ({avg / ftr['distinct_experts_per_layer_step']:.0%} of full)")
+        if parts:
+            lines.append(f"- Decode traffic at batch size {report['generation']['batch_size']}: full touches "
+                         f"{ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step (uniform-routing expectation "
+                         f"{ftr['uniform_expectation']:.1f}); SlimWise " + ", ".join(parts) + ".")
+    for c in report["comparisons"]:
+        if "distilled_minus_slimwise" in c:
+            d = report.get("distilled") or {}
+            lines.append(f"- Distilled decoder ({'+'.join(d.get('params') or [])}, {d.get('steps')} steps) at "
+                         f"{c['criterion']}/{c['phase']}/{c['ratio']:g}: distilled − SlimWise "
+                         f"{_signed_pp(c['distilled_minus_slimwise'])}, distilled − full "
+                         f"{_signed_pp(c.get('distilled_minus_full'))}.")
+    crit, ratio, phase, head = headline_runs(report)
+    if head:
+        parts = []
+        for mode, r in head.items():
+            m = r["metrics"]
+            tr = m.get("traffic") or {}
+            parts.append(f"{mode} {_pct(m['accuracy'])} (mean length {m['length_mean']:.1f}, ratio to full "
+                         f"{m['length_ratio_mean']:.2f}, exact match {_pct(m['exact_match'], 0)}, KL "
+                         f"{_num(m.get('kl_mean'), '.3f')}"
+                         + (f", {tr['distinct_experts_per_layer_step']:.1f} experts/layer/step"
+                            if tr.get("distinct_experts_per_layer_step") is not None else "") + ")")
+        lines.append(f"- Headline plan {crit} at {ratio:.0%} ({phase} calibration): " + "; ".join(parts)
+                     + (f"; full decode touches {ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step."
+                        if ftr.get("distinct_experts_per_layer_step") is not None else "."))
+    return lines
+
+
+def write_markdown(report: dict, path: str | Path) -> Path:
+    path = Path(path)
+    m, t, g, tm = report["model"], report["tasks"], report["generation"], report["timing"]
+    env = report["environment"]
+    lines = [f"# SlimWise evaluation: {m['name']}", ""]
+    lines.append(f"Model `{m['name']}` ({m['family']}, {m['parameters'] / 1e6:.2f}M parameters, {m['num_experts']} "
+                 f"routed experts, top-{m['top_k']}, {m['moe_layers']} MoE layers, {m['expert_bytes'] / 1024:.1f} KiB "
+                 "per expert).")
+    fams = ", ".join(f"{f} {n}" for f, n in t["per_family"].items())
+    lines.append(f"Tasks: {t['source']}" + (f" {t['split']} split" if t.get("split") else "")
+                 + (f", domain {t['domain']}" if t.get("domain") else "")
+                 + f"; {t['n']} problems ({fams}); grader `{t['grader']}`.")
+    lines.append(f"Generation: greedy, max {g['max_new_tokens']} new tokens, batch size {g['batch_size']}, "
+                 f"engine `{g['engine']}`.")
+    lines.append(f"Runtime: {tm.get('total_s', 0):.0f} s on {env['cpu_count']} CPUs ({env['torch_threads']} torch "
+                 f"threads): load {tm.get('load_s', 0):.0f} s, calibration {tm.get('calibration_s', 0):.0f} s, "
+                 f"full {tm.get('full_s', 0):.0f} s, pruned runs {tm.get('pruned_runs_s', 0):.0f} s; without the run "
+                 f"cache about {tm.get('uncached_estimate_s', 0):.0f} s.")
+    hw = report["summary"]["accuracy_ci_halfwidth_at_half"]
+    lines.append(f"Sample size: n = {t['n']} gives a 95% interval of about ±{100 * hw:.0f} pp at 50% accuracy "
+                 "(less near 0% or 100%); paired differences between modes on the same problems are tighter.")
+    lines += ["", "## Summary", "", *summary_lines(report), "", *readme_table(report), ""]
+    lines += ["## Main table", "",
+              "Accuracy with a 95% bootstrap interval; Δ against the full model. Lengths in generated tokens (EOS "
+              "included). Experts/layer/step: distinct routed experts per MoE layer per decode step over the batch's "
+              "live rows (uniform-routing expectation E·(1−(1−k/E)^B) in brackets, E = experts decode can use); "
+              "MiB/step: the expert weights those imply, summed over layers.", ""]
+    lines += _md_table(TABLE_HEADER, main_table(report))
+    if report["comparisons"]:
+        lines += ["", "## Paired accuracy differences", "",
+                  "Same problems, paired bootstrap 95% interval; **↑**/**↓** mark intervals that exclude 0.", ""]
+        keys = ["slimwise_minus_uniform", "slimwise_minus_full", "uniform_minus_full"]
+        keys += [k for k in ("distilled_minus_slimwise", "distilled_minus_uniform", "distilled_minus_full")
+                 if any(k in c for c in report["comparisons"])]
+        rows = []
+        for c in sorted(report["comparisons"], key=lambda c: (c["criterion"], str(c["phase"]), c["ratio"])):
+            rows.append([c["criterion"], str(c["phase"]), f"{c['ratio']:.2f}", *(_signed_pp(c.get(k)) for k in keys)])
+        lines += _md_table(["criterion", "calib", "ratio", *(k.replace("_minus_", " − ") for k in keys)], rows)
+    lines += ["", "## Accuracy per task family", ""]
+    fams = t["families"]
+    rows = [["full", "–", "–", "–", *(_pct(report["full"]["by_family"][f]["accuracy"], 0) for f in fams)]]
+    for r in _sorted_runs(report):
+        rows.append([r["mode"], r["criterion"], str(r["phase"]), f"{r['ratio']:.2f}",
+                     *(_pct(r["metrics"]["by_family"][f]["accuracy"], 0) for f in fams)])
+    lines += _md_table(["mode", "criterion", "calib", "ratio", *fams], rows)
+    crit, ratio, phase, head = headline_runs(report)
+    if head:
+        lines += ["", f"## Per family at the headline plan ({crit}, {ratio:.0%}, {phase} calibration)", ""]
+        rows = []
+        for f in fams:
+            for mode, bf in [("full", report["full"]["by_family"][f])] + [
+                    (mo, r["metrics"]["by_family"][f]) for mo, r in head.items()]:
+                rows.append([f, mode, f"{_pct(bf['accuracy'], 0)} [{_pct(bf['accuracy_ci_low'], 0)}, "
+                             f"{_pct(bf['accuracy_ci_high'], 0)}]", f"{bf['length_mean']:.1f}",
+                             _pct(bf["eos_share"], 0), _pct(bf["truncated_share"], 0),
+                             f"{bf['length_ratio_mean']:.2f}", _pct(bf["exact_match"], 0),
+                             _num(bf.get("first_diff_mean"), ".1f"), _num(bf.get("kl_mean"), ".4f")])
+        lines += _md_table(["family", "mode", "accuracy [95% CI]", "len mean", "EOS", "truncated", "len ratio",
+                            "exact match", "first diff", "KL"], rows)
+    if report.get("plots"):
+        lines += ["", "## Plots", ""]
+        titles = {"accuracy_vs_ratio.png": "Accuracy against pruning ratio",
+                  "lengths.png": "Generated-length distributions",
+                  "fidelity_vs_ratio.png": "Fidelity to the full model against pruning ratio",
+                  "traffic_vs_ratio.png": "Decode expert traffic against pruning ratio"}
+        for p in report["plots"]:
+            lines += [f"![{titles.get(p, p)}]({p})", ""]
+    if report.get("calibration"):
+        lines += ["## Calibration", ""]
+        rows = [[ph, str(c.get("source")), str(c.get("prompts", "–")), f"{c.get('tokens_counted', 0):.0f}",
+                 f"{c.get('seconds', 0):.1f}", "yes" if c.get("cached") else "no"]
+                for ph, c in report["calibration"].items()]
+        lines += _md_table(["phase", "data", "prompts", "tokens counted per layer", "seconds", "from cache"], rows)
+    lines += ["", "## Metric definitions", "",
+              "- accuracy: graded final answer; interval: percentile bootstrap of the mean (resampling problems).",
+              "- length: generated tokens including the final EOS; truncated: hit max_new_tokens without EOS; "
+              "length ratio: per problem, mode length / full length.",
+              "- exact match: whole generated token sequence equals the full model's; first diff pos: mean index of "
+              "the first differing token over the outputs that differ.",
+              "- KL(full‖mode): teacher-forced on the full model's own continuation — each mode prefills with its "
+              "prefill model and scores the continuation in one forward with its decode model; mean over "
+              "generated positions (0 at the first position for SlimWise, whose prefill is the full model's).",
+              "- decode traffic: router hooks count distinct experts chosen by the live rows of each decode step, "
+              "per MoE layer; bytes = distinct × bytes of one expert.", ""]
+    path.write_text("\n".join(lines))
+    return path
+
+
+def readme_table(report: dict) -> list[str]:
+    """A compact Markdown table for the README: the headline criterion and phase at every ratio."""
+    crit, _, phase, _ = headline_runs(report)
+    full = report["full"]
+    header = ["pruned", "full acc", "uniform acc", "SlimWise acc", "SlimWise − uniform (paired 95% CI)",
+              "len ratio uniform / SlimWise", "KL uniform / SlimWise", "experts/layer/step full → SlimWise"]
+    comps = {(c["criterion"], c["phase"], c["ratio"]): c for c in report["comparisons"]}
+    distilled = any(r["mode"] == "distilled" for r in report["runs"])
+    if distilled:
+        header.insert(4, "distilled acc")
+    rows = []
+    for ratio in sorted({r["ratio"] for r in report["runs"]}):
+        runs = {r["mode"]: r["metrics"] for r in report["runs"]
+                if (r["criterion"], r["phase"], r["ratio"]) == (crit, phase, ratio)}
+        if not runs:
+            continue
+        u, w = runs.get("uniform"), runs.get("slimwise")
+        tr_f = (full.get("traffic") or {}).get("distinct_experts_per_layer_step")
+        tr_w = ((w or {}).get("traffic") or {}).get("distinct_experts_per_layer_step")
+        d = runs.get("distilled")
+        rows.append([f"{ratio:.0%}", _pct(full["accuracy"]), _pct(u["accuracy"]) if u else "–",
+                     _pct(w["accuracy"]) if w else "–", *([_pct(d["accuracy"]) if d else "–"] if distilled else []),
+                     _signed_pp(comps.get((crit, phase, ratio), {}).get("slimwise_minus_uniform")),
+                     f"{_num(u and u['length_ratio_mean'])} / {_num(w and w['length_ratio_mean'])}",
+                     f"{_num(u and u.get('kl_mean'), '.3f')} / {_num(w and w.get('kl_mean'), '.3f')}",
+                     f"{_num(tr_f, '.1f')} → {_num(tr_w, '.1f')}"])
+    title = (f"{report['model']['name']} — {crit}, {phase} calibration, {report['tasks']['n']} problems "
+             f"({report['tasks'].get('domain') or report['tasks']['source']})")
+    return [f"**{title}**", "", *_md_table(header, rows)]
+
+
+def write_index(reports: Sequence[dict], out_dir: str | Path, names: Sequence[str]) -> Path:
+    """index.md over several models: the headline rows of each, linking to the per-model reports."""
+    out_dir = Path(out_dir)
+    lines = ["# SlimWise evaluation results", "", "## Summary (README table)", ""]
+    for rep in reports:
+        lines += [*readme_table(rep), ""]
+    for rep, name in zip(reports, names, strict=True):
+        crit, ratio, phase, head = headline_runs(rep)
+        full = rep["full"]
+        lines += [f"## {name}", "", f"[full report]({name}/report.md) · {rep['tasks']['n']} problems · "
+                  f"runtime {rep['timing'].get('total_s', 0):.0f} s", ""]
+        rows = [table_row("full", None, full, full)] + [table_row(mo, r, r["metrics"], full) for mo, r in head.items()]
+        lines += _md_table(TABLE_HEADER, rows)
+        lines += ["", *summary_lines(rep), ""]
+    path = out_dir / "index.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _series(report: dict, criterion: str, mode: str, phase) -> list[dict]:
+    return sorted((r for r in report["runs"] if r["criterion"] == criterion and r["mode"] == mode
+                   and r["phase"] == phase), key=lambda r: r["ratio"])
+
+
+def _legend_below(fig, axes) -> None:
+    handles, labels = {}, {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles[lab], labels[lab] = h, lab
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 3),
+               frameon=False, fontsize=9)
+
+
+def plot_accuracy(report: dict, path: Path) -> None:
+    plt = _plt()
+    crits, phases, modes = _criteria(report), _phases(report), _modes(report)
+    full = report["full"]
+    fig, axes = plt.subplots(1, len(crits), figsize=(max(4.2 * len(crits), 9.0), 4.8), sharey=True, squeeze=False)
+    ratios = sorted({r["ratio"] for r in report["runs"]})
+    for ax, crit in zip(axes[0], crits, strict=True):
+        ax.axhline(full["accuracy"], color="black", lw=1.2, label="full")
+        ax.axhspan(full["accuracy_ci_low"], full["accuracy_ci_high"], color="gray", alpha=0.15, label="full 95% CI")
+        for mode in modes:
+            for phase in phases:
+                runs = _series(report, crit, mode, phase)
+                if not runs:
+                    continue
+                ls, marker = PHASE_STYLES.get(phase, ("-", "o"))
+                x = [r["ratio"] + (0.006 if mode == "slimwise" else -0.006) for r in runs]
+                y = [r["metrics"]["accuracy"] for r in runs]
+                err = [[yy - r["metrics"]["accuracy_ci_low"] for yy, r in zip(y, runs, strict=True)],
+                       [r["metrics"]["accuracy_ci_high"] - yy for yy, r in zip(y, runs, strict=True)]]
+                ax.errorbar(x, y, yerr=err, color=MODE_COLORS.get(mode), ls=ls, marker=marker, capsize=3, ms=5,
+                            label=f"{mode} ({phase} calib)")
+        ax.set_title(f"criterion: {crit}")
+        ax.set_xlabel("share of experts pruned")
+        ax.set_xticks(ratios)
+        ax.grid(alpha=0.3)
+    lows = [full["accuracy_ci_low"]] + [r["metrics"]["accuracy_ci_low"] for r in report["runs"]]
+    highs = [full["accuracy_ci_high"]] + [r["metrics"]["accuracy_ci_high"] for r in report["runs"]]
+    axes[0][0].set_ylim(max(0.0, min(lows) - 0.05), min(1.0, max(highs) + 0.05))  # zoom on the data, within [0, 1]
+    axes[0][0].set_ylabel("accuracy (95% bootstrap CI)")
+    fig.suptitle(f"{report['model']['name']}: accuracy vs pruning ratio ({report['tasks']['n']} problems)")
+    _legend_below(fig, axes[0])
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_lengths(report: dict, path: Path) -> None:
+    plt = _plt()
+    from matplotlib.ticker import FixedLocator, FormatStrFormatter, NullFormatter
+
+    crit, ratio, phase, head = headline_runs(report)
+    max_new = report["generation"]["max_new_tokens"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.4))
+    series = [("full", report["full"]["lengths"])] + [(mo, r["metrics"]["lengths"]) for mo, r in head.items()]
+    top = max(max(v) for _, v in series if v)
+    bins = list(range(0, top + 6, max(1, (top + 5) // 40)))
+    for mode, lengths in series:
+        ax1.hist(lengths, bins=bins, histtype="step", lw=1.8, color=MODE_COLORS.get(mode),
+                 label=f"{mode} (mean {sum(lengths) / max(len(lengths), 1):.1f})")
+    ax1.axvline(max_new, color="gray", ls=":", label=f"max_new_tokens = {max_new}")
+    ax1.set_xlabel("generated tokens per problem")
+    ax1.set_ylabel("problems")
+    ax1.set_title(f"length distribution at {crit} {ratio:.0%} ({phase} calib)")
+    ax1.legend(fontsize=9)
+    ax1.grid(alpha=0.3)
+    # per-sample length ratio to full across ratios, headline criterion and phase
+    data, labels, colors = [], [], []
+    for mode in [m for m in _modes(report) if m != "full"]:
+        for r in _series(report, crit, mode, phase):
+            data.append(r["metrics"]["length_ratios"])
+            labels.append(f"{mode}\n{r['ratio']:.2f}")
+            colors.append(MODE_COLORS.get(mode, "gray"))
+    if data:
+        box = ax2.boxplot(data, tick_labels=labels, showfliers=True, patch_artist=True,
+                          flierprops={"markersize": 3}, medianprops={"color": "black"})
+        for patch, c in zip(box["boxes"], colors, strict=True):
+            patch.set_facecolor(c)
+            patch.set_alpha(0.35)
+    ax2.axhline(1.0, color="black", lw=1)
+    ax2.set_yscale("log")
+    ax2.yaxis.set_major_locator(FixedLocator([2.0**e for e in range(-8, 9)]))
+    ax2.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax2.yaxis.set_minor_formatter(NullFormatter())
+    ax2.set_ylabel("length / full model's length (log scale)")
+    ax2.set_xlabel("mode and share of experts pruned")
+    ax2.set_title(f"per-problem length ratio vs full ({crit}, {phase} calib)")
+    ax2.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{report['model']['name']}: generated length")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_fidelity(report: dict, path: Path) -> None:
+    plt = _plt()
+    crits, phases = _criteria(report), _phases(report)
+    modes = [m for m in _modes(report) if m != "full"]
+    metrics = [("exact_match", "exact match with full"), ("first_diff_mean", "first differing token (mean pos.)"),
+               ("kl_mean", "KL(full ‖ mode) per token")]
+    fig, axes = plt.subplots(len(metrics), len(crits), figsize=(max(4.2 * len(crits), 9.0), 3.0 * len(metrics)),
+                             sharey="row", squeeze=False)
+    ratios = sorted({r["ratio"] for r in report["runs"]})
+    for j, crit in enumerate(crits):
+        for i, (key, label) in enumerate(metrics):
+            ax = axes[i][j]
+            for mode in modes:
+                for phase in phases:
+                    runs = [r for r in _series(report, crit, mode, phase) if r["metrics"].get(key) is not None]
+                    if not runs:
+                        continue
+                    ls, marker = PHASE_STYLES.get(phase, ("-", "o"))
+                    ax.plot([r["ratio"] for r in runs], [r["metrics"][key] for r in runs], ls=ls, marker=marker,
+                            color=MODE_COLORS.get(mode), label=f"{mode} ({phase} calib)")
+            if i == 0:
+                ax.set_title(f"criterion: {crit}")
+            if j == 0:
+                ax.set_ylabel(label)
+            if i == len(metrics) - 1:
+                ax.set_xlabel("share of experts pruned")
+            ax.set_xticks(ratios)
+            ax.grid(alpha=0.3)
+    fig.suptitle(f"{report['model']['name']}: fidelity to the full model vs pruning ratio")
+    _legend_below(fig, axes[0])
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_traffic(report: dict, path: Path) -> None:
+    plt = _plt()
+    full_tr = report["full"].get("traffic") or {}
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    if full_tr.get("distinct_experts_per_layer_step") is not None:
+        ax.axhline(full_tr["distinct_experts_per_layer_step"], color="black", lw=1.5, label="full (measured)")
+        ax.axhline(full_tr["uniform_expectation"], color="black", lw=1, ls=":",
+                   label="full (uniform-routing expectation)")
+    markers = "osD^v<>"
+    expect: dict[float, float] = {}
+    for n, crit in enumerate(_criteria(report)):
+        for phase in _phases(report):
+            runs = [r for r in _series(report, crit, "slimwise", phase)
+                    if (r["metrics"].get("traffic") or {}).get("distinct_experts_per_layer_step") is not None]
+            if not runs:
+                continue
+            ls, _ = PHASE_STYLES.get(phase, ("-", "o"))
+            ax.plot([r["ratio"] for r in runs], [r["metrics"]["traffic"]["distinct_experts_per_layer_step"]
+                                                  for r in runs],
+                    ls=ls, marker=markers[n % len(markers)], label=f"slimwise {crit} ({phase} calib)")
+            for r in runs:
+                expect[r["ratio"]] = r["metrics"]["traffic"]["uniform_expectation"]
+    if expect:
+        xs = sorted(expect)
+        ax.plot(xs, [expect[x] for x in xs], color="gray", ls=":", marker="x", label="pruned (uniform-routing exp.)")
+    ax.set_xlabel("share of experts pruned")
+    ax.set_ylabel("distinct experts per MoE layer per decode step")
+    ax.set_title(f"{report['model']['name']}: decode expert traffic (batch size {report['generation']['batch_size']})")
+    ax.set_ylim(bottom=0)
+    ax.set_xticks(sorted({r["ratio"] for r in report["runs"]}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_plots(report: dict, out_dir: str | Path) -> list[str]:
+    """Every plot the report has data for; returns file names relative to out_dir."""
+    out_dir = Path(out_dir)
+    written = []
+    if not report["runs"]:
+        return written
+    for name, fn in zip(PLOTS, (plot_accuracy, plot_lengths, plot_fidelity, plot_traffic), strict=True):
+        if name == "traffic_vs_ratio.png" and not (report["full"].get("traffic") or {}).get("decode_steps"):
+            continue
+        fn(report, out_dir / name)
+        written.append(name)
+    return written
+
+
+def console_table(report: dict, title: str):
+    """A compact rich Table of the full row and the headline plan's rows (the demo prints it)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("mode", "accuracy [95% CI]", "Δ vs full", "len mean/med/p90", "EOS", "trunc", "len/full",
+                "exact", "1st diff", "KL", "experts/step"):
+        table.add_column(col, justify="right")
+    _, _, _, head = headline_runs(report)
+    full = report["full"]
+    for mode, m in [("full", full)] + [(mo, r["metrics"]) for mo, r in head.items()]:
+        tr = m.get("traffic") or {}
+        table.add_row(
+            mode, f"{_pct(m['accuracy'])} [{_pct(m['accuracy_ci_low'], 0)}-{_pct(m['accuracy_ci_high'], 0)}]",
+            "–" if mode == "full" else f"{100 * (m['accuracy'] - full['accuracy']):+.1f} pp",
+            f"{m['length_mean']:.0f}/{m['length_median']:.0f}/{m['length_p90']:.0f}", _pct(m["eos_share"], 0),
+            _pct(m["truncated_share"], 0), f"{m['length_ratio_mean']:.2f}", _pct(m["exact_match"], 0),
+            _num(m.get("first_diff_mean"), ".1f"), _num(m.get("kl_mean"), ".3f"),
+            _num(tr.get("distinct_experts_per_layer_step"), ".1f"))
+    return table
