@@ -110,7 +110,7 @@ def cmd_serve(args) -> None:
 
     code = serve(ServeConfig(model=args.model, plan=args.plan, delta=args.distilled, disaggregated=args.disaggregated,
                              decode_model=args.decode_model, prefill_url=args.prefill_url, decode_url=args.decode_url,
-                             host=args.host, port=args.port, served_model_name=args.served_model_name,
+                             nixl=args.nixl, host=args.host, port=args.port, served_model_name=args.served_model_name,
                              min_decode_batch=args.min_decode_batch, log_every=args.log_every,
                              vllm_args=list(args.vllm_args)))
     if code:
@@ -303,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-model", help="pruned checkpoint for the decode instance (default: exported from --plan)")
     p.add_argument("--prefill-url", help="attach the proxy to a prefill instance started elsewhere")
     p.add_argument("--decode-url", help="attach the proxy to a decode instance started elsewhere")
+    p.add_argument("--nixl", action="store_true", help="attached instances use NixlConnector (GPU); see docs/serving.md")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="endpoint port (disaggregated: instances on port+1, +2)")
     p.add_argument("--served-model-name", help="model name clients use (both instances share it)")

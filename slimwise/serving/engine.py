@@ -19,11 +19,11 @@ from slimwise.errors import SlimWiseError
 from slimwise.generate import Generation, GenerationConfig
 from slimwise.plan import PrunePlan
 from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
-from slimwise.serving.routing import LOG_EVERY_KEY, MASK_ALL_KEY, MIN_BATCH_KEY, PLAN_KEY
+from slimwise.serving.routing import DELTA_KEY, LOG_EVERY_KEY, MASK_ALL_KEY, MIN_BATCH_KEY, PLAN_KEY
 
 
 def slimwise_overrides(model_dir: str | Path, plan: PrunePlan | str | Path | None, *, mask_all: bool = False,
-                       min_decode_batch: int = 0, log_every: int = 0) -> dict:
+                       min_decode_batch: int = 0, log_every: int = 0, delta: str | Path | None = None) -> dict:
     """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (config.get("architectures") or [None])[0]
@@ -32,8 +32,11 @@ def slimwise_overrides(model_dir: str | Path, plan: PrunePlan | str | Path | Non
     if plan is None:
         return {}
     plan_value = plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
-    return {"architectures": [slimwise_arch(arch)], PLAN_KEY: plan_value, MASK_ALL_KEY: mask_all,
-            MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
+    out = {"architectures": [slimwise_arch(arch)], PLAN_KEY: plan_value, MASK_ALL_KEY: mask_all,
+           MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
+    if delta is not None:
+        out[DELTA_KEY] = str(Path(delta).resolve())
+    return out
 
 
 class VllmEngine:
@@ -41,7 +44,7 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | Path, plan: PrunePlan | None = None, tokenizer=None, *,
                  dtype: str = "float32", enforce_eager: bool = True, max_model_len: int | None = None,
-                 min_decode_batch: int = 0, engine_kwargs: dict | None = None):
+                 min_decode_batch: int = 0, delta: str | Path | None = None, engine_kwargs: dict | None = None):
         self.model_dir = str(model_dir)
         self.plan = plan
         self.tokenizer = tokenizer
@@ -51,6 +54,7 @@ class VllmEngine:
         if max_model_len is not None:
             self.kwargs["max_model_len"] = max_model_len
         self.min_decode_batch = min_decode_batch
+        self.delta = delta  # applied in mode "distilled" (= slimwise + decode-only delta)
         self._mode: str | None = None
         self.llm = None
 
@@ -62,8 +66,11 @@ class VllmEngine:
         self.close()
         if mode != "full" and self.plan is None:
             raise SlimWiseError(f"mode {mode!r} needs a plan")
+        if mode == "distilled" and self.delta is None:
+            raise SlimWiseError("mode 'distilled' needs a delta (VllmEngine(..., delta=DIR))")
         overrides = {} if mode == "full" else slimwise_overrides(
-            self.model_dir, self.plan, mask_all=mode == "uniform", min_decode_batch=self.min_decode_batch)
+            self.model_dir, self.plan, mask_all=mode == "uniform", min_decode_batch=self.min_decode_batch,
+            delta=self.delta if mode == "distilled" else None)
         self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                        skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
         self._mode = mode

@@ -39,7 +39,8 @@ class Unavailable(Exception):
     pass
 
 
-def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None) -> FastAPI:
+def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl: bool = False) -> FastAPI:
+    """The proxy app. nixl=True asks the prefill instance for remote-decode transfer params (NixlConnector)."""
     app = FastAPI(title="SlimWise PD proxy")
     client = httpx.AsyncClient(timeout=TIMEOUT)
     stats = {"requests": 0, "first_tokens_from_prefill": 0}
@@ -60,6 +61,9 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None) -> F
     async def prefill(body: dict, path: str) -> tuple[list[int], int, str, str | None, dict]:
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n")}
         pre.update(max_tokens=1, return_token_ids=True)
+        if nixl:
+            pre["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                                         "remote_block_ids": None, "remote_host": None, "remote_port": None}
         pre.pop("max_completion_tokens", None)
         out = await post(prefill_url, path, pre, "prefill")
         choice = out["choices"][0]
@@ -87,6 +91,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None) -> F
             cleanup(prompt_ids)
             return None, _finish(chat, rid, model, t1_text, finish or "length", len(prompt_ids), 1, [t1])
         dec = decode_body(body, prompt_ids, t1, max_tokens - 1)
+        if pre.get("kv_transfer_params"):  # NIXL-style connectors hand the decode side the remote block ids
+            dec["kv_transfer_params"] = pre["kv_transfer_params"]
         if body.get("stream"):
             return dec, (prompt_ids, t1, t1_text, rid, model)
         out = await post(decode_url, "/v1/completions", dec, "decode")

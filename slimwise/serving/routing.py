@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from slimwise.errors import SlimWiseError
@@ -32,8 +33,11 @@ PLAN_KEY = "slimwise_plan"          # path to a plan JSON (or the plan as a dict
 MASK_ALL_KEY = "slimwise_mask_all"  # prune prompt tokens too (uniform pruning inside one engine)
 MIN_BATCH_KEY = "slimwise_min_decode_batch"  # load-aware: prune only when >= this many decode tokens
 LOG_EVERY_KEY = "slimwise_log_every"  # log counters every N steps (0 = never)
+COUNT_EXPERTS_KEY = "slimwise_count_experts"  # count distinct experts per layer on decode steps (eager only)
+DELTA_KEY = "slimwise_delta"  # path to a `slimwise distill` delta: decode-only router / norm overrides
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
+_NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
 
 
 @dataclass
@@ -44,10 +48,20 @@ class RoutingCounters:
     pruned_tokens: int = 0
     full_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (step, pruned, full)
+    # with COUNT_EXPERTS_KEY: steps with decode tokens; per layer, distinct experts the decode tokens selected
+    # (summed over steps) and the steps counted (0 when the hook never ran, e.g. a compiled model); per decode
+    # batch size, [layer-steps, distinct experts summed]
+    decode_steps: int = 0
+    experts_touched_sum: dict = field(default_factory=dict)
+    experts_counted_steps: dict = field(default_factory=dict)
+    touched_by_batch: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "pruned_tokens": self.pruned_tokens, "full_tokens": self.full_tokens,
-                "recent": list(self.recent)}
+                "recent": list(self.recent), "decode_steps": self.decode_steps,
+                "experts_touched_sum": dict(self.experts_touched_sum),
+                "experts_counted_steps": dict(self.experts_counted_steps),
+                "touched_by_batch": {b: list(v) for b, v in self.touched_by_batch.items()}}
 
 
 def load_plan_setting(value) -> PrunePlan | None:
@@ -70,14 +84,21 @@ class DecodeRouting(nn.Module):
         self.mask_all = bool(getattr(hf_config, MASK_ALL_KEY, False))
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
         self.log_every = int(getattr(hf_config, LOG_EVERY_KEY, 0) or 0)
+        self.count_experts = bool(getattr(hf_config, COUNT_EXPERTS_KEY, False))
+        self._count_batch = 0  # decode tokens in the current step (expert counting)
         self.counters = RoutingCounters()
         # fixed-address step buffer: True where the token is routed to the kept experts only
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
         self.gates: dict[int, nn.Module] = {}
         if self.plan is None:
+            self._install_counting(model, text_config)
             return
         self._check_plan(hf_config, text_config)
+        routers, norms = self._load_delta(getattr(hf_config, DELTA_KEY, None) or getattr(text_config, DELTA_KEY, None))
         for name, module in model.named_modules():
+            norm_match = _NORM_NAME.search(name)
+            if norm_match is not None and int(norm_match.group(1)) in norms:
+                self._install_norm(module, norms.pop(int(norm_match.group(1))))
             match = _GATE_NAME.search(name)
             if match is None or not hasattr(module, "weight"):
                 continue
@@ -85,10 +106,13 @@ class DecodeRouting(nn.Module):
             if layer not in self.plan.kept_experts:
                 continue
             pruned = self.plan.pruned_mask(layer)
-            if not pruned.any():
+            if not pruned.any() and layer not in routers:
                 continue
-            self._install(module, pruned)
+            self._install(module, pruned, routers.pop(layer, None))
             self.gates[layer] = module
+        if routers or norms:
+            raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in this vLLM "
+                                "model: use the delta made for this model and plan")
         missing = set(self.plan.kept_experts) - set(self.gates) - {
             k for k, v in self.plan.kept_experts.items() if len(v) == self.plan.num_experts}
         if missing:
@@ -97,6 +121,7 @@ class DecodeRouting(nn.Module):
                     len(self.gates), sorted({len(v) for v in self.plan.kept_experts.values()}),
                     self.plan.num_experts, self.plan.criterion, self.plan.ratio,
                     ", all tokens pruned (uniform)" if self.mask_all else "")
+        self._install_counting(model, text_config)
 
     def _check_plan(self, hf_config, text_config) -> None:
         experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None) \
@@ -110,21 +135,89 @@ class DecodeRouting(nn.Module):
             raise SlimWiseError("plan was made for a model with another configuration (config fingerprint "
                                 f"{want} not in {sorted(have)}): serve the plan's source model")
 
-    def _install(self, gate: nn.Module, pruned: torch.Tensor) -> None:
+    def _load_delta(self, value) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Router and norm overrides of a distilled delta (decode tokens only); refuses other plans and LoRA."""
+        if not value:
+            return {}, {}
+        from slimwise.distill import Delta, plan_hash
+
+        delta = Delta.load(value)
+        if delta.manifest.get("plan_hash") != plan_hash(self.plan):
+            raise SlimWiseError(f"delta {value} was distilled for another plan: serve it with its own plan")
+        if delta.lora_pairs():
+            raise SlimWiseError("LoRA deltas are served folded: export with `slimwise prune --distilled` and serve "
+                                "that checkpoint (e.g. as the --disaggregated decode model)")
+        if delta.mode == "uniform" and not self.mask_all:
+            raise SlimWiseError("this delta was distilled for uniform pruning (prefill pruned too), not SlimWise")
+        logger.info("SlimWise: decode-only delta %s (%s)", value, ", ".join(delta.params))
+        return dict(delta.routers()), dict(delta.norms())
+
+    def _install(self, gate: nn.Module, pruned: torch.Tensor, router: torch.Tensor | None = None) -> None:
         gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
+        if router is not None:
+            gate.register_buffer("slimwise_router", router.to(gate.weight.device, gate.weight.dtype), persistent=False)
         routing = self
 
         def hook(module, args, output):
             logits = output[0] if isinstance(output, tuple) else output
-            mask = routing.decode_mask[: logits.shape[0], None] & module.slimwise_pruned[None, :]
-            masked = logits.masked_fill(mask, float("-inf"))
+            decode = routing.decode_mask[: logits.shape[0], None]
+            if router is not None:  # decode tokens route with the distilled router
+                logits = torch.where(decode, F.linear(args[0], module.slimwise_router).to(logits.dtype), logits)
+            masked = logits.masked_fill(decode & module.slimwise_pruned[None, :], float("-inf"))
             return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
         gate.register_forward_hook(hook)
 
+    def _install_norm(self, norm: nn.Module, weight: torch.Tensor) -> None:
+        """Decode tokens get the distilled MoE-input norm; recomputed from the (residual-added) input."""
+        norm.register_buffer("slimwise_norm", weight.to(norm.weight.device, norm.weight.dtype), persistent=False)
+        routing = self
+
+        def hook(module, args, output):
+            normed = output[0] if isinstance(output, tuple) else output
+            source = output[1] if isinstance(output, tuple) else args[0]  # fused add: output[1] = x + residual
+            x = source.float()
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+            y = module.slimwise_norm * y.to(normed.dtype)
+            out = torch.where(routing.decode_mask[: normed.shape[0], None], y, normed)
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+
+        norm.register_forward_hook(hook)
+
+    def _install_counting(self, model: nn.Module, text_config) -> None:
+        """With COUNT_EXPERTS_KEY: a hook on every gate, after the mask, recording the distinct experts that this
+        step's decode tokens select (top-k of the masked logits). Costs a top-k and a sync per layer; skipped
+        while torch.compile traces (counts then stay 0: benchmark with enforce_eager)."""
+        if not self.count_experts:
+            return
+        top_k = int(getattr(text_config, "num_experts_per_tok", 0) or getattr(text_config, "experts_per_token", 0))
+        self.register_buffer("count_rows", torch.zeros_like(self.decode_mask), persistent=False)
+        routing = self
+        for name, module in model.named_modules():
+            match = _GATE_NAME.search(name)
+            if match is None or not hasattr(module, "weight"):
+                continue
+            layer = int(match.group(1))
+
+            def hook(module, args, output, layer=layer):
+                if routing._count_batch == 0 or torch.compiler.is_compiling():
+                    return None
+                logits = output[0] if isinstance(output, tuple) else output
+                rows = logits[routing.count_rows[: logits.shape[0]]]
+                touched = int(torch.unique(rows.topk(min(top_k, rows.shape[-1]), dim=-1).indices).numel())
+                c = routing.counters
+                c.experts_touched_sum[layer] = c.experts_touched_sum.get(layer, 0) + touched
+                c.experts_counted_steps[layer] = c.experts_counted_steps.get(layer, 0) + 1
+                entry = c.touched_by_batch.setdefault(routing._count_batch, [0, 0])
+                entry[0] += 1
+                entry[1] += touched
+                return None
+
+            module.register_forward_hook(hook)
+
     @property
     def active(self) -> bool:
-        return bool(self.gates)
+        return bool(self.gates) or self.count_experts
 
     def set_step(self, positions: torch.Tensor, prompt_lens: np.ndarray) -> None:
         """Fill the decode mask for this step. prompt_lens: per scheduled token, its request's prompt length."""
@@ -132,7 +225,15 @@ class DecodeRouting(nn.Module):
             return
         n = len(prompt_lens)
         pos = positions[:n].to("cpu", non_blocking=False).numpy() if positions.is_cuda else positions[:n].numpy()
-        decode = np.ones(n, dtype=bool) if self.mask_all else pos >= prompt_lens
+        generated = pos >= prompt_lens
+        if self.count_experts:
+            self._count_batch = int(generated.sum())
+            self.count_rows[:n].copy_(torch.from_numpy(generated))
+            self.count_rows[n:].zero_()
+            self.counters.decode_steps += self._count_batch > 0
+            if not self.gates:
+                return
+        decode = np.ones(n, dtype=bool) if self.mask_all else generated.copy()
         n_decode = int(decode.sum())
         if self.min_decode_batch and not self.mask_all and n_decode < self.min_decode_batch:
             decode[:] = False  # load-aware policy: small decode batches keep every expert

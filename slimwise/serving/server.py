@@ -41,6 +41,7 @@ class ServeConfig:
     decode_model: str | None = None  # pruned checkpoint for the decode instance (exported if absent)
     prefill_url: str | None = None
     decode_url: str | None = None
+    nixl: bool = False  # attached instances use NixlConnector: forward its remote-decode transfer params
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
@@ -80,7 +81,7 @@ def colocated_command(cfg: ServeConfig) -> list[str]:
     cmd = [*VLLM, cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
     if cfg.plan:
         overrides = slimwise_overrides(cfg.model, cfg.plan, min_decode_batch=cfg.min_decode_batch,
-                                       log_every=cfg.log_every)
+                                       log_every=cfg.log_every, delta=cfg.delta)
         cmd += ["--hf-overrides", json.dumps(overrides)]
     if cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]
@@ -98,11 +99,14 @@ def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
     from slimwise.export import export_pruned
     from slimwise.models import load_model
 
-    key = hashlib.sha256(json.dumps([plan.fingerprint, plan.kept_experts], sort_keys=True).encode()).hexdigest()[:12]
+    delta_key = str(Path(cfg.delta).resolve()) if cfg.delta else None
+    key = hashlib.sha256(json.dumps([plan.fingerprint, plan.kept_experts, delta_key],
+                                    sort_keys=True).encode()).hexdigest()[:12]
     out = Path.home() / ".cache" / "slimwise" / "pruned" / f"{Path(cfg.model).name}-{key}"
     if not (out / "config.json").is_file():
-        print(f"exporting the pruned decode checkpoint to {out}", flush=True)
-        export_pruned(load_model(cfg.model), plan, out, source_dir=cfg.model)
+        print(f"exporting the pruned{'-and-distilled' if cfg.delta else ''} decode checkpoint to {out}", flush=True)
+        kwargs = {"delta": cfg.delta} if cfg.delta else {}
+        export_pruned(load_model(cfg.model), plan, out, source_dir=cfg.model, **kwargs)
     return str(out)
 
 
@@ -147,8 +151,6 @@ class Supervisor:
 
 def serve(cfg: ServeConfig) -> int:
     plan = PrunePlan.load(cfg.plan) if cfg.plan else None
-    if cfg.delta:
-        raise SlimWiseError("serving a distilled delta is not available yet; serve the plan without --distilled")
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
@@ -197,7 +199,7 @@ def serve(cfg: ServeConfig) -> int:
     else:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
                  {"prefill": prefill_url, "decode": decode_url})
-    config = uvicorn.Config(build_app(prefill_url, decode_url, kv_dir), host=cfg.host, port=cfg.port,
+    config = uvicorn.Config(build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl), host=cfg.host, port=cfg.port,
                             log_level="warning")
     server = uvicorn.Server(config)
     import threading
