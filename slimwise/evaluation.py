@@ -404,8 +404,8 @@ def load_delta(path: str | Path):
 def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None,
                 delta: Any = None) -> GenerationEngine:
     """`hf`: the reference PhaseSplitEngine (with a distilled `delta` for mode distilled); `vllm`:
-    `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=)` when that plugin is installed (generation only:
-    KL and traffic are measured on the HF model)."""
+    `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=, delta=)` when that plugin is installed (generation
+    only: KL and traffic are measured on the HF model)."""
     if kind == "hf":
         if delta is not None:
             return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta)
@@ -422,7 +422,10 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
         if cls is None:
             raise SlimWiseError("engine vllm needs slimwise.serving.VllmEngine (the vLLM plugin), which is not "
                                 "available in this install; use --engine hf")
-        return cls(str(model_dir), tokenizer=tokenizer, plan=plan)
+        # same dtype as the reference model, so greedy tokens can agree exactly
+        dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "auto"
+        delta_dir = getattr(delta, "path", delta) if delta is not None else None
+        return cls(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir)
     raise SlimWiseError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 
 
@@ -559,8 +562,6 @@ class EvalConfig:
             if not distillation_available():
                 raise SlimWiseError("distillation is not available yet in this install: drop mode distilled and "
                                     "--distilled")
-            if self.engine != "hf":
-                raise SlimWiseError("mode distilled runs on the reference engine: use --engine hf")
         if self.engine not in ENGINES:
             raise SlimWiseError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if not self.plans:

@@ -148,8 +148,8 @@ def test_config_refusals(monkeypatch):
         EvalConfig(ratios=(1.0,)).validate()
     with pytest.raises(SlimWiseError, match="unknown criteria"):
         EvalConfig(criteria=("magic",)).validate()
-    with pytest.raises(SlimWiseError, match="reference engine"):
-        EvalConfig(distilled="delta", engine="vllm").validate()
+    with pytest.raises(SlimWiseError, match="unknown engine"):
+        EvalConfig(engine="sglang").validate()
     monkeypatch.setitem(sys.modules, "slimwise.distill", None)  # an install without the distillation module
     with pytest.raises(SlimWiseError, match="distillation is not available yet"):
         EvalConfig(modes=("full", "distilled"), distilled="delta").validate()
