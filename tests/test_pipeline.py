@@ -164,3 +164,29 @@ def test_empty_plan_is_full_model(calibrated):
     engine = PhaseSplitEngine(model, plan=plan)
     assert engine.mask is not None and not engine.mask._originals  # nothing wrapped
     assert tokens(engine, random_prompts(), "uniform") == tokens(engine, random_prompts(), "full")
+
+
+def test_stop_strings_eos_and_length(tmp_path):
+    """Text prompts: stop strings cut the output (not included), EOS ends a row, max_new_tokens truncates."""
+    from slimwise.testbed import build_tokenizer
+    from slimwise.tiny import save_tiny_model
+
+    tok = build_tokenizer(tmp_path / "m")
+    save_tiny_model("qwen3_moe", tmp_path / "m", initializer_range=0.15, vocab_size=len(tok),
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    from slimwise.models import load_tokenizer
+
+    model, tok = load_model(tmp_path / "m"), load_tokenizer(tmp_path / "m")
+    engine = PhaseSplitEngine(model, tok)
+    prompts = ["add 12+34\n", "sort 3 1 2\n", "upper abc\n"]
+    free = engine.generate(prompts, "full", GenerationConfig(max_new_tokens=16, eos_token_id=-1))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in free)
+    stop = free[0].text[3:6]
+    cut = engine.generate(prompts, "full", GenerationConfig(max_new_tokens=16, eos_token_id=-1, stop=(stop,)))
+    assert cut[0].finish_reason == "stop" and cut[0].text == free[0].text[: free[0].text.index(stop)]
+    assert stop not in cut[0].text and len(cut[0].token_ids) < 16
+    # an EOS id that the model emits: the row ends there and the EOS is not part of the text
+    eos = free[1].token_ids[2]
+    ended = engine.generate(prompts, "full", GenerationConfig(max_new_tokens=16, eos_token_id=eos))
+    assert ended[1].finish_reason == "eos" and ended[1].token_ids[-1] == eos
+    assert len(ended[1].token_ids) == free[1].token_ids.index(eos) + 1
