@@ -70,8 +70,10 @@ def cmd_prune(args) -> None:
 
     plan = _plan_from_args(args)
     model = load_model(args.model, dtype=args.dtype)
-    out = export_pruned(model, plan, args.out, source_dir=resolve_model_dir(args.model), force=args.force)
-    print(f"wrote {out}: {plan.num_kept} of {plan.num_experts} experts per layer, verified against the source")
+    out = export_pruned(model, plan, args.out, source_dir=resolve_model_dir(args.model), force=args.force,
+                        delta=args.distilled)
+    print(f"wrote {out}: {plan.num_kept} of {plan.num_experts} experts per layer, verified against the source"
+          + (f", distilled delta {args.distilled} folded in" if args.distilled else ""))
 
 
 def cmd_generate(args) -> None:
@@ -198,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p)
     _add_plan_source(p)
     p.add_argument("--out", required=True, help="new directory for the pruned checkpoint")
+    p.add_argument("--distilled", help="a `slimwise distill` delta for this plan, folded in (pruned-and-distilled "
+                   "decoder for the decode instance)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(func=cmd_prune)
 
@@ -318,9 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 
-    from slimwise.perf.cli import add_roofline_parser
+    from slimwise.perf.cli import add_bench_parser, add_roofline_parser
 
     add_roofline_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

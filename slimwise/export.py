@@ -3,7 +3,9 @@
 Expert tensors and router rows (and biases) are sliced to the kept experts, renumbered 0..N'-1, and every
 expert-count field the family's loaders read is set to N'. The plan and a manifest mapping new ids to
 original ids are written beside the weights. The result is written to a temporary directory, reloaded and
-checked expert by expert against the source, and only then renamed into place.
+checked expert by expert against the source, and only then renamed into place. With a distilled delta
+(`slimwise.distill`), the delta is folded in first (trained router rows and norms, merged LoRA): the result is
+the pruned-and-distilled decoder, to serve as the decode instance behind the full model's prefill.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def _atomic_replace(tmp: Path, out: Path) -> None:
 
 
 def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tokenizer=None,
-                  source_dir: str | Path | None = None, force: bool = False) -> Path:
-    """Slice `model` (modified in place: pass a copy you no longer need) to `plan` and save it to out_dir."""
+                  source_dir: str | Path | None = None, force: bool = False, delta=None) -> Path:
+    """Slice `model` (modified in place: pass a copy you no longer need) to `plan` and save it to out_dir.
+
+    `delta` (a `slimwise.distill.Delta` or its directory, distilled for this model and plan) is folded in
+    before slicing; the manifest's "delta" field then describes it."""
     out_dir = Path(out_dir)
     source_dir = Path(source_dir) if source_dir else (Path(model.slimwise_source_dir)
                                                       if hasattr(model, "slimwise_source_dir") else None)
@@ -59,6 +64,11 @@ def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tok
     n_keep = plan.num_kept  # refuses non-uniform plans
     check_output_dir(out_dir, source_dir, force)
     source_fp = model_fingerprint(model)
+    delta_info = None
+    if delta is not None:
+        from slimwise.distill import fold_delta  # lazy: plain exports never load the training code
+
+        delta_info = fold_delta(model, delta, plan)  # checks the delta against the unmodified weights first
 
     originals: dict[int, dict[str, torch.Tensor]] = {}
     for layer in adapter.moe_layers(model):
@@ -90,7 +100,7 @@ def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tok
             "source_num_experts": plan.num_experts,
             "num_experts": n_keep,
             "kept_original_ids": {str(k): v for k, v in plan.kept_experts.items()},
-            "delta": None,
+            "delta": delta_info,
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
         verify_export(tmp, plan, originals)

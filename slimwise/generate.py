@@ -5,6 +5,9 @@ Modes (the three things SlimWise compares):
   uniform   classic pruning: the pruned model prefills and decodes;
   slimwise  the full model prefills (prompt KV cache and first token are the full model's), the pruned
             model decodes on that same cache.
+  distilled slimwise plus a distilled decode-only delta (`slimwise.distill`): the delta's parameters act only
+            while the pruned decoder runs, so prefill is still exactly the full model (a delta distilled for
+            the uniform baseline acts in both phases of uniform pruning instead).
 The pruned model is either a masked view of the full model's weights (`ExpertMask`, one copy in memory) or
 a separately loaded pruned checkpoint (`decode_model`); both give the same tokens.
 
@@ -14,7 +17,7 @@ The loop is gpt-fast style: left-padded batch, one prefill forward, then one for
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -27,8 +30,8 @@ from slimwise.errors import SlimWiseError
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan, model_fingerprint
 
-Mode = Literal["full", "uniform", "slimwise"]
-MODES: tuple[str, ...] = ("full", "uniform", "slimwise")
+Mode = Literal["full", "uniform", "slimwise", "distilled"]
+MODES: tuple[str, ...] = ("full", "uniform", "slimwise", "distilled")
 
 # config fields that must agree for a decoder to read another model's cache
 _CACHE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -105,11 +108,22 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@contextmanager
+def _stacked(*factories):
+    """Enter several context factories as one (phase mask + delta switch)."""
+    with ExitStack() as stack:
+        for factory in factories:
+            stack.enter_context(factory())
+        yield
+
+
 class PhaseSplitEngine:
-    """Generate in `full`, `uniform` or `slimwise` mode with one full model and a plan (or a pruned checkpoint)."""
+    """Generate in `full`, `uniform`, `slimwise` or `distilled` mode with one full model and a plan (or a pruned
+    checkpoint). `delta` (a `slimwise.distill.Delta` or its directory) needs `plan`; it is used by mode
+    `distilled` only, so one engine compares training-free and distilled decoding."""
 
     def __init__(self, model: nn.Module, tokenizer=None, plan: PrunePlan | None = None,
-                 decode_model: nn.Module | None = None):
+                 decode_model: nn.Module | None = None, delta=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.plan = plan
@@ -128,8 +142,23 @@ class PhaseSplitEngine:
                                         f"plan keeps {plan.num_kept}: pass the checkpoint exported from this plan")
         elif plan is not None:
             self.mask = ExpertMask(model, plan)
+        self.delta = None  # an installed delta (slimwise.distill.InstalledDelta), switched on by mode distilled
+        if delta is not None:
+            if self.mask is None:
+                raise SlimWiseError("a distilled delta needs plan= (the plan it was distilled for) and no decode "
+                                    "model; a pruned checkpoint takes the delta at export (export_pruned(delta=))")
+            from slimwise.distill import apply_delta  # distill imports this module
+
+            try:
+                self.delta = apply_delta(model, delta, self.mask, plan)
+            except BaseException:
+                self.mask.remove()  # a refused delta leaves the model as it was
+                raise
 
     def close(self) -> None:
+        if self.delta is not None:
+            self.delta.remove()  # before the mask: the delta wraps the mask's routers
+            self.delta = None
         if self.mask is not None:
             self.mask.remove()
 
@@ -138,6 +167,11 @@ class PhaseSplitEngine:
         """(model, context factory) that runs `phase` ("prefill" or "decode") of `mode`."""
         if mode not in MODES:
             raise SlimWiseError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode == "distilled":
+            if self.delta is None:
+                raise SlimWiseError("mode 'distilled' needs a delta: pass delta= (the output of `slimwise distill`)")
+            model, ctx = self._phase(self.delta.mode, phase)
+            return model, lambda: _stacked(ctx, self.delta.switched_on)
         pruned = mode == "uniform" or (mode == "slimwise" and phase == "decode")
         if not pruned:
             return self.model, (lambda: self.mask.pruned(False)) if self.mask else nullcontext

@@ -102,10 +102,33 @@ def test_compiled_equals_eager(setup):
         engine.close()
 
 
-def test_shared_expert_family(setup):
-    model_dir, plan, ref, _ = setup("qwen2_moe")
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
+def test_other_served_families(family, setup):
+    """Every family whose stock vLLM model runs on this CPU (qwen2_moe: routed + shared expert)."""
+    model_dir, plan, ref, _ = setup(family)
     engine = VllmEngine(model_dir, plan)
     try:
         assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["slimwise"]
+    finally:
+        engine.close()
+
+
+def test_distilled_delta_in_vllm_equals_reference(setup, tmp_path):
+    """Router + norm delta act on decode tokens only, in vLLM exactly as in the reference engine."""
+    from slimwise.distill import DistillConfig, distill
+
+    model_dir, plan, ref, _ = setup("qwen3_moe")
+    model = load_model(model_dir)
+    delta = distill(model, plan, random_prompts(8, seed=9),
+                    config=DistillConfig(params=("router", "norm"), steps=4, batch_size=4, max_new_tokens=8,
+                                         lr=5e-2, progress=False))
+    delta.save(tmp_path / "delta")
+    reference = PhaseSplitEngine(model, plan=plan, delta=tmp_path / "delta")
+    want = [o.token_ids for o in reference.generate(PROMPTS, "distilled", CONFIG)]
+    assert want != ref["slimwise"], "the delta changed nothing: the test could not tell"
+    assert [o.token_ids[0] for o in reference.generate(PROMPTS, "distilled", CONFIG)] == [t[0] for t in ref["full"]]
+    engine = VllmEngine(model_dir, plan, delta=tmp_path / "delta")
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, "distilled", CONFIG)] == want
     finally:
         engine.close()

@@ -1,0 +1,279 @@
+"""Decode-only distillation on tiny random models: training, decode-only application, delta files, refusals,
+resume, export with the delta folded in, CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import ALL_FAMILIES, TINY_INIT, random_prompts
+from test_pipeline import cache_tensors
+
+from slimwise.calibrate import CalibrationConfig, calibrate
+from slimwise.cli import main as cli_main
+from slimwise.criteria import plan_from_stats
+from slimwise.distill import Delta, DistillConfig, distill, init_delta, plan_hash
+from slimwise.errors import SlimWiseError
+from slimwise.export import export_pruned, load_pruned
+from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.models import load_model
+from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+from slimwise.tiny import build_tiny_model
+
+GREEDY = GenerationConfig(max_new_tokens=12, batch_size=4)
+FAST = dict(steps=6, batch_size=8, max_new_tokens=10, lr=1e-2, progress=False)
+
+
+def tokens(engine, prompts, mode):
+    return [o.token_ids for o in engine.generate(prompts, mode=mode, config=GREEDY)]
+
+
+def make_plan(model, ratio=0.5):
+    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8, batch_size=4),
+                      progress=False)
+    return plan_from_stats(stats, "reap", ratio)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dirs):
+    """family -> (model, plan at 50% REAP)."""
+    cache = {}
+
+    def get(family="qwen3_moe"):
+        if family not in cache:
+            model = load_model(tiny_dirs(family))
+            cache[family] = (model, make_plan(model))
+        return cache[family]
+
+    return get
+
+
+def perturbed_delta(model, plan, params=("router", "norm", "lora"), mode="slimwise", scale=0.5) -> Delta:
+    """A delta with every tensor visibly moved (what training would do), without paying for training."""
+    delta = init_delta(model, plan, DistillConfig(params=params, mode=mode))
+    g = torch.Generator().manual_seed(0)
+    for t in delta.tensors.values():
+        t.add_(torch.randn(t.shape, generator=g) * scale * (t.abs().mean() + 0.05))
+    return delta
+
+
+def test_loss_decreases_and_only_the_delta_trains(setup):
+    model, plan = setup()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    prompts = random_prompts(8, seed=2)
+    delta = distill(model, plan, prompts, config=DistillConfig(params=("router", "norm", "lora"), **FAST))
+    history = delta.manifest["loss_history"]
+    assert len(history) == 6 and history[-1] < 0.8 * history[0], history  # one full batch: the same data each step
+    # the model itself is untouched (weights bit-identical, flags restored); only the delta moved
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    start = init_delta(model, plan, DistillConfig(params=("router", "norm", "lora")))
+    assert set(delta.tensors) == set(start.tensors)
+    for i, w in delta.routers().items():
+        pruned = plan.pruned_mask(i)
+        assert torch.equal(w[pruned], start.tensors[f"layers.{i}.router.weight"][pruned])  # pruned rows never train
+        assert not torch.equal(w[~pruned], start.tensors[f"layers.{i}.router.weight"][~pruned])
+    assert all(not torch.equal(w, start.tensors[f"layers.{i}.moe_norm.weight"]) for i, w in delta.norms().items())
+    assert all(b.abs().sum() > 0 for _, b in delta.lora_pairs().values())
+
+
+@pytest.mark.parametrize("params", [("router",), ("norm",), ("lora",)])
+def test_only_the_chosen_set_is_in_the_delta(setup, params):
+    model, plan = setup()
+    delta = distill(model, plan, random_prompts(8, seed=2), config=DistillConfig(params=params, **FAST))
+    kinds = {"router": ".router.weight", "norm": ".moe_norm.weight", "lora": ".lora_"}
+    assert all(any(kinds[p] in name for p in params) for name in delta.tensors)
+    assert delta.params == list(params)
+
+
+def test_trainable_share_reported(setup):
+    model, plan = setup()
+    cfg = DistillConfig(params=("router", "norm", "lora"), lora_targets=("q_proj", "o_proj"), lora_rank=4, **FAST)
+    delta = distill(model, plan, random_prompts(8, seed=2), config=cfg)
+    hidden = model.config.hidden_size
+    layers = list(plan.kept_experts)
+    routers = sum(len(plan.kept(i)) for i in layers) * hidden  # the kept rows only
+    norms = len(layers) * hidden
+    lora = sum(4 * (m.in_features + m.out_features) for n, m in model.named_modules()
+               if n.endswith(("q_proj", "o_proj")))
+    total = sum(p.numel() for p in model.parameters())
+    m = delta.manifest
+    assert m["trainable_params"] == routers + norms + lora
+    assert m["model_params"] == total and m["trainable_share"] == pytest.approx((routers + norms + lora) / total)
+    assert m["steps"] == 6 and m["seconds"] > 0 and m["peak_memory_mb"] > 0
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_prefill_stays_the_full_model_with_a_delta(family, setup):
+    """With a delta loaded, prompt-position cache entries and the first token are bit-identical to full."""
+    model, plan = setup(family)
+    delta = perturbed_delta(model, plan)
+    engine = PhaseSplitEngine(model, plan=plan, delta=delta)
+    prompts = random_prompts()
+    full_cache, full_logits, *_ = engine.prefill(prompts, "full")
+    d_cache, d_logits, *_ = engine.prefill(prompts, "distilled")
+    assert torch.equal(full_logits, d_logits)
+    a, b = cache_tensors(full_cache), cache_tensors(d_cache)
+    assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    full = tokens(engine, prompts, "full")
+    dist = tokens(engine, prompts, "distilled")
+    slim = tokens(engine, prompts, "slimwise")
+    assert [t[0] for t in full] == [t[0] for t in dist]
+    assert dist != slim, "the delta changed nothing"
+    engine.close()
+    if family == "qwen3_moe":  # slimwise stays training-free with a delta loaded
+        plain = PhaseSplitEngine(model, plan=plan)
+        assert tokens(plain, prompts, "slimwise") == slim
+        plain.close()
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
+def test_uniform_delta_acts_in_both_phases(setup):
+    model, plan = setup()
+    delta = perturbed_delta(model, plan, params=("router", "norm"), mode="uniform")
+    engine = PhaseSplitEngine(model, plan=plan, delta=delta)
+    prompts = random_prompts()
+    _, uni_logits, *_ = engine.prefill(prompts, "uniform")
+    _, dist_logits, *_ = engine.prefill(prompts, "distilled")
+    assert not torch.equal(uni_logits, dist_logits)
+    engine.close()
+    trained = distill(model, plan, random_prompts(8, seed=2), config=DistillConfig(mode="uniform", **FAST))
+    assert trained.mode == "uniform" and trained.manifest["loss_history"][-1] < trained.manifest["loss_history"][0]
+
+
+def test_delta_save_load_round_trip(setup, tmp_path):
+    model, plan = setup()
+    delta = perturbed_delta(model, plan)
+    path = delta.save(tmp_path / "delta")
+    loaded = Delta.load(path)
+    assert Delta.load(path / "delta.safetensors").manifest == loaded.manifest
+    assert set(loaded.tensors) == set(delta.tensors)
+    assert all(torch.equal(loaded.tensors[k], delta.tensors[k]) for k in delta.tensors)
+    assert loaded.manifest["plan_hash"] == plan_hash(plan) and loaded.mode == "slimwise"
+    prompts = random_prompts()
+    got = []
+    for d in (delta, path):  # one engine at a time: masks and deltas wrap the model's own modules
+        engine = PhaseSplitEngine(model, plan=plan, delta=d)
+        got.append(tokens(engine, prompts, "distilled"))
+        engine.close()
+    assert got[0] == got[1]
+    with pytest.raises(SlimWiseError, match="exists and is not empty"):
+        delta.save(path)
+    delta.save(path, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["delta"]  # no temporary leftovers
+
+
+def test_refusals(setup, tmp_path):
+    model, plan = setup()
+    delta = perturbed_delta(model, plan)
+    other_plan = make_plan(model, 0.25)
+    with pytest.raises(SlimWiseError, match="another plan"):
+        PhaseSplitEngine(model, plan=other_plan, delta=delta)
+    other = build_tiny_model("qwen3_moe", seed=1, initializer_range=TINY_INIT)
+    other_model_plan = make_plan(other)
+    with pytest.raises(SlimWiseError, match="other weights"):
+        PhaseSplitEngine(other, plan=other_model_plan, delta=delta)
+    with pytest.raises(SlimWiseError, match="plan fingerprint"):  # plan/model mismatch
+        PhaseSplitEngine(model, plan=other_model_plan, delta=delta)
+    with pytest.raises(SlimWiseError, match="empty"):
+        distill(model, plan, [], config=DistillConfig(**FAST))
+    with pytest.raises(SlimWiseError, match="nothing to distil"):
+        distill(model, make_plan(model, 0.0), random_prompts(4), config=DistillConfig(**FAST))
+    with pytest.raises(SlimWiseError, match="unknown trainable"):
+        distill(model, plan, random_prompts(4), config=DistillConfig(params=("experts",)))
+    with pytest.raises(SlimWiseError, match="not a SlimWise delta"):
+        Delta.load(tmp_path)
+    engine = PhaseSplitEngine(model, plan=plan)
+    with pytest.raises(SlimWiseError, match="needs a delta"):
+        engine.generate(random_prompts(2), "distilled")
+    engine.close()
+    with pytest.raises(SlimWiseError, match="another plan"):
+        export_pruned(load_model(model.slimwise_source_dir), other_plan, tmp_path / "x", delta=delta)
+    assert not (tmp_path / "x").exists()
+    assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+
+
+def test_resume_gives_the_uninterrupted_delta(setup, tmp_path):
+    model, plan = setup()
+    prompts = random_prompts(12, seed=4)
+    cfg = dict(FAST, params=("router", "norm", "lora"), steps=5, batch_size=4, checkpoint_every=1)
+    straight = distill(model, plan, prompts, config=DistillConfig(**cfg))
+
+    def interrupt(step, loss):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    ckpt = tmp_path / "run.ckpt.pt"
+    with pytest.raises(KeyboardInterrupt):
+        distill(model, plan, prompts, config=DistillConfig(**cfg, checkpoint=str(ckpt)), callback=interrupt)
+    assert ckpt.is_file() and not any("forward" in m.__dict__ for m in model.modules())
+    resumed = distill(model, plan, prompts, config=DistillConfig(**cfg, checkpoint=str(ckpt), resume=True))
+    assert resumed.manifest["loss_history"] == straight.manifest["loss_history"]
+    assert all(torch.equal(resumed.tensors[k], straight.tensors[k]) for k in straight.tensors)
+    with pytest.raises(SlimWiseError, match="another run"):
+        distill(model, plan, prompts, config=DistillConfig(**(cfg | {"lr": 0.5}), checkpoint=str(ckpt), resume=True))
+
+
+def test_export_with_delta_equals_masked_view_with_delta(setup, tmp_path):
+    model, plan = setup()
+    delta = distill(model, plan, random_prompts(8, seed=2), config=DistillConfig(params=("router", "norm", "lora"),
+                                                                                 **FAST))
+    out = export_pruned(load_model(model.slimwise_source_dir), plan, tmp_path / "distilled", delta=delta)
+    pruned, saved_plan = load_pruned(out)  # stock transformers loads it
+    manifest = json.loads((out / "slimwise_manifest.json").read_text())
+    assert manifest["delta"]["plan_hash"] == plan_hash(plan) and manifest["delta"]["params"] == delta.params
+    masked = PhaseSplitEngine(model, plan=plan, delta=delta)
+    sliced = PhaseSplitEngine(model, plan=saved_plan, decode_model=pruned)
+    prompts = random_prompts()
+    want = tokens(masked, prompts, "distilled")
+    assert want == tokens(sliced, prompts, "slimwise")
+    assert want != tokens(masked, prompts, "slimwise")
+    masked.close()
+    with pytest.raises(SlimWiseError, match="no decode model"):
+        PhaseSplitEngine(model, plan=plan, decode_model=pruned, delta=delta)
+
+
+def test_cli_distill(setup, tmp_path, capsys):
+    model, plan = setup()
+    model_dir = tmp_path / "model"
+    shutil.copytree(model.slimwise_source_dir, model_dir)
+    build_tokenizer(model_dir)
+    plan_path = plan.save(tmp_path / "plan.json")
+    data = export_jsonl(make_split("calib", 2, seed=0, domain="arithmetic"), tmp_path / "calib.jsonl")
+    out = tmp_path / "delta"
+    args = ["distill", str(model_dir), "--plan", str(plan_path), "--data", str(data), "--out", str(out),
+            "--steps", "3", "--batch-size", "4", "--max-new-tokens", "8", "--params", "router,norm"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "trainable parameters" in printed and "% of the model" in printed and "peak memory" in printed
+    delta = Delta.load(out)
+    assert delta.params == ["router", "norm"] and delta.manifest["steps"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "delta", "model", "plan.json"]  # no ckpt
+    pruned = tmp_path / "pruned"
+    assert cli_main(["prune", str(model_dir), "--plan", str(plan_path), "--distilled", str(out), "--out", str(pruned)]) == 0
+    assert "folded in" in capsys.readouterr().out
+    assert json.loads((pruned / "slimwise_manifest.json").read_text())["delta"]["plan_hash"] == plan_hash(plan)
+    shutil.rmtree(pruned)
+    assert cli_main(args) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert cli_main([*args[:4], "--data", str(empty), "--out", str(tmp_path / "d2")]) == 2
+    assert "no records" in capsys.readouterr().err
+    assert not (tmp_path / "d2").exists()
+
+
+def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):
+    """The per-step teacher (full model on a copy of the prefill cache) equals the cached one; other losses and
+    on-policy mixing train too."""
+    model, plan = setup()
+    prompts = random_prompts(8, seed=2)
+    cached = distill(model, plan, prompts, config=DistillConfig(**FAST))
+    fly = distill(model, plan, prompts, config=DistillConfig(teacher_cache_mb=0, **FAST))
+    assert fly.manifest["loss_history"] == pytest.approx(cached.manifest["loss_history"], rel=1e-4)
+    for extra in (dict(loss="rkl"), dict(loss="jsd", ce_weight=0.5), dict(on_policy=0.5)):
+        history = distill(model, plan, prompts, config=DistillConfig(**(FAST | extra))).manifest["loss_history"]
+        assert history[-1] < history[0], (extra, history)
