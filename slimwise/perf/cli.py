@@ -197,3 +197,150 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plot", help="PNG path for the speedup plot (default: inside --out)")
     p.set_defaults(func=cmd_roofline)
     return p
+
+
+# ----- slimwise bench / slimwise calib-cost --------------------------------------------------------------------
+
+BENCH_VARIANTS_HELP = ("full | slimwise | pruned | uniform | slimwise-minN (load-aware: prune only on steps with "
+                       ">= N decode tokens); default: full slimwise pruned uniform")
+
+
+def _print_threshold(rep: dict) -> None:
+    measured = rep.get("measured_batch")
+    line = (f"load-aware threshold for speedup >= {rep['min_speedup']:.2f}x: measured smallest batch "
+            f"{measured if measured is not None else 'none (never reached)'}")
+    if "roofline_batch" in rep:
+        line += f"; roofline {rep['roofline_batch'] if rep['roofline_batch'] is not None else 'none'}"
+    if measured is not None:
+        line += f" -> serve with --min-decode-batch {measured}"
+    print(line)
+
+
+def cmd_bench(args) -> None:
+    from slimwise.perf.bench import BenchConfig, format_tables, run_bench, threshold_report
+
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        print(format_tables(result))
+        if args.suggest_threshold is not None:
+            _print_threshold(threshold_report(result, args.suggest_threshold))
+        return
+    if bool(args.model) == bool(args.synthetic):
+        raise SlimWiseError("give exactly one of MODEL and --synthetic PRESET (or --from-json BENCH_JSON)")
+    config = BenchConfig(
+        model=args.model, synthetic=args.synthetic, layers=args.layers, routing_skew=args.routing_skew,
+        synthetic_dir=args.synthetic_dir, plan=args.plan, stats=args.stats, criterion=args.criterion,
+        ratio=args.ratio, pruned_model=args.pruned_model, variants=tuple(args.variants),
+        batches=tuple(args.batch), prompt_len=args.prompt_len, output_len=args.output_len,
+        repetitions=args.repetitions, warmup_tokens=args.warmup_tokens, dtype=args.dtype,
+        enforce_eager=not args.compile,
+        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
+        max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart,
+        count_experts=not args.no_count, count_output_len=args.count_output_len,
+        hardware=None if args.hardware == "none" else args.hardware, suggest_threshold=args.suggest_threshold,
+        out_dir=args.out, plot=args.plot, seed=args.seed, verbose=args.verbose)
+    result = run_bench(config)
+    print()
+    print(format_tables(result))
+    for name, bar in result["bars"].items():
+        print(f"bar {name}: {json.dumps(bar)}")
+    if "threshold" in result:
+        _print_threshold(result["threshold"])
+    print(f"wrote {result['files']['json']}, {result['files']['markdown']}, {result['files']['png']}")
+
+
+def cmd_calib_cost(args) -> None:
+    from slimwise.perf.calib_cost import CalibCostConfig, run_calib_cost
+
+    if bool(args.model) == bool(args.synthetic):
+        raise SlimWiseError("give exactly one of MODEL and --synthetic PRESET")
+    run_calib_cost(CalibCostConfig(model=args.model, synthetic=args.synthetic, layers=args.layers,
+                                   synthetic_dir=args.synthetic_dir, dtype=args.dtype, phase=args.phase,
+                                   num_prompts=args.num_prompts, prompt_len=args.prompt_len,
+                                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                   repetitions=args.repetitions, seed=args.seed, out=args.out))
+
+
+def cmd_policy_quality(args) -> None:
+    from slimwise.perf.policy import PolicyQualityConfig, format_policy_table, run_policy_quality
+
+    result = run_policy_quality(PolicyQualityConfig(
+        model=args.model, threshold=args.threshold, concurrencies=tuple(args.concurrency), plan=args.plan,
+        ratio=args.ratio, domain=args.domain, n_per_family=args.n_per_family, max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype, seed=args.seed, out=args.out))
+    print(format_policy_table(result))
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `slimwise bench` and `slimwise calib-cost` (cheap: heavy imports happen on run)."""
+    p = subparsers.add_parser(
+        "bench", help="decode throughput in vLLM: full / SlimWise / pruned / uniform against batch size",
+        description="Time decode (prefill excluded) of every variant in vLLM with identical engine settings, "
+                    "variants interleaved over rounds; count expert traffic; compare with the roofline.")
+    p.add_argument("model", nargs="?", help="full model checkpoint directory (or use --synthetic)")
+    p.add_argument("--synthetic", choices=PRESET_NAMES, help="random-weight model of a real configuration")
+    p.add_argument("--layers", type=int, help="--synthetic: layer count (default: the preset's build default)")
+    p.add_argument("--routing-skew", help="--synthetic: calibration stats whose usage shares the routers follow")
+    p.add_argument("--synthetic-dir", help="--synthetic: build/reuse directory (default runs/synthetic-PRESET...)")
+    p.add_argument("--plan", help="plan JSON (default: from --stats, else random per layer at --ratio)")
+    p.add_argument("--stats", help="calibration stats for the plan")
+    p.add_argument("--criterion", default="reap", help="with --stats of this model (default reap)")
+    p.add_argument("--ratio", type=float, default=0.5, help="share of experts pruned (default 0.5)")
+    p.add_argument("--pruned-model", help="exported pruned checkpoint (default: exported into --out/pruned)")
+    p.add_argument("--variants", nargs="+", default=["full", "slimwise", "pruned", "uniform"],
+                   help=BENCH_VARIANTS_HELP)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
+                   help="decode batch sizes (default 1 4 8 16 32 64 128 256)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repetitions", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate per batch")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "auto"])
+    p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
+    p.add_argument("--kv-cache-gb", type=float, help="KV cache per engine (default: what the largest batch needs)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="default: max batch x prompt length")
+    p.add_argument("--restart", action="store_true",
+                   help="one engine alive at a time, restarted every round (when the engines do not fit together)")
+    p.add_argument("--no-count", action="store_true", help="skip the expert-traffic pass")
+    p.add_argument("--count-output-len", type=int, default=16, help="tokens per sequence in the traffic pass")
+    p.add_argument("--hardware", default="cpu-measured", help="roofline hardware (cpu-measured, h100, h200, none)")
+    p.add_argument("--suggest-threshold", type=float, metavar="MIN_SPEEDUP",
+                   help="print the smallest batch where SlimWise reaches this speedup (for --min-decode-batch)")
+    p.add_argument("--from-json", help="re-print tables (and --suggest-threshold) from a bench.json; runs nothing")
+    p.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.md, bench.png)")
+    p.add_argument("--plot", help="PNG path (default OUT/bench.png)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    p.set_defaults(func=cmd_bench)
+
+    c = subparsers.add_parser("calib-cost", help="calibration statistics pass vs an all-experts (REAP-style) observer")
+    c.add_argument("model", nargs="?", help="checkpoint directory (or an embedded name), or use --synthetic")
+    c.add_argument("--synthetic", choices=PRESET_NAMES)
+    c.add_argument("--layers", type=int)
+    c.add_argument("--synthetic-dir")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    c.add_argument("--phase", default="prompt", choices=["prompt", "decode", "all"])
+    c.add_argument("--num-prompts", type=int, default=16)
+    c.add_argument("--prompt-len", type=int, default=64)
+    c.add_argument("--max-new-tokens", type=int, default=16)
+    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--repetitions", type=int, default=3)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", help="JSON path for the result")
+    c.set_defaults(func=cmd_calib_cost)
+
+    q = subparsers.add_parser("policy-quality",
+                              help="accuracy of SlimWise with and without the load-aware policy, against concurrency")
+    q.add_argument("model", nargs="?", default="testbed-a", help="trained MoE (default: the embedded testbed-a)")
+    q.add_argument("--threshold", type=int, required=True, help="min decode batch of the policy (from bench)")
+    q.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="vLLM max_num_seqs values")
+    q.add_argument("--plan", help="plan JSON (default: decode-phase calibration + REAP at --ratio)")
+    q.add_argument("--ratio", type=float, default=0.5)
+    q.add_argument("--domain", help="testbed domain (default: the target domain)")
+    q.add_argument("--n-per-family", type=int, default=16)
+    q.add_argument("--max-new-tokens", type=int, default=160)
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--out", help="JSON path for the result")
+    q.set_defaults(func=cmd_policy_quality)
+    return p

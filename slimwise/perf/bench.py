@@ -1,0 +1,780 @@
+"""`slimwise bench`: decode throughput of full / SlimWise / pruned / uniform models in vLLM, against batch size.
+
+Variants (one vLLM engine each, identical engine settings):
+  full          the checkpoint as is (stock architecture);
+  slimwise      SlimWise colocated: full-model prefill, decode tokens routed to the kept experts (masking);
+  pruned        the exported pruned checkpoint alone (what a PD-disaggregated decode instance runs);
+  uniform       every token routed to the kept experts inside the full checkpoint (classic pruning);
+  slimwise-minN SlimWise with the load-aware policy: prune only on steps with >= N decode tokens.
+
+Method: B random-token prompts of `prompt_len` tokens, `output_len` tokens each with ignore_eos and greedy
+sampling. Decode time comes from vLLM's per-request metrics (engine-core timestamps): from the first token
+(the end of the prefill step) to the last, so prefill is excluded; decode throughput = tokens generated after
+the first / decode time; time per output token = decode time / (output_len - 1). Requests are enqueued while the
+scheduler is paused (`LLM.sleep(level=0)`, `enqueue`, `wake_up`, `wait_for_completion`) and
+max_num_batched_tokens >= B x prompt_len, so every prompt is prefilled in the same step and every decode step
+holds exactly B decode tokens; `prefill_spread_s` in the JSON proves it (0 = one prefill step). Per batch size: a warm-up generate for every
+variant, then `repetitions` rounds in which every variant runs once, the order rotated each round (A B C, B C
+A, ...). Speedups are paired: variant / full within the same round; medians and min-max are reported. Engine
+start (construction of `vllm.LLM`) is timed separately and excluded.
+
+Engines stay resident (all variants alive at once) unless `restart` is set: then each round starts and closes
+one engine per variant in turn (for machines where the engines do not fit together).
+
+Expert traffic (`count_experts`): a separate pass with counting engines (the plugin's
+`slimwise_count_experts` hook, eager mode) runs each batch once more and reads, per layer and decode step,
+the distinct experts the decode tokens selected; beside it the uniform expectation E'(1-(1-k/E')^B) and the
+expert bytes read. Counting costs a top-k and a sync per layer per step, so it never runs in the timed engines.
+
+Roofline (`hardware`, default cpu-measured): `slimwise.perf.roofline` predicts the same speedups for the
+model's configuration at context prompt_len + output_len/2; the JSON holds predicted vs measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from slimwise.errors import SlimWiseError
+
+DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
+BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
+POLICY_PREFIX = "slimwise-min"
+
+
+@dataclass
+class BenchConfig:
+    """What to benchmark and how. Exactly one of `model` (a checkpoint) and `synthetic` (a preset name)."""
+
+    model: str | None = None
+    synthetic: str | None = None
+    layers: int | None = None  # synthetic: layer count (default: the preset's build default)
+    routing_skew: str | None = None  # synthetic: calibration stats whose usage shares the routers follow
+    synthetic_dir: str | None = None  # where the synthetic model is built (default runs/synthetic-<preset>[...])
+    plan: str | None = None  # plan JSON; default: from `stats`, else random (seeded), at `ratio`
+    stats: str | None = None  # calibration stats for the plan (this model's, or usage shares for synthetic)
+    criterion: str = "reap"
+    ratio: float = 0.5
+    pruned_model: str | None = None  # exported pruned checkpoint; default: exported into out_dir/pruned
+    variants: tuple[str, ...] = BASE_VARIANTS
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    prompt_len: int = 32
+    output_len: int = 128
+    repetitions: int = 3
+    warmup_tokens: int = 8
+    dtype: str = "bfloat16"
+    enforce_eager: bool = True
+    kv_cache_bytes: int | None = None  # default: what the largest batch needs, +25%
+    max_num_batched_tokens: int | None = None  # default: max batch x prompt_len (one prefill step)
+    restart: bool = False
+    count_experts: bool = True
+    count_output_len: int = 16
+    hardware: str | None = "cpu-measured"  # roofline hardware; None: no prediction
+    suggest_threshold: float | None = None  # print the smallest batch where slimwise reaches this speedup
+    out_dir: str = "runs/bench"
+    plot: str | None = None  # PNG path (default out_dir/bench.png)
+    seed: int = 0
+    verbose: bool = False
+
+
+@dataclass
+class Variant:
+    """One engine configuration."""
+
+    name: str
+    model_dir: str
+    overrides: dict
+    available_experts: int  # experts a decode token can reach
+    stock_arch: str
+    min_decode_batch: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+# ----- preparation -------------------------------------------------------------------------------------------
+
+def _check_config(config: BenchConfig) -> None:
+    if bool(config.model) == bool(config.synthetic):
+        raise SlimWiseError("give exactly one of a model directory and --synthetic PRESET")
+    if not config.batches or min(config.batches) < 1:
+        raise SlimWiseError(f"batch sizes must be >= 1, got {list(config.batches)}")
+    if config.output_len < 2:
+        raise SlimWiseError("output_len must be >= 2: decode time is measured from the first to the last token")
+    if config.prompt_len < 1 or config.repetitions < 1:
+        raise SlimWiseError("prompt_len and repetitions must be >= 1")
+    for v in config.variants:
+        if v not in BASE_VARIANTS and not (v.startswith(POLICY_PREFIX) and v[len(POLICY_PREFIX):].isdigit()):
+            raise SlimWiseError(f"unknown variant {v!r}; have: {', '.join(BASE_VARIANTS)}, {POLICY_PREFIX}N")
+    if "full" not in config.variants:
+        raise SlimWiseError("variant 'full' is needed: every ratio is against the full model of the same round")
+    if len(set(config.variants)) != len(config.variants):
+        raise SlimWiseError("variants must be distinct")
+
+
+def synthetic_dir(config: BenchConfig) -> Path:
+    from slimwise.perf.presets import get_preset
+
+    if config.synthetic_dir:
+        return Path(config.synthetic_dir)
+    preset = get_preset(config.synthetic)
+    name = f"synthetic-{preset.name}"
+    if config.layers is not None and config.layers != preset.build_layers:
+        name += f"-L{config.layers}"
+    if config.routing_skew:
+        name += "-skew-" + Path(config.routing_skew).stem
+    if config.seed:
+        name += f"-s{config.seed}"
+    return Path("runs") / name
+
+
+def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Path:
+    """The full model's directory: the given checkpoint, or a synthetic preset (built once, then reused)."""
+    if config.model:
+        from slimwise.models import resolve_model_dir
+
+        return Path(resolve_model_dir(config.model))
+    from slimwise.perf.presets import build_synthetic, get_preset
+
+    preset = get_preset(config.synthetic)
+    out = synthetic_dir(config)
+    layers = preset.build_layers if config.layers is None else config.layers
+    manifest = out / "slimwise_synthetic.json"
+    if manifest.is_file():
+        m = json.loads(manifest.read_text())
+        want = {"preset": preset.name, "layers": layers, "seed": config.seed,
+                "routing_skew_from": str(config.routing_skew) if config.routing_skew else None}
+        have = {k: m.get(k) for k in want}
+        if have != want:
+            raise SlimWiseError(f"{out} holds another synthetic model ({have}, wanted {want}): pass --synthetic-dir")
+        log(f"synthetic {preset.name}: reusing {out} ({m.get('gb')} GB)")
+        return out
+    log(f"synthetic {preset.name}: building {layers} layers into {out} (random weights, bf16) ...")
+    t0 = time.perf_counter()
+    build_synthetic(preset.name, out, layers=layers, seed=config.seed, routing_skew_from=config.routing_skew)
+    log(f"built in {time.perf_counter() - t0:.0f}s")
+    return out
+
+
+def _shares_plan(model, stats_path: str, ratio: float):
+    """Keep the most used experts per layer by the stats' usage shares (for models the stats were not made on)."""
+    import torch
+
+    from slimwise.adapters import get_adapter
+    from slimwise.perf.presets import _stats_rows
+    from slimwise.plan import make_plan, model_fingerprint
+
+    adapter = get_adapter(model.config)
+    layers = [layer.index for layer in adapter.moe_layers(model)]
+    rows = _stats_rows(stats_path, adapter.num_experts(model.config), len(layers))
+    return make_plan(torch.stack([r.to(torch.float64) for r in rows]), layers, ratio, family=adapter.family,
+                     top_k=adapter.top_k(model.config), criterion="usage-share", fingerprint=model_fingerprint(model),
+                     meta={"stats": str(stats_path)})
+
+
+def _random_plan(model, ratio: float, seed: int):
+    import torch
+
+    from slimwise.adapters import get_adapter
+    from slimwise.plan import make_plan, model_fingerprint
+
+    adapter = get_adapter(model.config)
+    layers = [layer.index for layer in adapter.moe_layers(model)]
+    scores = torch.rand(len(layers), adapter.num_experts(model.config), generator=torch.Generator().manual_seed(seed))
+    return make_plan(scores, layers, ratio, family=adapter.family, top_k=adapter.top_k(model.config),
+                     num_groups=adapter.num_groups(model.config),
+                     min_kept_per_group=adapter.min_kept_per_group(model.config), criterion="random",
+                     fingerprint=model_fingerprint(model), meta={"seed": seed})
+
+
+def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[[str], None] = print):
+    """(plan, plan path, pruned checkpoint dir or None). Loads the model once if a plan or an export is needed."""
+    from slimwise.models import PLAN_FILE
+    from slimwise.plan import PrunePlan
+
+    need_pruned = "pruned" in config.variants and not config.pruned_model
+    plan = PrunePlan.load(config.plan) if config.plan else None
+    pruned_dir = Path(config.pruned_model) if config.pruned_model else None
+    if plan is None or need_pruned:
+        from slimwise.models import load_model
+
+        model = load_model(str(model_dir), dtype="auto")
+        if plan is None:
+            plan = _plan_for(model, config, log)
+        if need_pruned:
+            pruned_dir = out / "pruned"
+            cached = pruned_dir / PLAN_FILE
+            if cached.is_file() and PrunePlan.load(cached).to_dict() == plan.to_dict():
+                log(f"pruned checkpoint: reusing {pruned_dir}")
+            else:
+                from slimwise.export import export_pruned
+
+                t0 = time.perf_counter()
+                export_pruned(model, plan, pruned_dir, source_dir=model_dir, force=True)
+                log(f"pruned checkpoint: exported {plan.num_kept} of {plan.num_experts} experts per layer to "
+                    f"{pruned_dir} in {time.perf_counter() - t0:.0f}s (verified)")
+        del model
+        gc.collect()
+    plan_path = plan.save(out / "plan.json")
+    return plan, plan_path, pruned_dir
+
+
+def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
+    from slimwise.plan import model_fingerprint
+
+    if config.stats:
+        from slimwise.criteria import plan_from_stats
+        from slimwise.stats import ExpertStats
+
+        stats = ExpertStats.load(config.stats)
+        if (stats.meta.get("fingerprint") or {}) == model_fingerprint(model):
+            log(f"plan: {config.criterion} at ratio {config.ratio} from {config.stats}")
+            return plan_from_stats(stats, config.criterion, config.ratio)
+        log(f"plan: {config.stats} was calibrated on another model: keeping the most used experts by its usage "
+            f"shares at ratio {config.ratio}")
+        return _shares_plan(model, config.stats, config.ratio)
+    log(f"plan: random {int(round(config.ratio * 100))}% per layer (seed {config.seed}); no --plan/--stats given")
+    return _random_plan(model, config.ratio, config.seed)
+
+
+def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, pruned_dir: Path | None) -> list[Variant]:
+    from slimwise.serving.engine import slimwise_overrides
+
+    arch = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [None])[0]
+    kept = plan.num_kept if plan.is_uniform else max(len(v) for v in plan.kept_experts.values())
+    out = []
+    for name in config.variants:
+        if name == "full":
+            out.append(Variant(name, str(model_dir), {}, plan.num_experts, arch))
+        elif name == "pruned":
+            parch = (json.loads((pruned_dir / "config.json").read_text()).get("architectures") or [None])[0]
+            out.append(Variant(name, str(pruned_dir), {}, kept, parch))
+        elif name in ("slimwise", "uniform"):
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path,
+                                                                        mask_all=name == "uniform"), kept, arch))
+        else:
+            n = int(name[len(POLICY_PREFIX):])
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path, min_decode_batch=n),
+                               kept, arch, min_decode_batch=n))
+    return out
+
+
+# ----- engines -----------------------------------------------------------------------------------------------
+
+def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads", heads)
+    layers = text["num_hidden_layers"]
+    if isinstance(text.get("layer_types"), list):
+        layers = sum(t != "linear_attention" for t in text["layer_types"]) or layers
+    return 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
+    """The settings every variant's engine gets (identical across variants)."""
+    max_len = config.prompt_len + max(config.output_len, config.count_output_len, config.warmup_tokens)
+    max_batch = max(config.batches)
+    kv = config.kv_cache_bytes
+    if kv is None:
+        blocks = math.ceil(max_len / 128) * 128  # generous block rounding
+        kv = int(1.25 * max_batch * blocks * _kv_bytes_per_token(model_dir, config.dtype)) + (64 << 20)
+    return dict(dtype=config.dtype, enforce_eager=config.enforce_eager, max_model_len=max_len,
+                max_num_seqs=max_batch,
+                max_num_batched_tokens=config.max_num_batched_tokens or max(max_batch * config.prompt_len, max_len),
+                kv_cache_memory_bytes=kv, enable_prefix_caching=False, disable_log_stats=False,
+                skip_tokenizer_init=True, seed=config.seed)
+
+
+def start_engine(variant: Variant, kwargs: dict, overrides: dict | None = None):
+    """(vllm.LLM, seconds to construct it)."""
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    ov = variant.overrides if overrides is None else overrides
+    try:
+        llm = LLM(model=variant.model_dir, hf_overrides=ov or None, **kwargs)
+    except Exception as exc:  # vLLM raises many types; the benchmark reports one clear line
+        raise SlimWiseError(f"vLLM could not start variant {variant.name} ({variant.model_dir}): "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    return llm, time.perf_counter() - t0
+
+
+def close_engine(llm) -> None:
+    with contextlib.suppress(Exception):  # best effort: vLLM's process manager kills what remains
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+@contextlib.contextmanager
+def _engines_closed_on_sigterm():
+    """SIGTERM raises KeyboardInterrupt, so the `finally` blocks shut the engine processes down (else orphans)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random token-id prompts (ids >= 4 skip the synthetic tokenizer's specials), the same for every variant."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 100_003 + batch)
+    return torch.randint(4, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """One timed generate: decode throughput and time per output token from vLLM's engine-core timestamps."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    t0 = time.perf_counter()
+    # scheduler paused while the requests are added, so the engine core cannot start a step with only the first
+    # few: every prompt is prefilled in the same step and every decode step holds all B sequences
+    llm.sleep(level=0)
+    try:
+        llm.enqueue(requests, params, use_tqdm=False)
+    finally:
+        llm.wake_up()
+    outs = llm.wait_for_completion(use_tqdm=False)
+    wall = time.perf_counter() - t0
+    if len(outs) != len(prompts):
+        raise SlimWiseError(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests")
+    if any(o.metrics is None or not o.metrics.last_token_ts for o in outs):
+        raise SlimWiseError("vLLM returned no request metrics: the engine needs disable_log_stats=False")
+    first = [o.metrics.first_token_ts for o in outs]
+    last = [o.metrics.last_token_ts for o in outs]
+    generated = [len(o.outputs[0].token_ids) for o in outs]
+    decode_tokens = sum(generated) - len(generated)
+    decode_s = max(last) - min(first)
+    return {"tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
+            "tpot_ms": 1e3 * decode_s / max(1, max(generated) - 1), "decode_s": decode_s, "wall_s": wall,
+            "decode_tokens": decode_tokens, "generated": sum(generated),
+            "prefill_spread_s": max(first) - min(first)}
+
+
+# ----- the timed runs ----------------------------------------------------------------------------------------
+
+def _rounds(variants: list[Variant], repetitions: int) -> list[list[Variant]]:
+    """Interleaved order: every variant once per round, rotated each round (A B C, B C A, C A B, ...)."""
+    n = len(variants)
+    return [variants[r % n:] + variants[:r % n] for r in range(repetitions)]
+
+
+def _vocab(model_dir: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["vocab_size"])
+
+
+def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:
+    runs: dict[str, dict[int, list]] = {v.name: {} for v in variants}
+    starts: dict[str, list[float]] = {}
+    engines = {}
+    vocab = _vocab(variants[0].model_dir)
+    try:
+        for v in variants:
+            engines[v.name], s = start_engine(v, kwargs)
+            starts[v.name] = [s]
+            log(f"engine {v.name}: started in {s:.1f}s")
+        for b in config.batches:
+            prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
+            for v in variants:
+                measure(engines[v.name], prompts, min(config.warmup_tokens, config.output_len))
+            for r, order in enumerate(_rounds(variants, config.repetitions)):
+                for v in order:
+                    m = measure(engines[v.name], prompts, config.output_len)
+                    m.update(round=r, loadavg=os.getloadavg()[0])
+                    runs[v.name].setdefault(b, []).append(m)
+                    log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
+                        f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
+    finally:
+        for llm in engines.values():
+            close_engine(llm)
+    return runs, starts
+
+
+def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:
+    runs: dict[str, dict[int, list]] = {v.name: {} for v in variants}
+    starts: dict[str, list[float]] = {v.name: [] for v in variants}
+    vocab = _vocab(variants[0].model_dir)
+    prompts = {b: make_prompts(b, config.prompt_len, vocab, config.seed) for b in config.batches}
+    for r, order in enumerate(_rounds(variants, config.repetitions)):
+        for v in order:
+            llm, s = start_engine(v, kwargs)
+            starts[v.name].append(s)
+            log(f"round {r}: engine {v.name} started in {s:.1f}s")
+            try:
+                for b in config.batches:
+                    measure(llm, prompts[b], min(config.warmup_tokens, config.output_len))
+                    m = measure(llm, prompts[b], config.output_len)
+                    m.update(round=r, loadavg=os.getloadavg()[0])
+                    runs[v.name].setdefault(b, []).append(m)
+                    log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
+                        f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
+            finally:
+                close_engine(llm)
+    return runs, starts
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def summarize_runs(runs: dict[str, dict[int, list]], batches) -> dict:
+    """Per variant and batch: throughput and TPOT (median, min, max) and the paired speedup over full."""
+    summary: dict[str, dict[int, dict]] = {}
+    full = runs["full"]
+    for name, per_batch in runs.items():
+        summary[name] = {}
+        for b in batches:
+            ms = per_batch.get(b, [])
+            if not ms:
+                continue
+            entry = {"tokens_per_s": _spread([m["tokens_per_s"] for m in ms]),
+                     "tpot_ms": _spread([m["tpot_ms"] for m in ms]),
+                     "prefill_spread_s": max(m["prefill_spread_s"] for m in ms)}
+            base = {m["round"]: m["tokens_per_s"] for m in full.get(b, [])}
+            pairs = [m["tokens_per_s"] / base[m["round"]] for m in ms if m["round"] in base]
+            if pairs:
+                entry["speedup"] = _spread(pairs)
+            summary[name][b] = entry
+    return summary
+
+
+# ----- expert traffic ----------------------------------------------------------------------------------------
+
+def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, expert_bytes: float, top_k: int,
+                  log) -> dict:
+    """Distinct experts touched per layer per decode step, per variant and batch (separate eager engines)."""
+    from slimwise.perf.traffic import counters_delta, summarize_traffic
+    from slimwise.serving.models import slimwise_arch
+    from slimwise.serving.routing import COUNT_EXPERTS_KEY
+
+    kw = dict(kwargs, enforce_eager=True)  # the counting hook runs in eager mode only
+    vocab = _vocab(variants[0].model_dir)
+    out: dict[str, dict] = {}
+    for v in variants:
+        overrides = dict(v.overrides) or {"architectures": [slimwise_arch(v.stock_arch)]}
+        overrides[COUNT_EXPERTS_KEY] = True
+        llm, s = start_engine(v, kw, overrides)
+        out[v.name] = {"engine_start_s": s, "batches": {}}
+        try:
+            for b in config.batches:
+                prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
+                before = llm.collective_rpc("slimwise_counters")[0]
+                measure(llm, prompts, config.count_output_len)
+                after = llm.collective_rpc("slimwise_counters")[0]
+                # the load-aware variant routes small batches over every expert: E' is what it could reach
+                available = v.available_experts
+                if v.min_decode_batch and b < v.min_decode_batch:
+                    available = next(x.available_experts for x in variants if x.name == "full")
+                t = summarize_traffic(counters_delta(before, after), batch=b, available_experts=available,
+                                      top_k=top_k, expert_bytes=expert_bytes)
+                out[v.name]["batches"][b] = t
+                log(f"  traffic {v.name:<16} B={b:<4} {t['touched_mean']:6.1f} experts/layer/step "
+                    f"(uniform expectation {t['expected_uniform']:6.1f}), "
+                    f"{t['expert_bytes_per_step'] / 1e6:8.1f} MB expert weights/step")
+        finally:
+            close_engine(llm)
+    return out
+
+
+# ----- roofline comparison -----------------------------------------------------------------------------------
+
+def roofline_predictions(config: BenchConfig, model_dir: Path, ratio: float, batches, log) -> tuple:
+    """(RooflineConfig, Hardware, predictions, context) for this model's own config, or Nones."""
+    if not config.hardware:
+        return None, None, None, None
+    from transformers import AutoConfig
+
+    from slimwise.perf.roofline import RooflineConfig, get_hardware, predict
+
+    hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    rc = RooflineConfig.from_hf(hf, name=model_dir.name, dtype=config.dtype if config.dtype != "auto" else "bfloat16")
+    hw = get_hardware(config.hardware, dtype=config.dtype)
+    ctx = config.prompt_len + config.output_len // 2
+    preds = predict(rc, hw, ratio, list(batches), ctx)
+    log(f"roofline {hw.name}: {hw.note or f'{hw.bandwidth / 1e9:.0f} GB/s'}")
+    return rc, hw, preds, ctx
+
+
+def compare_roofline(summary: dict, preds, tolerance: float = 0.15) -> list[dict]:
+    """Predicted vs measured speedups (slimwise and pruned over full) and measured/predicted step times."""
+    rows = []
+    for p in preds:
+        row = {"batch": p.batch, "predicted_speedup": p.speedup, "predicted_tokens_per_s_full": p.tokens_per_s_full,
+               "predicted_tokens_per_s_pruned": p.tokens_per_s_pruned, "bound": p.bound_full,
+               "union_full": p.union_full, "union_pruned": p.union_pruned}
+        full = summary["full"].get(p.batch)
+        if full:
+            row["measured_tokens_per_s_full"] = full["tokens_per_s"]["median"]
+            row["step_time_measured_over_predicted"] = (full["tpot_ms"]["median"] / 1e3) / p.time_full_s
+        for name in ("slimwise", "pruned"):
+            s = summary.get(name, {}).get(p.batch, {}).get("speedup")
+            if s:
+                m = s["median"]
+                row[f"measured_speedup_{name}"] = m
+                row[f"predicted_over_measured_{name}"] = p.speedup / m
+                row[f"within_{int(tolerance * 100)}pct_{name}"] = abs(p.speedup / m - 1) <= tolerance
+        rows.append(row)
+    return rows
+
+
+# ----- thresholds and bars -----------------------------------------------------------------------------------
+
+def suggest_threshold(summary: dict, min_speedup: float, variant: str = "slimwise") -> int | None:
+    """Smallest batch from which on every measured batch reaches `min_speedup` (median paired speedup of
+    `variant` over full); None when the largest batch does not. Requiring every larger batch too keeps a noisy
+    small-batch point from setting a threshold below batches that lose."""
+    best = None
+    for b in sorted(summary.get(variant, {}), reverse=True):
+        s = summary[variant][b].get("speedup")
+        if not s or s["median"] < min_speedup:
+            break
+        best = b
+    return best
+
+
+def check_bars(summary: dict, preset: str | None) -> dict:
+    """The issue's CPU bars, evaluated on this run's paired medians."""
+    bars: dict = {}
+    if "slimwise" in summary and "pruned" in summary:
+        per = {}
+        for b, e in summary["slimwise"].items():
+            p = summary["pruned"].get(b, {}).get("speedup")
+            if e.get("speedup") and p:
+                ratio = e["speedup"]["median"] / p["median"]
+                per[b] = {"slimwise": e["speedup"]["median"], "pruned": p["median"], "ratio": ratio,
+                          "met": ratio >= 0.95}
+        bars["colocated_reaches_95pct_of_pruned"] = per
+    s32 = summary.get("slimwise", {}).get(32, {}).get("speedup")
+    if s32:
+        bars["slimwise_at_32_is_1.25x"] = {"speedup": s32["median"], "met": s32["median"] >= 1.25,
+                                           "applies": preset == "cpu"}
+    return bars
+
+
+# ----- output ------------------------------------------------------------------------------------------------
+
+def _entry(per: dict, b):
+    return per.get(b) or per.get(str(b))
+
+
+def _table(result: dict, title: str, names: list[str], cell) -> list[str]:
+    lines = [f"### {title}", "", "| batch | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+    for b in result["config"]["batches"]:
+        lines.append(f"| {b} | " + " | ".join(cell(n, b) for n in names) + " |")
+    return [*lines, ""]
+
+
+def format_tables(result: dict) -> str:
+    """Markdown: throughput, TPOT and speedup per batch and variant; engine starts; traffic; roofline."""
+    summary = result["summary"]
+    names = list(summary)
+
+    def tput(n, b):
+        e = _entry(summary[n], b)
+        return f"{e['tokens_per_s']['median']:.1f} ({e['tokens_per_s']['min']:.1f}-{e['tokens_per_s']['max']:.1f})" \
+            if e else ""
+
+    def tpot(n, b):
+        e = _entry(summary[n], b)
+        return f"{e['tpot_ms']['median']:.1f} ({e['tpot_ms']['min']:.1f}-{e['tpot_ms']['max']:.1f})" if e else ""
+
+    def speed(n, b):
+        s = (_entry(summary[n], b) or {}).get("speedup")
+        return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" if s else ""
+
+    out = _table(result, "Decode throughput, tokens/s: median (min-max) over rounds", names, tput)
+    out += _table(result, "Time per output token, ms: median (min-max)", names, tpot)
+    out += _table(result, "Speedup over full, paired within each round: median (min-max)",
+                  [n for n in names if n != "full"], speed)
+    out += ["### Engine start, s (excluded from the timing)", "", "| variant | start s |", "|---|---|"]
+    out += [f"| {n} | {', '.join(f'{s:.1f}' for s in v)} |" for n, v in result["engine_start_s"].items()]
+    out.append("")
+    traffic = result.get("traffic")
+    if traffic:
+        tn = list(traffic)
+
+        def touched(n, b):
+            e = _entry(traffic[n]["batches"], b)
+            return f"{e['touched_mean']:.1f} / {e['expected_uniform']:.1f}" if e else ""
+
+        def mb(n, b):
+            e = _entry(traffic[n]["batches"], b)
+            return f"{e['expert_bytes_per_step'] / 1e6:.1f}" if e else ""
+
+        out += _table(result, "Distinct experts per MoE layer per decode step: measured / uniform expectation "
+                      "E'(1-(1-k/E')^B)", tn, touched)
+        out += _table(result, "Expert weights read per decode step, MB (all MoE layers)", tn, mb)
+    roof = result.get("roofline")
+    if roof:
+        out += [f"### Roofline ({roof['hardware']}, context {roof['context_len']}) vs measured", "",
+                "| batch | bound | predicted speedup | measured slimwise | predicted / measured | within 15% "
+                "| measured pruned | predicted / measured | measured / predicted step time (full) |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        nan = float("nan")
+        for r in roof["comparison"]:
+            out.append(f"| {r['batch']} | {r['bound']} | {r['predicted_speedup']:.3f} | "
+                       f"{r.get('measured_speedup_slimwise') or nan:.3f} | "
+                       f"{r.get('predicted_over_measured_slimwise') or nan:.3f} | "
+                       f"{'yes' if r.get('within_15pct_slimwise') else 'no'} | "
+                       f"{r.get('measured_speedup_pruned') or nan:.3f} | "
+                       f"{r.get('predicted_over_measured_pruned') or nan:.3f} | "
+                       f"{r.get('step_time_measured_over_predicted') or nan:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot_bench(result: dict, path: str | Path) -> Path:
+    """Two panels against batch size (log2): decode throughput with min-max bars, and speedup over full."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    markers = "osD^vP*X"
+    for i, (name, per) in enumerate(summary.items()):
+        bs = sorted(int(b) for b in per)
+        get = [per.get(b) or per.get(str(b)) for b in bs]
+        med = [e["tokens_per_s"]["median"] for e in get]
+        err = [[m - e["tokens_per_s"]["min"] for m, e in zip(med, get, strict=True)],
+               [e["tokens_per_s"]["max"] - m for m, e in zip(med, get, strict=True)]]
+        ax1.errorbar(bs, med, yerr=err, marker=markers[i % len(markers)], ms=4, capsize=2, label=name)
+        if name != "full":
+            sp = [(b, e["speedup"]) for b, e in zip(bs, get, strict=True) if e.get("speedup")]
+            if sp:
+                ys = [s["median"] for _, s in sp]
+                ax2.errorbar([b for b, _ in sp], ys, yerr=[[y - s["min"] for y, (_, s) in zip(ys, sp, strict=True)],
+                                                         [s["max"] - y for y, (_, s) in zip(ys, sp, strict=True)]],
+                             marker=markers[i % len(markers)], ms=4, capsize=2, label=name)
+    roof = result.get("roofline")
+    if roof:
+        rows = roof["comparison"]
+        ax2.plot([r["batch"] for r in rows], [r["predicted_speedup"] for r in rows], "k--", lw=1,
+                 label=f"roofline ({roof['hardware']})")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    for ax, ylabel in ((ax1, "decode tokens/s (median, min-max)"), (ax2, "speedup over full (paired, median)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("decode batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    c = result["config"]
+    fig.suptitle(f"{result['model_name']}: {int(round(result['plan']['ratio'] * 100))}% experts pruned, "
+                 f"prompt {c['prompt_len']}, output {c['output_len']}, {c['repetitions']} rounds", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+# ----- entry point -------------------------------------------------------------------------------------------
+
+def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> dict:
+    """Run the benchmark; write bench.json, bench.md and the PNG into config.out_dir; return the result."""
+    log = log or (lambda s: print(s, flush=True))
+    _check_config(config)
+    if not config.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_model(config, log)
+    plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out, log)
+    variants = make_variants(config, model_dir, plan, plan_path, pruned_dir)
+    kwargs = engine_kwargs(config, str(model_dir))
+    rc, hw, preds, ctx = roofline_predictions(config, model_dir, plan.ratio, config.batches, log)
+    log(f"variants {', '.join(v.name for v in variants)}; batches {list(config.batches)}; prompt "
+        f"{config.prompt_len}, output {config.output_len}, {config.repetitions} rounds; engine {kwargs}")
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    with _engines_closed_on_sigterm():
+        runs, starts = (_run_restart if config.restart else _run_resident)(config, variants, kwargs, log)
+    summary = summarize_runs(runs, config.batches)
+    result: dict = {
+        "model_name": config.synthetic or model_dir.name, "model_dir": str(model_dir),
+        "pruned_dir": str(pruned_dir) if pruned_dir else None, "config": asdict(config), "engine": kwargs,
+        "plan": {"path": str(plan_path), "criterion": plan.criterion, "ratio": plan.ratio,
+                 "num_experts": plan.num_experts, "top_k": plan.top_k,
+                 "kept": sorted({len(v) for v in plan.kept_experts.values()})},
+        "variants": [{"name": v.name, "model_dir": v.model_dir, "available_experts": v.available_experts,
+                      "min_decode_batch": v.min_decode_batch,
+                      "overrides": {k: val for k, val in v.overrides.items() if k != "slimwise_plan"}}
+                     for v in variants],
+        "engine_start_s": starts, "runs": runs, "summary": summary,
+        "timing": {"seconds": time.perf_counter() - t0, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                   "decode_time": "engine-core timestamps, first token to last token (prefill excluded)"},
+    }
+    if config.count_experts:
+        if rc is None:
+            from transformers import AutoConfig
+
+            from slimwise.perf.roofline import RooflineConfig
+
+            rc = RooflineConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+        with _engines_closed_on_sigterm():
+            result["traffic"] = count_traffic(config, variants, kwargs, rc.expert_params * rc.weight_bytes,
+                                              plan.top_k, log)
+    if preds is not None:
+        result["roofline"] = {"hardware": hw.name, "note": hw.note, "bandwidth": hw.bandwidth,
+                              "peak_flops": hw.peak_flops, "context_len": ctx,
+                              "comparison": compare_roofline(summary, preds)}
+    result["bars"] = check_bars(summary, config.synthetic)
+    if config.suggest_threshold is not None:
+        result["threshold"] = threshold_report(result, config.suggest_threshold, rc, hw, ctx, plan.ratio)
+    result = _jsonable(result)
+    (out / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "bench.md").write_text(format_tables(result))
+    png = plot_bench(result, config.plot or out / "bench.png")
+    result["files"] = {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "png": str(png)}
+    return result
+
+
+def threshold_report(result: dict, min_speedup: float, rc=None, hw=None, ctx: int | None = None,
+                     ratio: float | None = None) -> dict:
+    """Smallest batch reaching min_speedup: measured (slimwise over full) and, when available, the roofline's."""
+    summary = {name: {int(b): e for b, e in per.items()} for name, per in result["summary"].items()}
+    rep = {"min_speedup": min_speedup, "measured_batch": suggest_threshold(summary, min_speedup)}
+    if rc is not None and hw is not None:
+        from slimwise.perf.roofline import batch_reaching
+
+        rep["roofline_batch"] = batch_reaching(rc, hw, ratio, min_speedup, ctx).first_batch
+    return rep
+
+
+__all__ = ["BenchConfig", "Variant", "check_bars", "compare_roofline", "format_tables", "make_prompts", "measure",
+           "plot_bench", "run_bench", "suggest_threshold", "summarize_runs", "threshold_report"]

@@ -1,0 +1,270 @@
+"""`slimwise bench` and `slimwise calib-cost`: structure and invariants, never timings.
+
+Fast tests run the pure parts (pairing, rounds, thresholds, bars, traffic accounting, tables, plot, parser) and
+the expert-counting hook of DecodeRouting on a stand-in model; the calibration observers on a tiny HF model.
+One vLLM test runs the whole benchmark on the tiny `smoke` preset (1-2 batch sizes, one round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_prompts
+from torch import nn
+from transformers import PretrainedConfig
+
+from slimwise.errors import SlimWiseError
+from slimwise.perf.bench import (
+    BenchConfig,
+    _check_config,
+    _rounds,
+    check_bars,
+    compare_roofline,
+    format_tables,
+    plot_bench,
+    suggest_threshold,
+    summarize_runs,
+    threshold_report,
+)
+from slimwise.perf.traffic import counters_delta, summarize_traffic
+from slimwise.plan import PrunePlan
+from slimwise.serving.routing import COUNT_EXPERTS_KEY, PLAN_KEY, DecodeRouting
+
+# ----- pure parts ----------------------------------------------------------------------------------------------
+
+
+def _m(tps: float, r: int) -> dict:
+    return {"tokens_per_s": tps, "tpot_ms": 1e3 / tps, "prefill_spread_s": 0.0, "round": r}
+
+
+def _fake_result(tmp_path) -> dict:
+    runs = {"full": {8: [_m(100, 0), _m(80, 1)], 32: [_m(200, 0), _m(220, 1)]},
+            "slimwise": {8: [_m(110, 0), _m(96, 1)], 32: [_m(260, 0), _m(275, 1)]},
+            "pruned": {8: [_m(112, 0), _m(100, 1)], 32: [_m(270, 0), _m(280, 1)]}}
+    summary = summarize_runs(runs, [8, 32])
+    return {"model_name": "fake", "config": {"batches": [8, 32], "prompt_len": 4, "output_len": 8, "repetitions": 2},
+            "plan": {"ratio": 0.5}, "summary": summary, "engine_start_s": {"full": [1.0], "slimwise": [1.5]},
+            "runs": runs}
+
+
+def test_speedups_are_paired_within_rounds():
+    r = _fake_result(None)
+    s = r["summary"]
+    # round 0: 110/100, round 1: 96/80 -> paired ratios 1.1 and 1.2, not the ratio of medians (103/90)
+    assert s["slimwise"][8]["speedup"]["min"] == pytest.approx(1.1)
+    assert s["slimwise"][8]["speedup"]["max"] == pytest.approx(1.2)
+    assert s["full"][8]["speedup"]["median"] == pytest.approx(1.0)
+    assert s["full"][32]["tokens_per_s"] == {"median": 210, "min": 200, "max": 220, "n": 2}
+
+
+def test_rounds_rotate_and_cover_every_variant():
+    rounds = _rounds(["a", "b", "c"], 4)
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+
+
+def test_threshold_bars_and_roofline_comparison(tmp_path):
+    r = _fake_result(tmp_path)
+    s = r["summary"]
+    assert suggest_threshold(s, 1.1) == 8
+    assert suggest_threshold(s, 1.2) == 32
+    assert suggest_threshold(s, 2.0) is None
+    noisy = {"slimwise": {1: {"speedup": {"median": 1.3}}, 4: {"speedup": {"median": 1.0}},
+                          8: {"speedup": {"median": 1.2}}, 16: {"speedup": {"median": 1.25}}}}
+    assert suggest_threshold(noisy, 1.1) == 8  # a lucky batch-1 point below a losing batch 4 does not count
+    assert threshold_report(json.loads(json.dumps(r)), 1.2)["measured_batch"] == 32  # string keys from JSON
+    bars = check_bars(s, "cpu")
+    assert set(bars["colocated_reaches_95pct_of_pruned"]) == {8, 32}
+    assert bars["slimwise_at_32_is_1.25x"]["applies"] and bars["slimwise_at_32_is_1.25x"]["met"]
+
+    class P:  # a StepPrediction stand-in
+        batch, speedup, tokens_per_s_full, tokens_per_s_pruned, bound_full = 32, 1.3, 1.0, 1.3, "memory"
+        union_full, union_pruned, time_full_s = 40.0, 30.0, 0.1
+
+    row = compare_roofline(s, [P()])[0]
+    measured = s["slimwise"][32]["speedup"]["median"]
+    assert row["predicted_over_measured_slimwise"] == pytest.approx(1.3 / measured)
+    assert row["within_15pct_slimwise"] == (abs(1.3 / measured - 1) <= 0.15)
+
+
+def test_tables_and_plot(tmp_path):
+    r = _fake_result(tmp_path)
+    r["traffic"] = {"full": {"batches": {8: {"touched_mean": 20.0, "expected_uniform": 21.0,
+                                             "expert_bytes_per_step": 2e6}}}}
+    md = format_tables(json.loads(json.dumps(r)))
+    assert "| 8 | 100.0" not in md  # medians, not the first round
+    assert "| 32 | 210.0 (200.0-220.0)" in md and "20.0 / 21.0" in md and "Engine start" in md
+    png = plot_bench(json.loads(json.dumps(r)), tmp_path / "b.png")
+    assert png.stat().st_size > 1000
+
+
+def test_config_refusals():
+    with pytest.raises(SlimWiseError):
+        _check_config(BenchConfig())  # neither model nor synthetic
+    with pytest.raises(SlimWiseError):
+        _check_config(BenchConfig(synthetic="smoke", variants=("slimwise",)))  # no full baseline
+    with pytest.raises(SlimWiseError):
+        _check_config(BenchConfig(synthetic="smoke", variants=("full", "masked")))
+    with pytest.raises(SlimWiseError):
+        _check_config(BenchConfig(synthetic="smoke", output_len=1))
+    _check_config(BenchConfig(synthetic="smoke", variants=("full", "slimwise-min16")))
+
+
+def test_traffic_accounting():
+    before = {"experts_touched_sum": {"0": 10, "1": 12}, "experts_counted_steps": {"0": 2, "1": 2},
+              "touched_by_batch": {"4": [4, 22]}, "decode_steps": 2}
+    after = {"experts_touched_sum": {"0": 40, "1": 42}, "experts_counted_steps": {"0": 5, "1": 5},
+             "touched_by_batch": {"4": [10, 82]}, "decode_steps": 5}
+    d = counters_delta(before, after)
+    assert d["touched"] == {0: 30, 1: 30} and d["steps"] == {0: 3, 1: 3} and d["by_batch"] == {4: (6, 60)}
+    t = summarize_traffic(d, batch=4, available_experts=16, top_k=4, expert_bytes=100.0)
+    assert t["touched_mean"] == 10.0
+    assert t["expected_uniform"] == pytest.approx(16 * (1 - (1 - 4 / 16) ** 4))
+    assert t["expert_bytes_per_step"] == pytest.approx(10.0 * 2 * 100.0)
+
+
+def test_parsers_are_light_and_registered():
+    code = ("import argparse, sys; from slimwise.perf.cli import add_bench_parser; "
+            "add_bench_parser(argparse.ArgumentParser().add_subparsers()); "
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+    from slimwise.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--synthetic", "cpu", "--batch", "8", "32", "--variants", "full",
+                                      "slimwise-min16", "--suggest-threshold", "1.1"])
+    assert args.batch == [8, 32] and args.variants == ["full", "slimwise-min16"] and args.suggest_threshold == 1.1
+    assert build_parser().parse_args(["calib-cost", "--synthetic", "smoke"]).phase == "prompt"
+
+
+def test_from_json_prints_tables_and_threshold(tmp_path, capsys):
+    from slimwise.cli import main
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(_fake_result(tmp_path)))
+    assert main(["bench", "--from-json", str(path), "--suggest-threshold", "1.2"]) == 0
+    out = capsys.readouterr().out
+    assert "measured smallest batch 32" in out and "--min-decode-batch 32" in out
+    assert argparse  # imported for parity with the roofline tests
+
+
+# ----- the counting hook of DecodeRouting on a stand-in model ---------------------------------------------------
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.gate = nn.Linear(hidden, experts, bias=False)
+
+
+class _Model(nn.Module):
+    def __init__(self, hidden=16, experts=8, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(_Block(hidden, experts) for _ in range(layers))
+
+
+def _route(routing: DecodeRouting, model: _Model, x: torch.Tensor, positions, prompt_lens):
+    routing.set_step(torch.tensor(positions), np.array(prompt_lens))
+    return [block.mlp.gate(x) for block in model.layers]
+
+
+@pytest.mark.parametrize("with_plan", [False, True])
+def test_counting_hook_counts_distinct_experts_of_decode_rows(with_plan):
+    model = _Model()
+    kept = [0, 2, 4, 6]
+    extra = {}
+    if with_plan:
+        plan = PrunePlan(family="qwen3_moe", num_experts=8, top_k=2, kept_experts={0: kept, 1: kept})
+        extra[PLAN_KEY] = plan.to_dict()
+    config = PretrainedConfig(num_experts=8, num_experts_per_tok=2, **{COUNT_EXPERTS_KEY: True}, **extra)
+    routing = DecodeRouting(model, config, max_tokens=16)
+    assert routing.active
+    x = torch.randn(5, 16)
+    # rows 0, 2, 3 are generated tokens (position >= prompt length); rows 1 and 4 are prompt tokens
+    logits = _route(routing, model, x, [5, 1, 7, 9, 0], [5, 4, 7, 3, 2])
+    c = routing.counters
+    decode = torch.tensor([True, False, True, True, False])
+    for layer, out in enumerate(logits):
+        picked = out[decode].topk(2, dim=-1).indices.unique()
+        assert c.experts_touched_sum[layer] == picked.numel()
+        if with_plan:
+            assert set(picked.tolist()) <= set(kept)  # counted after the mask
+    assert c.decode_steps == 1 and c.touched_by_batch[3][0] == 2
+    # a prompt-only step is not counted
+    _route(routing, model, x, [0, 1, 2, 3, 4], [8, 8, 8, 8, 8])
+    assert c.decode_steps == 1 and sum(c.experts_counted_steps.values()) == 2
+    assert c.pruned_tokens == (3 if with_plan else 0)  # counting alone never reports pruned routing
+
+
+def test_counting_off_keeps_the_routing_inactive_without_a_plan():
+    routing = DecodeRouting(_Model(), PretrainedConfig(num_experts=8, num_experts_per_tok=2), max_tokens=16)
+    assert not routing.active
+
+
+# ----- calibration cost -----------------------------------------------------------------------------------------
+
+
+def test_all_experts_observer_gives_the_same_routed_statistics(tiny_dirs):
+    from slimwise.calibrate import ExpertObserver
+    from slimwise.models import load_model
+    from slimwise.perf.calib_cost import AllExpertsObserver, CalibCostConfig, observe
+
+    model = load_model(tiny_dirs("qwen3_moe"))
+    prompts = random_prompts(4, seed=3, lengths=(6, 6, 6, 6))
+    for phase in ("prompt", "decode"):
+        cfg = CalibCostConfig(model="x", phase=phase, batch_size=2, max_new_tokens=4)
+        ours = observe(model, prompts, ExpertObserver, cfg)
+        every = observe(model, prompts, AllExpertsObserver, cfg)
+        assert ours["tokens"] == every["tokens"] > 0 and ours["counted"] == every["counted"] > 0
+        for f in ("count", "gate_sum", "norm_sum", "gate_norm_sum", "tokens"):
+            assert torch.allclose(getattr(ours["stats"], f), getattr(every["stats"], f), rtol=1e-4, atol=1e-5), f
+
+
+def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
+    from slimwise.perf.calib_cost import CalibCostConfig, run_calib_cost
+
+    r = run_calib_cost(CalibCostConfig(model=str(tiny_dirs("qwen3_moe")), num_prompts=4, prompt_len=8,
+                                       batch_size=2, repetitions=1, out=str(tmp_path / "c.json")), log=lambda s: None)
+    assert r["same_routed_stats"] and r["bar"]["target"] == (r["num_experts"] / r["top_k"]) / 2
+    assert r["tokens_per_s"]["ours"]["median"] > 0 and json.loads((tmp_path / "c.json").read_text())["bar"]
+
+
+# ----- the whole benchmark in vLLM on the smoke preset ----------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_bench_smoke_preset_structure_and_invariants(tmp_path):
+    from slimwise.perf.bench import run_bench
+
+    config = BenchConfig(synthetic="smoke", synthetic_dir=str(tmp_path / "model"), batches=(1, 4), repetitions=1,
+                         prompt_len=6, output_len=5, warmup_tokens=2, count_output_len=4, hardware=None,
+                         variants=("full", "slimwise", "pruned", "slimwise-min4"), suggest_threshold=0.0,
+                         out_dir=str(tmp_path / "bench"))
+    r = run_bench(config, log=lambda s: None)
+    for name in config.variants:
+        for b in ("1", "4"):
+            e = r["summary"][name][b]
+            assert e["tokens_per_s"]["median"] > 0 and e["prefill_spread_s"] == 0  # one prefill step
+            assert "speedup" in e
+            assert r["runs"][name][b][0]["decode_tokens"] == int(b) * (config.output_len - 1)
+    t = r["traffic"]
+    k, e_full, kept = r["plan"]["top_k"], r["plan"]["num_experts"], r["plan"]["kept"][0]
+    for name in config.variants:
+        assert t[name]["batches"]["1"]["touched_mean"] == k  # one token touches exactly k experts per layer
+        four = t[name]["batches"]["4"]
+        assert k <= four["touched_mean"] <= min(4 * k, four["available_experts"])
+    assert t["slimwise"]["batches"]["4"]["available_experts"] == kept < e_full
+    assert t["pruned"]["batches"]["4"]["available_experts"] == kept
+    assert t["slimwise-min4"]["batches"]["4"]["available_experts"] == kept  # 4 decode tokens >= threshold 4
+    assert r["threshold"]["measured_batch"] == 1  # every speedup >= 0
+    assert r["bars"]["colocated_reaches_95pct_of_pruned"]
+    for f in r["files"].values():
+        assert (tmp_path / "bench" / f.split("/")[-1]).stat().st_size > 0
