@@ -1,0 +1,306 @@
+"""Evaluate a testbed model on the task suite and write its model card.
+
+`evaluate_model` loads a checkpoint with stock transformers, generates greedily with the reference engine
+(`PhaseSplitEngine`, mode "full"), grades every answer with `grade`, and measures the routing load: per MoE
+layer, the busiest expert's share of the routed (token, slot) assignments divided by the uniform share 1/E,
+from one teacher-forced pass over the split's prompt + worked solution + EOS (all tokens, and the solution
+tokens alone, i.e. what decode sees).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
+from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
+
+ROUTING_LIMIT = 3.0  # the issue's bound on max expert share / uniform share, per layer
+
+
+def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype = "auto",
+               experts_implementation: str | None = None):
+    """Stock transformers load (the shipped dtype by default) plus the tokenizer saved next to it."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True, **kwargs)
+    return model.eval(), load_tokenizer(model_dir)
+
+
+def _moe_blocks(model) -> list:
+    return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+
+
+@torch.inference_mode()
+def routing_load(model, tokenizer, samples: list[Sample], batch_size: int = 32) -> dict:
+    """Teacher-forced pass over prompt + target: per-layer expert counts, max share / uniform, target-token CE."""
+    blocks = _moe_blocks(model)
+    num_experts = model.config.num_experts
+    counts_all = torch.zeros(len(blocks), num_experts, dtype=torch.long)
+    counts_target = torch.zeros(len(blocks), num_experts, dtype=torch.long)
+    captured: list[torch.Tensor] = []
+    handles = [b.gate.register_forward_hook(lambda m, a, o: captured.append(o[2])) for b in blocks]
+    ce_sum, ce_n = 0.0, 0
+    try:
+        for start in range(0, len(samples), batch_size):
+            enc = [encode_sample(tokenizer, s) for s in samples[start:start + batch_size]]
+            width = max(len(p) + len(t) for p, t in enc)
+            ids = torch.full((len(enc), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(enc), width), dtype=torch.long)
+            target = torch.zeros((len(enc), width), dtype=torch.bool)
+            for i, (p, t) in enumerate(enc):
+                ids[i, :len(p) + len(t)] = torch.tensor(p + t)
+                mask[i, :len(p) + len(t)] = 1
+                target[i, len(p):len(p) + len(t)] = True
+            captured.clear()
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+            # CE of the target tokens: position t predicts token t + 1
+            pred, gold, sel = logits[:, :-1], ids[:, 1:], target[:, 1:]
+            ce = F.cross_entropy(pred[sel], gold[sel], reduction="sum")
+            ce_sum, ce_n = ce_sum + float(ce), ce_n + int(sel.sum())
+            valid, tmask = mask.reshape(-1).bool(), target.reshape(-1)
+            for layer, idx in enumerate(captured):
+                counts_all[layer] += torch.bincount(idx[valid].reshape(-1), minlength=num_experts)
+                counts_target[layer] += torch.bincount(idx[tmask].reshape(-1), minlength=num_experts)
+    finally:
+        for h in handles:
+            h.remove()
+
+    def ratio(c: torch.Tensor) -> list[float]:
+        return [round(float(row.max()) * num_experts / max(1, float(row.sum())), 3) for row in c]
+
+    return {
+        "num_experts": num_experts,
+        "top_k": model.config.num_experts_per_tok,
+        "tokens": int(counts_all[0].sum()) // model.config.num_experts_per_tok,
+        "max_share_over_uniform": ratio(counts_all),
+        "max_share_over_uniform_target_tokens": ratio(counts_target),
+        "unused_experts_per_layer": [int((row == 0).sum()) for row in counts_all],
+        "limit": ROUTING_LIMIT,
+        "within_limit": all(r <= ROUTING_LIMIT for r in ratio(counts_all)),
+        "target_loss": ce_sum / max(1, ce_n),
+    }
+
+
+def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "test", n_per_family: int = 50,
+                   domain: str | None = None, *, seed: int = 0, batch_size: int = 32,
+                   max_new_tokens: int | None = None, model=None, tokenizer=None, dtype: str | torch.dtype = "auto",
+                   routing: bool = True, families: list[str] | None = None, progress: bool = False,
+                   examples: int = 2) -> dict:
+    """Greedy accuracy per family and per domain on a split, mean generated length, EOS share, routing load.
+
+    Pass a model directory (loaded with stock transformers) or an already loaded `model` + `tokenizer`.
+    `max_new_tokens` defaults to 1.5x the longest target (EOS included) of the evaluated samples.
+    """
+    if model is None:
+        model, tokenizer = load_model(model_dir, dtype=dtype)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_dir)
+    samples = make_split(split, n_per_family, seed=seed, families=families, domain=domain)
+    longest = max(len(encode_sample(tokenizer, s)[1]) for s in samples)
+    max_new = max_new_tokens or math.ceil(1.5 * longest)
+    t0 = time.perf_counter()
+    engine = PhaseSplitEngine(model, tokenizer)
+    gens = engine.generate([s.prompt for s in samples], mode="full",
+                           config=GenerationConfig(max_new_tokens=max_new, batch_size=batch_size, progress=progress))
+    gen_seconds = time.perf_counter() - t0
+
+    per: dict[str, dict] = defaultdict(lambda: {"n": 0, "correct": 0, "tokens": 0, "eos": 0, "stopped": 0,
+                                                "failures": []})
+    for s, g in zip(samples, gens, strict=True):
+        gr = grade(s, g.text or "", stopped_by_eos=g.finish_reason == "eos")
+        r = per[s.family]
+        r["domain"] = s.domain
+        r["n"] += 1
+        r["correct"] += int(gr.correct)
+        r["tokens"] += len(g.token_ids)
+        r["eos"] += int(g.finish_reason == "eos")
+        r["stopped"] += int(gr.stopped)
+        if not gr.correct and len(r["failures"]) < examples:
+            r["failures"].append({"prompt": s.prompt, "answer": s.answer, "output": g.text})
+
+    fam_out = {}
+    for name in (f for f in FAMILIES if f in per):
+        r = per[name]
+        fam_out[name] = {"domain": r["domain"], "n": r["n"], "accuracy": r["correct"] / r["n"],
+                         "mean_tokens": r["tokens"] / r["n"], "eos_share": r["eos"] / r["n"],
+                         "stopped_share": r["stopped"] / r["n"], "failures": r["failures"]}
+    dom_out = {}
+    for d in DOMAINS:
+        rows = [per[f] for f in fam_out if fam_out[f]["domain"] == d]
+        if rows:
+            n = sum(r["n"] for r in rows)
+            dom_out[d] = {"n": n, "accuracy": sum(r["correct"] for r in rows) / n,
+                          "families": [f for f in fam_out if fam_out[f]["domain"] == d]}
+    n = len(samples)
+    result = {
+        "split": split, "n_per_family": n_per_family, "seed": seed, "n": n, "max_new_tokens": max_new,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "accuracy": sum(r["correct"] for r in per.values()) / n,
+        "mean_tokens": sum(r["tokens"] for r in per.values()) / n,
+        "eos_share": sum(r["eos"] for r in per.values()) / n,
+        "families": fam_out, "domains": dom_out, "generation_seconds": gen_seconds,
+    }
+    if routing:
+        result["routing"] = routing_load(model, tokenizer, samples, batch_size)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model card
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _size_mb(path: Path) -> float:
+    return path.stat().st_size / 1e6 if path.is_file() else float("nan")
+
+
+def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
+                command: str) -> str:
+    cfg = json.loads((out / "config.json").read_text())
+    from slimwise.testbed.train import count_parameters  # lazy: train imports transformers internals
+
+    model, _ = load_model(out)
+    params = count_parameters(model)
+    shared = cfg.get("shared_expert_intermediate_size")
+    arch_rows = [
+        ("architecture", cfg["architectures"][0]), ("model_type", cfg["model_type"]),
+        ("layers", cfg["num_hidden_layers"]), ("hidden size", cfg["hidden_size"]),
+        ("attention heads / KV heads", f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']}"),
+        ("head dim", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+        ("routed experts / top-k", f"{cfg['num_experts']} / {cfg['num_experts_per_tok']}"),
+        ("expert intermediate size", cfg["moe_intermediate_size"]),
+        ("norm_topk_prob", cfg.get("norm_topk_prob")),
+        ("shared expert", f"intermediate {shared}, sigmoid gate" if shared else "none"),
+        ("vocab size", cfg["vocab_size"]), ("max positions", cfg["max_position_embeddings"]),
+        ("parameters (total / routed experts / active per token)",
+         f"{params['total'] / 1e6:.2f}M / {params['routed_experts'] / 1e6:.2f}M / {params['active'] / 1e6:.2f}M"),
+        ("weights", f"bfloat16 safetensors, {_size_mb(out / 'model.safetensors'):.1f} MB"),
+    ]
+    tc, fl = train_config, summary.get("final_loss", {})
+    lines = [
+        f"# {name}: a tiny {cfg['architectures'][0]} for the SlimWise embedded testbed", "",
+        "A small Mixture-of-Experts model trained from scratch on the testbed task suite (`slimwise.testbed.tasks`):",
+        "13 task families over the arithmetic, lists and text domains, each with a worked solution ending in",
+        "`#### ANSWER`. It exists so that decode-only expert pruning can be measured end to end on a CPU, with",
+        "exactly gradable answers. It is not a general language model.", "",
+        "## Architecture", "", "| field | value |", "| --- | --- |",
+        *[f"| {k} | {v} |" for k, v in arch_rows], "",
+        "Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert), so",
+        "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, 178 tokens: characters, digits and",
+        "frequent template words) is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
+        "## Training", "",
+        f"- command: `{command}`",
+        f"- seed {tc['seed']}; wall-clock budget {tc['minutes']} min on a shared 2-core CPU "
+        f"(torch threads: {'auto 1/2' if tc['threads'] <= 0 else tc['threads']})",
+        f"- steps {summary['steps']}, tokens {summary['tokens']:,} (real tokens, padding excluded), "
+        f"wall time {summary['wall_seconds'] / 60:.1f} min, {summary['tokens_per_second']:.0f} tokens/s",
+        f"- final training loss (mean of the last 10% of logged steps): cross-entropy {fl.get('ce', float('nan')):.4f}, "
+        f"aux {fl.get('aux', float('nan')):.4f}, total {fl.get('loss', float('nan')):.4f}",
+        f"- test-split target-token cross-entropy (teacher forced, {test['dtype']}): {test['routing']['target_loss']:.4f}"
+        if "routing" in test else "",
+        "- data: every step draws a fresh `make_split(\"train\", n, seed=seed*1000003+step)` over ALL 13 families "
+        f"({tc['samples_per_family']} samples per family per step"
+        + (f", weights {tc['family_weights']}" if tc["family_weights"] else "") + "), shuffled, at the train "
+        "difficulty; the train split never shares a prompt with calib/test/heldout (hash buckets)",
+        f"- batches: samples packed first-fit-decreasing into rows of {tc['seq_len']} tokens; position ids restart "
+        "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)",
+        "- loss: cross-entropy on the target tokens only (worked solution + EOS; the prompt is masked"
+        + (f", prompt weight {tc['prompt_loss_weight']}" if tc["prompt_loss_weight"] else "")
+        + f") + {tc['aux_loss_coef']} x Switch load-balancing loss E * sum_j f_j * P_j (per MoE layer, mean over "
+        "layers, from router logits captured by forward hooks; 1.0 = uniform)",
+        f"- optimiser: AdamW lr {tc['lr']}, betas {tuple(tc['betas'])}, weight decay {tc['weight_decay']} "
+        f"(matrices), grad clip {tc['grad_clip']}; linear warmup {tc['warmup_steps']} steps then cosine to "
+        f"{tc['min_lr_ratio']} x lr over progress = max(step / max_steps, elapsed / budget)",
+        "- init: transformers' default (normal, std 0.02)"
+        + ("; the 14 names the vocabulary holds both as `Name` and ` Name` start from equal embedding and output "
+           "rows (qa passages spell them with a leading space, worked-solution lines without)"
+           if tc.get("pair_init") else ""),
+        "- fp32 training with a sorted-by-expert grouped experts implementation (`slimwise_sorted`, registered in "
+        "transformers' ExpertsInterface); exported in bfloat16", "",
+        "## Evaluation", "",
+        f"Greedy decoding with `PhaseSplitEngine` (mode `full`), {test['dtype']} weights, graded by exact match of "
+        f"the `####` line. Test split: {test['n_per_family']} prompts per family (train difficulty, unseen prompts)"
+        + (f"; held-out split: {heldout['n_per_family']} per family at a harder difficulty than anything in "
+           "training (longer numbers, lists, words, passages)" if heldout else "") + ".", "",
+    ]
+    head = "| family | domain | test acc | test mean tokens | test EOS share |"
+    sep = "| --- | --- | --- | --- | --- |"
+    if heldout:
+        head += " held-out acc | held-out mean tokens | held-out EOS share |"
+        sep += " --- | --- | --- |"
+    lines += [head, sep]
+    for fam, r in test["families"].items():
+        row = f"| {fam} | {r['domain']} | {_pct(r['accuracy'])} | {r['mean_tokens']:.1f} | {_pct(r['eos_share'])} |"
+        if heldout:
+            h = heldout["families"][fam]
+            row += f" {_pct(h['accuracy'])} | {h['mean_tokens']:.1f} | {_pct(h['eos_share'])} |"
+        lines.append(row)
+    lines += ["", "| domain | test acc | held-out acc |", "| --- | --- | --- |"]
+    for d, r in test["domains"].items():
+        hv = _pct(heldout["domains"][d]["accuracy"]) if heldout else "-"
+        lines.append(f"| {d} | {_pct(r['accuracy'])} | {hv} |")
+    lines.append(f"| all | {_pct(test['accuracy'])} | {_pct(heldout['accuracy']) if heldout else '-'} |")
+    arith = test["domains"].get("arithmetic", {}).get("accuracy", 0.0)
+    weakest = min(test["families"].items(), key=lambda kv: kv[1]["accuracy"])
+    lines += ["", f"Quality bars of the issue (test split): arithmetic domain >= 85% -> {_pct(arith)} "
+              f"({'met' if arith >= 0.85 else 'NOT met'}); every family >= 60% -> weakest {weakest[0]} "
+              f"{_pct(weakest[1]['accuracy'])} ({'met' if weakest[1]['accuracy'] >= 0.6 else 'NOT met'})."]
+    lines += ["", f"Test: mean generated length {test['mean_tokens']:.1f} tokens, EOS share {_pct(test['eos_share'])}"
+              + (f"; held-out: {heldout['mean_tokens']:.1f} tokens, EOS share {_pct(heldout['eos_share'])}"
+                 if heldout else "") + "."]
+    if "routing" in test:
+        rt = test["routing"]
+        lines += ["", "## Routing load", "",
+                  f"Busiest expert's share of the routed (token, slot) assignments divided by the uniform share 1/"
+                  f"{rt['num_experts']}, per MoE layer, teacher-forced over the test split ({rt['tokens']:,} tokens; "
+                  f"limit {rt['limit']}x):", "",
+                  "| layer | all tokens | solution tokens only | unused experts |", "| --- | --- | --- | --- |"]
+        for i, (a, t, u) in enumerate(zip(rt["max_share_over_uniform"], rt["max_share_over_uniform_target_tokens"],
+                                          rt["unused_experts_per_layer"], strict=True)):
+            lines.append(f"| {i} | {a:.2f}x | {t:.2f}x | {u} |")
+    from slimwise.embedded import EMBEDDED
+
+    where = f"slimwise/testbed/checkpoints/{EMBEDDED[name]}" if name in EMBEDDED else str(out)
+    lines += ["", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+              f"model = AutoModelForCausalLM.from_pretrained(\"{where}\")",
+              f"tok = AutoTokenizer.from_pretrained(\"{where}\")",
+              "ids = tok(\"add 457+68\\n\", return_tensors=\"pt\").input_ids",
+              "print(tok.decode(model.generate(ids, max_new_tokens=64)[0, ids.shape[1]:]))", "```",
+              "", "In SlimWise it is addressable as `" + name + "` wherever a model directory is expected.", ""]
+    return "\n".join(line for line in lines if line is not None)
+
+
+def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str | None = None) -> dict:
+    """Evaluate a freshly trained model directory (test + held-out), write eval.json and README.md."""
+    out = Path(out)
+    tc = train_config.to_dict() if hasattr(train_config, "to_dict") else dict(train_config)
+    summary = json.loads((out / "train_summary.json").read_text())
+    model, tok = load_model(out)
+    test = evaluate_model(out, "test", tc["eval_n_per_family"], model=model, tokenizer=tok,
+                          batch_size=tc.get("eval_batch_size", 32))
+    heldout = None
+    if tc.get("heldout_n_per_family"):
+        heldout = evaluate_model(out, "heldout", tc["heldout_n_per_family"], model=model, tokenizer=tok,
+                                 batch_size=tc.get("eval_batch_size", 32))
+    result = {"test": test, "heldout": heldout, "train": summary}
+    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    from slimwise.testbed.train import CARD_NAMES
+
+    name = CARD_NAMES.get(tc["backbone"], out.name)
+    command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {out} "
+                          f"--minutes {tc['minutes']} --seed {tc['seed']}")
+    (out / "README.md").write_text(format_card(out, name, tc, summary, test, heldout, command))
+    return result

@@ -1,0 +1,706 @@
+"""Train the embedded testbed backbones: tiny MoE models that solve the task suite, in under an hour on 2 CPU cores.
+
+Two backbones, each a stock transformers architecture so that transformers and vLLM load the result as is:
+
+  a  Qwen3MoeForCausalLM, fine-grained like Qwen3-30B-A3B: 64 routed experts, top-8, normalised top-k weights.
+  b  Qwen2MoeForCausalLM, like Qwen1.5-MoE: 32 routed experts, top-4, plus a shared expert behind a sigmoid gate.
+
+Recipe: data freshly generated from every task family of every domain (`make_split("train", ...)`, a new seed per
+step, so batch `i` is a pure function of (seed, i)); samples packed first-fit-decreasing into rows with position
+ids restarting at every sample (transformers turns that into a block-diagonal causal mask, so packed samples
+never see each other); cross-entropy on the target tokens only (worked solution + EOS; the prompt is masked,
+it is random numbers and words); a Switch-style load-balancing loss E * sum_j f_j * P_j per MoE layer computed
+from the router logits captured by forward hooks; AdamW with linear warmup then cosine decay. `--minutes` is a
+hard wall-clock budget and the cosine runs on progress = max(step / max_steps, elapsed / budget), so a run
+always finishes its schedule inside the budget however busy the machine is.
+
+Training uses a fast CPU experts implementation (`slimwise_sorted`, registered in transformers'
+ExpertsInterface): assignments sorted by expert, one matmul per expert on a contiguous slice, and a hand-written
+backward that writes each expert's weight gradient straight into the fused (E, ...) gradient. The module classes
+and parameter names stay stock; the model is switched back to the `eager` implementation before saving.
+
+    python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0
+    python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0 --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import GenerationConfig as HFGenerationConfig
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from slimwise.testbed.tasks import FAMILIES, make_split
+from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_tokenizer
+
+FAST_EXPERTS = "slimwise_sorted"
+STATE_FILE = "train_state.pt"
+LOG_FILE = "train_log.jsonl"
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "README.md", "eval.json")
+
+# --------------------------------------------------------------------------------------------------------
+# Fast experts forward for CPU training
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """SwiGLU experts over token rows sorted by expert: y[rows of e] = down[e] @ (silu(g) * u), [g; u] = gate_up[e] @ x.
+
+    `counts[e]` rows belong to expert e, in expert order. The backward loops over experts again and writes
+    each expert's weight gradient into one preallocated (E, ...) tensor (no per-expert full-size gradients).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]):
+        dtype = gate_up.dtype
+        x = x.to(dtype).contiguous()
+        h = x.new_empty(x.shape[0], gate_up.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                torch.mm(x[start:start + n], gate_up[e].t(), out=h[start:start + n])
+                start += n
+        g, u = h.chunk(2, dim=-1)
+        a = F.silu(g) * u
+        y = x.new_empty(x.shape[0], down.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                torch.mm(a[start:start + n], down[e].t(), out=y[start:start + n])
+                start += n
+        ctx.save_for_backward(x, gate_up, down, h)
+        ctx.counts = counts
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, gate_up, down, h = ctx.saved_tensors
+        counts = ctx.counts
+        grad_y = grad_y.contiguous().to(x.dtype)
+        g, u = h.chunk(2, dim=-1)
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        a = silu * u
+        grad_a = torch.empty_like(a)
+        grad_down = torch.zeros_like(down)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                torch.mm(grad_y[rows], down[e], out=grad_a[rows])
+                torch.mm(grad_y[rows].t(), a[rows], out=grad_down[e])
+                start += n
+        grad_h = torch.cat([grad_a * u * (sig * (1 + g * (1 - sig))), grad_a * silu], dim=-1)
+        grad_x = torch.empty_like(x)
+        grad_gate_up = torch.zeros_like(gate_up)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = slice(start, start + n)
+                torch.mm(grad_h[rows], gate_up[e], out=grad_x[rows])
+                torch.mm(grad_h[rows].t(), x[rows], out=grad_gate_up[e])
+                start += n
+        return grad_x, grad_gate_up, grad_down, None
+
+
+def sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """ExpertsInterface function for the fused (E, 2I, H) / (E, H, I) SwiGLU experts of Qwen-style models."""
+    if not getattr(self, "has_gate", True) or getattr(self, "has_bias", False) or getattr(self, "is_transposed", False):
+        raise NotImplementedError(f"{FAST_EXPERTS} supports gated, bias-free, non-transposed experts only")
+    num_tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+    y = _GroupedSwiGLU.apply(hidden_states[order // top_k], self.gate_up_proj, self.down_proj, counts)
+    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return y[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+ALL_EXPERTS_FUNCTIONS.register(FAST_EXPERTS, sorted_experts_forward)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Backbones
+
+#: Architecture presets; vocab_size and the special token ids come from the tokenizer.
+BACKBONES: dict[str, dict] = {
+    "a": dict(
+        model_type="qwen3_moe",
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        intermediate_size=256, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "b": dict(
+        model_type="qwen2_moe",
+        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=256, moe_intermediate_size=96, shared_expert_intermediate_size=256,
+        num_experts=32, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+}
+_COMMON = dict(max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.02, rms_norm_eps=1e-6,
+               hidden_act="silu", use_cache=True, output_router_logits=False)
+CARD_NAMES = {"a": "testbed-a", "b": "testbed-b"}
+#: Difficulty sampling: more draws of the families that need the most steps (one-shot multi-digit division in
+#: gcd and base, two-hop lookups in qa, whose targets are only ~12 tokens), fewer of those learnt first (the
+#: letter-by-letter text families, list copying). Every family is in every batch (weights >= 1/3 of 3 samples).
+DEFAULT_FAMILY_WEIGHTS = {"add": 1.0, "sub": 1.0, "mul": 1.0, "gcd": 4.0, "base": 4.0, "sort": 1.5,
+                          "reverse": 0.67, "dedup": 0.67, "count": 0.67, "strrev": 0.34, "upper": 0.34,
+                          "novowel": 0.34, "qa": 4.0}
+
+
+def backbone_config(backbone: str, tokenizer, **overrides) -> PretrainedConfig:
+    """The transformers config of a backbone preset, sized to the tokenizer, with overrides applied."""
+    if backbone not in BACKBONES:
+        raise ValueError(f"unknown backbone {backbone!r}; choose one of {sorted(BACKBONES)}")
+    args = {**_COMMON, **BACKBONES[backbone], **overrides}
+    model_type = args.pop("model_type")
+    args.update(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id)
+    return AutoConfig.for_model(model_type, **args)
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sparse MoE blocks (modules with a router `gate` and fused `experts`), in layer order."""
+    return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Total, routed-expert and per-token active parameter counts (embeddings and head included)."""
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for b in moe_blocks(model) for p in b.experts.parameters())
+    cfg = model.config
+    active_fraction = cfg.num_experts_per_tok / cfg.num_experts
+    return {"total": total, "routed_experts": routed, "active": int(total - routed + routed * active_fraction)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class TrainConfig:
+    backbone: str = "a"
+    out: str = "runs/testbed-a"
+    minutes: float | None = 45.0  # hard wall-clock budget of the training loop (None: max_steps only)
+    max_steps: int | None = None  # schedule length in steps (None: the time budget alone)
+    seed: int = 0
+    resume: bool = False
+    model_overrides: dict = field(default_factory=dict)  # backbone config fields to override (tests, sweeps)
+    # data
+    samples_per_family: int = 3  # per step and family, freshly generated; ~2k tokens per step at the defaults
+    family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS))  # x samples_per_family
+    seq_len: int = 256  # packed row length
+    prompt_loss_weight: float = 0.0  # the prompt is masked; >0 trains on it with this weight
+    pair_init: bool = True  # start " Bob" and "Bob" (same word with/without a leading space) from equal rows
+    # optimisation
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.02
+    # runtime
+    threads: int = 0  # 0 = auto: 1 or 2 threads, re-measured every 100 steps (see ThreadTuner)
+    experts_implementation: str = FAST_EXPERTS
+    checkpoint_minutes: float = 5.0
+    checkpoint_every_steps: int | None = None  # in addition to the time-based checkpoints (tests)
+    stop_at_step: int | None = None  # stop early (an interruption), leaving a resumable state (tests)
+    log_every: int = 10
+    progress: bool = True
+    # final evaluation and model card
+    eval_n_per_family: int = 100
+    heldout_n_per_family: int = 50
+    eval_batch_size: int = 32
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Data
+
+
+def step_samples(config: TrainConfig, step: int) -> list:
+    """The training samples of one step: a fresh make_split draw over every family, shuffled (seeded by step)."""
+    seed = config.seed * 1_000_003 + step
+    samples = []
+    for name in FAMILIES:
+        n = max(1, round(config.samples_per_family * config.family_weights.get(name, 1.0)))
+        samples += make_split("train", n, seed=seed, families=[name])
+    random.Random(f"slimwise-train:{config.seed}:{step}").shuffle(samples)
+    return samples
+
+
+def pack(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, pad_id: int,
+         prompt_weight: float = 0.0) -> dict[str, torch.Tensor]:
+    """First-fit-decreasing packing of (prompt ids, target ids) pairs into rows of seq_len tokens.
+
+    Returns input_ids, position_ids (restarting at 0 for every sample and for the padding tail), labels
+    (next-token targets, -100 where not trained), loss weights, and `valid` (real tokens, for the aux loss).
+    """
+    items = sorted(range(len(encoded)), key=lambda i: -(len(encoded[i][0]) + len(encoded[i][1])))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in items:
+        n = len(encoded[i][0]) + len(encoded[i][1])
+        if n > seq_len:
+            raise ValueError(f"a sample of {n} tokens does not fit a row of {seq_len}; raise seq_len")
+        for r, space in enumerate(free):
+            if space >= n:
+                rows[r].append(i)
+                free[r] -= n
+                break
+        else:
+            rows.append([i])
+            free.append(seq_len - n)
+    shape = (len(rows), seq_len)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    labels = torch.full(shape, -100, dtype=torch.long)
+    weights = torch.zeros(shape)
+    valid = torch.zeros(shape, dtype=torch.bool)
+    for r, members in enumerate(rows):
+        pos = 0
+        for i in members:
+            prompt, target = encoded[i]
+            ids = prompt + target
+            n = len(ids)
+            input_ids[r, pos:pos + n] = torch.tensor(ids)
+            position_ids[r, pos:pos + n] = torch.arange(n)
+            valid[r, pos:pos + n] = True
+            # token t predicts ids[t + 1]; the first target token is predicted from the last prompt token
+            labels[r, pos:pos + n - 1] = torch.tensor(ids[1:])
+            weights[r, pos + len(prompt) - 1:pos + n - 1] = 1.0
+            if prompt_weight > 0:
+                weights[r, pos:pos + len(prompt) - 1] = prompt_weight
+            pos += n
+        if pos < seq_len:
+            position_ids[r, pos:] = torch.arange(seq_len - pos)
+    labels[weights == 0] = -100
+    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels, "weights": weights,
+            "valid": valid}
+
+
+def make_batch(config: TrainConfig, tokenizer, step: int) -> dict[str, torch.Tensor]:
+    encoded = [encode_sample(tokenizer, s) for s in step_samples(config, step)]
+    return pack(encoded, config.seq_len, tokenizer.pad_token_id, config.prompt_loss_weight)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Losses
+
+
+class RouterCapture:
+    """Forward hooks on every MoE router: keeps (router logits, top-k indices) of the last forward per layer.
+
+    In transformers v5 the routers return (router_logits, top_k_weights, top_k_indices); index 0 is the raw
+    logits (softmax is taken inside the router).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.handles = [b.gate.register_forward_hook(self._hook) for b in moe_blocks(model)]
+
+    def _hook(self, module, args, output) -> None:
+        self.records.append((output[0], output[2]))
+
+    def clear(self) -> None:
+        self.records = []
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor, num_experts: int,
+                        valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-style aux loss of one layer: E * sum_j f_j * P_j; exactly 1 for perfectly uniform routing.
+
+    f_j: share of the routed (token, slot) assignments that went to expert j (sums to 1);
+    P_j: mean router probability of expert j over the tokens. Only `valid` tokens count.
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    if valid is not None:
+        valid = valid.reshape(-1)
+        probs, top_k_index = probs[valid], top_k_index[valid]
+    f = torch.bincount(top_k_index.reshape(-1), minlength=num_experts).float() / top_k_index.numel()
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, torch.Tensor],
+                    aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total loss, weighted cross-entropy, mean aux loss over MoE layers) of one packed batch."""
+    capture.clear()
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
+                use_cache=False)
+    logits = out.logits.float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100,
+                         reduction="none")
+    w = batch["weights"].reshape(-1)
+    ce = (ce * w).sum() / w.sum().clamp_min(1e-9)
+    num_experts = model.config.num_experts
+    aux = torch.stack([load_balancing_loss(lg, idx, num_experts, batch["valid"]) for lg, idx in capture.records])
+    aux = aux.mean()
+    return ce + aux_loss_coef * aux, ce, aux
+
+
+# --------------------------------------------------------------------------------------------------------
+# Schedule, optimizer, state
+
+
+def lr_at(config: TrainConfig, step: int, progress: float) -> float:
+    """Linear warmup over warmup_steps, times a cosine from lr to min_lr over progress in [0, 1]."""
+    warm = min(1.0, (step + 1) / max(1, config.warmup_steps))
+    p = min(max(progress, 0.0), 1.0)
+    floor = config.lr * config.min_lr_ratio
+    return warm * (floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * p)))
+
+
+def progress_of(config: TrainConfig, step: int, elapsed: float) -> float:
+    parts = []
+    if config.max_steps:
+        parts.append(step / config.max_steps)
+    if config.minutes:
+        parts.append(elapsed / (60.0 * config.minutes))
+    if not parts:
+        raise ValueError("set minutes or max_steps (or both)")
+    return max(parts)
+
+
+class ThreadTuner:
+    """Picks the faster torch thread count on a shared machine.
+
+    Every `period` steps it runs up to `probe` steps with each choice and keeps the one with the lowest median
+    seconds per token. A probe step more than `abort` times slower than the reference (the chosen count's
+    median at the last decision) ends that choice's probe at once, and `patience` consecutive steps of the
+    chosen count that slow start a new probe right away. On 2 cores shared with other jobs, 2 OpenMP threads
+    can be ten times slower than 1 (each thread waits for the other while another job holds a core); on an
+    idle machine 2 threads are faster.
+    """
+
+    def __init__(self, choices: Sequence[int] = (1, 2), period: int = 100, probe: int = 5, abort: float = 2.0,
+                 patience: int = 3):
+        self.choices, self.period, self.probe, self.abort, self.patience = tuple(choices), period, probe, abort, patience
+        self.best = self.choices[0]
+        self.reference: float | None = None
+        self.samples: dict[int, list[float]] = {c: [] for c in self.choices}
+        self.aborted: set[int] = set()
+        self.origin = 0  # step at which the current probe cycle started
+        self.slow = 0
+        self._step = 0
+
+    def threads_for(self, step: int) -> int:
+        self._step = step
+        phase = (step - self.origin) % self.period
+        if phase == 0:
+            self.samples = {c: [] for c in self.choices}
+            self.aborted = set()
+        if phase < self.probe * len(self.choices):
+            choice = self.choices[phase // self.probe]
+            return self.best if choice in self.aborted else choice
+        if phase == self.probe * len(self.choices):
+            medians = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items() if v and c not in self.aborted}
+            if medians:
+                self.best = min(medians, key=medians.get)
+                self.reference = medians[self.best]
+            self.slow = 0
+        return self.best
+
+    def record(self, threads: int, seconds_per_token: float) -> None:
+        if threads not in self.samples:
+            return
+        self.samples[threads].append(seconds_per_token)
+        too_slow = self.reference is not None and seconds_per_token > self.abort * self.reference
+        if threads != self.best and too_slow:
+            self.aborted.add(threads)
+        probing = (self._step - self.origin) % self.period < self.probe * len(self.choices)
+        if threads == self.best and not probing:
+            self.slow = self.slow + 1 if too_slow else 0
+            if self.slow >= self.patience:  # the machine got busier: measure again from the next step
+                self.origin, self.slow = self._step + 1, 0
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and expert tensors, none on norms, biases and embeddings."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=1e-8)
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_state(path: Path, model, optimizer, config: TrainConfig, step: int, elapsed: float, tokens: int,
+               history: list[dict]) -> None:
+    atomic_torch_save({
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "elapsed": elapsed,
+        "tokens": tokens, "config": config.to_dict(), "history": history,
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }, path)
+
+
+_ARCH_KEYS = ("backbone", "model_overrides", "seed", "samples_per_family", "family_weights", "seq_len")
+
+
+def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved = state["config"]
+    for key in _ARCH_KEYS:
+        now = config.to_dict()[key]
+        if saved.get(key) != now:
+            raise ValueError(f"cannot resume: {key} was {saved.get(key)!r}, now {now!r}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state
+
+
+# --------------------------------------------------------------------------------------------------------
+# Training
+
+
+def word_pairs(tokenizer) -> list[tuple[int, int]]:
+    """(id of "word", id of " word") for every word the vocabulary holds in both forms (the qa names)."""
+    vocab = tokenizer.get_vocab()
+    return sorted((vocab[w[1:]], i) for w, i in vocab.items() if w.startswith(" ") and len(w) > 2 and w[1:] in vocab)
+
+
+@torch.no_grad()
+def tie_pair_rows(model: nn.Module, pairs: Sequence[tuple[int, int]]) -> None:
+    """Copy the bare word's input-embedding and output rows onto the spaced form (an initialisation only).
+
+    The qa passages spell names " Bob" (mid-sentence) while the worked solution starts lines with "Bob": two
+    unrelated random tokens at init, so matching the question's name against the passage first needs a
+    token-to-token association learnt from qa data alone. Equal starting rows give it for free.
+    """
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    for bare, spaced in pairs:
+        emb[spaced] = emb[bare]
+        if head is not emb:
+            head[spaced] = head[bare]
+
+
+def build_model(config: TrainConfig, tokenizer) -> nn.Module:
+    torch.manual_seed(config.seed)
+    model_config = backbone_config(config.backbone, tokenizer, **config.model_overrides)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    if config.pair_init:
+        tie_pair_rows(model, word_pairs(tokenizer))
+    model.set_experts_implementation(config.experts_implementation)
+    return model
+
+
+def save_model(model: nn.Module, tokenizer, out: Path) -> None:
+    """bf16 safetensors + config + generation config + tokenizer, loadable by stock transformers and vLLM."""
+    model.set_experts_implementation("eager")
+    export = type(model)(model.config)
+    export.load_state_dict(model.state_dict())
+    export = export.to(torch.bfloat16)
+    export.config.dtype = torch.bfloat16
+    export.generation_config = HFGenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, do_sample=False, max_new_tokens=256)
+    export.save_pretrained(out)  # the tokenizer files are already there (build_tokenizer wrote them)
+    # Newer transformers may write only the attribute-mapped expert-count key; keep the family's own keys too.
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_experts"] = model.config.num_experts
+    cfg.pop("experts_implementation", None)
+    cfg.pop("_experts_implementation", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    model.set_experts_implementation(FAST_EXPERTS if FAST_EXPERTS in ALL_EXPERTS_FUNCTIONS else "eager")
+
+
+@functools.lru_cache(maxsize=1)
+def _built_tokenizer_dir() -> Path:
+    """build_tokenizer is deterministic (seed 0) but takes seconds: build once per process, then copy."""
+    path = Path(tempfile.mkdtemp(prefix="slimwise-testbed-tok-"))
+    build_tokenizer(path)
+    return path
+
+
+def prepare_tokenizer(out: Path):
+    """Write the testbed tokenizer files into `out` and load them from there."""
+    src = _built_tokenizer_dir()
+    for f in sorted(src.iterdir()):
+        shutil.copy2(f, out / f.name)
+    return load_tokenizer(out)
+
+
+def train(config: TrainConfig) -> Path:
+    """Train one backbone into config.out (model files, log, resumable state); returns the output directory."""
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tuner = ThreadTuner() if config.threads <= 0 else None
+    torch.set_num_threads(max(1, config.threads))
+    tokenizer = prepare_tokenizer(out)
+    model = build_model(config, tokenizer)
+    optimizer = make_optimizer(model, config)
+    state_path = out / STATE_FILE
+    step, elapsed, tokens, history = 0, 0.0, 0, []
+    random.seed(config.seed)
+    if config.resume and state_path.is_file():
+        state = load_state(state_path, model, optimizer, config)
+        step, elapsed, tokens, history = state["step"], state["elapsed"], state["tokens"], state["history"]
+        print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min, {tokens} tokens)", flush=True)
+    elif not config.resume and (out / LOG_FILE).exists():
+        (out / LOG_FILE).unlink()
+    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+    model.train()
+    capture = RouterCapture(model)
+    log = open(out / LOG_FILE, "a")  # noqa: SIM115
+    bar = tqdm(desc=f"train[{config.backbone}]", total=100, unit="%", disable=not config.progress,
+               bar_format="{l_bar}{bar}| {n:.1f}/{total}% [{elapsed}<{remaining}{postfix}]", mininterval=2.0)
+    t_start = time.perf_counter() - elapsed
+    last_ckpt = time.perf_counter()
+    seg_tokens, seg_start = 0, time.perf_counter()
+    try:
+        while progress_of(config, step, elapsed) < 1.0:
+            if config.stop_at_step is not None and step >= config.stop_at_step:
+                break
+            lr = lr_at(config, step, progress_of(config, step, elapsed))
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            threads = tuner.threads_for(step) if tuner else config.threads
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            t_step = time.perf_counter()
+            batch = make_batch(config, tokenizer, step)
+            loss, ce, aux = training_losses(model, capture, batch, config.aux_loss_coef)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            optimizer.step()
+            step += 1
+            n_tok = int(batch["valid"].sum())
+            if tuner:
+                tuner.record(threads, (time.perf_counter() - t_step) / max(1, n_tok))
+            tokens += n_tok
+            seg_tokens += n_tok
+            elapsed = time.perf_counter() - t_start
+            rate = seg_tokens / max(1e-9, time.perf_counter() - seg_start)
+            record = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": aux.item(), "lr": lr,
+                      "grad_norm": grad_norm.item(), "tokens": tokens, "tok_s": rate, "elapsed": elapsed,
+                      "threads": threads}
+            if step % config.log_every == 0 or step == 1:
+                history.append(record)
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            bar.set_postfix_str(f"step {step} loss {ce.item():.3f} aux {aux.item():.3f} lr {lr:.2e} "
+                                f"{rate:.0f} tok/s", refresh=False)
+            bar.n = round(100 * min(1.0, progress_of(config, step, elapsed)), 1)
+            if step % config.log_every == 0:
+                bar.refresh()
+            due = time.perf_counter() - last_ckpt > 60 * config.checkpoint_minutes
+            if due or (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0):
+                save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
+                last_ckpt = time.perf_counter()
+        save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
+    finally:
+        bar.close()
+        log.close()
+        capture.remove()
+    if config.stop_at_step is not None and step >= config.stop_at_step and progress_of(config, step, elapsed) < 1:
+        return out  # interrupted on purpose: no final export
+    summary = {"steps": step, "wall_seconds": elapsed, "tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9),
+               "final_loss": final_loss(history)}
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    model.eval()
+    save_model(model, tokenizer, out)
+    return out
+
+
+def final_loss(history: list[dict]) -> dict:
+    """Mean training loss over the last 10% of logged steps (at least one record)."""
+    if not history:
+        return {}
+    tail = history[-max(1, len(history) // 10):]
+    return {k: sum(r[k] for r in tail) / len(tail) for k in ("loss", "ce", "aux")}
+
+
+def copy_model_files(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Copy only the shippable files of a trained model directory (no optimizer state, no logs)."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+    return dst
+
+
+# --------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backbone", choices=sorted(BACKBONES), required=True)
+    p.add_argument("--out", required=True, help="output directory (model, tokenizer, log, resumable state)")
+    p.add_argument("--minutes", type=float, default=45.0, help="hard wall-clock budget of the training loop")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--samples-per-family", type=int, default=TrainConfig.samples_per_family)
+    p.add_argument("--family-weights", default=None, help="e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)")
+    p.add_argument("--override", action="append", default=[], help="model config field=value (JSON value)")
+    p.add_argument("--experts-impl", default=FAST_EXPERTS, help=f"{FAST_EXPERTS} | grouped_mm | eager | ...")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = auto (1 or 2, re-measured)")
+    p.add_argument("--eval-n", type=int, default=TrainConfig.eval_n_per_family, help="test prompts per family")
+    p.add_argument("--heldout-n", type=int, default=TrainConfig.heldout_n_per_family)
+    p.add_argument("--no-pair-init", action="store_true", help="random rows for ' word' / 'word' token pairs")
+    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation and model card")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    overrides = {}
+    for item in args.override:
+        key, _, value = item.partition("=")
+        overrides[key] = json.loads(value)
+    weights = dict(DEFAULT_FAMILY_WEIGHTS) if args.family_weights is None else {
+        k: float(v) for k, v in (kv.split("=") for kv in args.family_weights.split(",") if kv)}
+    config = TrainConfig(backbone=args.backbone, out=args.out, minutes=args.minutes, max_steps=args.max_steps,
+                         seed=args.seed, resume=args.resume, lr=args.lr, samples_per_family=args.samples_per_family,
+                         family_weights=weights, model_overrides=overrides, experts_implementation=args.experts_impl,
+                         threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
+                         progress=not args.no_progress, pair_init=not args.no_pair_init)
+    out = train(config)
+    if not args.no_eval:
+        from slimwise.testbed.evaluate import evaluate_and_write_card
+
+        evaluate_and_write_card(out, config)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""Training of the embedded testbed backbones: fast experts, losses, packing, resume, and the shipped models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from slimwise.embedded import embedded_model_dir
+from slimwise.testbed.tasks import FAMILIES, make_split
+from slimwise.testbed.train import (
+    FAST_EXPERTS,
+    STATE_FILE,
+    RouterCapture,
+    ThreadTuner,
+    TrainConfig,
+    backbone_config,
+    build_model,
+    load_balancing_loss,
+    lr_at,
+    make_batch,
+    pack,
+    prepare_tokenizer,
+    train,
+    training_losses,
+)
+
+# A tiny model of each backbone: fast enough for a few training steps in a test.
+TINY = {
+    "a": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+              moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2),
+}
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return prepare_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def tiny_config(tmp_path, backbone="a", **kw) -> TrainConfig:
+    args = dict(backbone=backbone, out=str(tmp_path / f"run-{backbone}"), minutes=None, max_steps=4,
+                model_overrides=TINY[backbone], samples_per_family=1, lr=3e-3, warmup_steps=2, threads=1,
+                progress=False, log_every=1, family_weights={})
+    return TrainConfig(**(args | kw))
+
+
+def test_backbone_presets_meet_the_issue(tok):
+    a = backbone_config("a", tok)
+    assert a.model_type == "qwen3_moe" and a.num_experts >= 64 and a.num_experts_per_tok == 8 and a.norm_topk_prob
+    b = backbone_config("b", tok)
+    assert b.model_type == "qwen2_moe" and b.num_experts >= 32 and b.shared_expert_intermediate_size > 0
+    for cfg in (a, b):
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        assert cfg.vocab_size == len(tok) and cfg.max_position_embeddings == 512
+        assert cfg.hidden_size % 32 == 0 and cfg.moe_intermediate_size % 32 == 0 and head_dim >= 32
+        assert cfg.eos_token_id == tok.eos_token_id and cfg.pad_token_id == tok.pad_token_id
+
+
+@pytest.mark.parametrize("backbone", ["a", "b"])
+def test_fast_experts_match_stock_eager_forward_and_backward(tmp_path, tok, backbone):
+    cfg = tiny_config(tmp_path, backbone, model_overrides=TINY[backbone] | {"initializer_range": 0.2})
+    model = build_model(cfg, tok)
+    ids = torch.randint(0, len(tok), (3, 17), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for impl in (FAST_EXPERTS, "eager"):
+        model.zero_grad()
+        model.set_experts_implementation(impl)
+        logits = model(input_ids=ids, use_cache=False).logits
+        (logits.float() ** 2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[impl] = (logits.detach(), grads)
+    fast, eager = results[FAST_EXPERTS], results["eager"]
+    torch.testing.assert_close(fast[0], eager[0], rtol=1e-5, atol=1e-5)
+    assert fast[1].keys() == eager[1].keys()
+    assert any("experts.gate_up_proj" in n for n in fast[1]) and any("mlp.gate.weight" in n for n in fast[1])
+    for name in eager[1]:
+        torch.testing.assert_close(fast[1][name], eager[1][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_aux_loss_is_one_for_uniform_routing_and_larger_when_collapsed():
+    num_tokens, num_experts, top_k = 64, 16, 4
+    logits = torch.zeros(num_tokens, num_experts)  # uniform probabilities
+    balanced = (torch.arange(num_tokens * top_k) % num_experts).view(num_tokens, top_k)
+    assert load_balancing_loss(logits, balanced, num_experts).item() == pytest.approx(1.0, abs=1e-6)
+    collapsed_logits = torch.zeros(num_tokens, num_experts)
+    collapsed_logits[:, :top_k] = 5.0
+    collapsed = torch.arange(top_k).expand(num_tokens, top_k)
+    assert load_balancing_loss(collapsed_logits, collapsed, num_experts).item() > 3.0
+    # padding rows are ignored
+    valid = torch.ones(num_tokens, dtype=torch.bool)
+    valid[32:] = False
+    mixed = torch.cat([balanced[:32], collapsed[32:]])
+    assert load_balancing_loss(logits, mixed, num_experts, valid).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_pair_init_starts_spaced_and_bare_names_equal(tmp_path, tok):
+    from slimwise.testbed.train import word_pairs
+
+    pairs = word_pairs(tok)
+    assert ("Bob", " Bob") in [(tok.decode([a]), tok.decode([b])) for a, b in pairs] and len(pairs) >= 10
+    model = build_model(tiny_config(tmp_path), tok)
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    for bare, spaced in pairs:
+        assert torch.equal(emb[bare], emb[spaced]) and torch.equal(head[bare], head[spaced])
+    plain = build_model(tiny_config(tmp_path, pair_init=False), tok)
+    bare, spaced = pairs[0]
+    assert not torch.equal(plain.get_input_embeddings().weight[bare], plain.get_input_embeddings().weight[spaced])
+
+
+def test_training_losses_capture_every_moe_layer(tmp_path, tok):
+    cfg = tiny_config(tmp_path)
+    model = build_model(cfg, tok)
+    capture = RouterCapture(model)
+    loss, ce, aux = training_losses(model, capture, make_batch(cfg, tok, 0), cfg.aux_loss_coef)
+    assert len(capture.records) == model.config.num_hidden_layers
+    assert math.isclose(loss.item(), ce.item() + cfg.aux_loss_coef * aux.item(), rel_tol=1e-6)
+    assert 0.9 < aux.item() < 2.0  # near-uniform routing at init
+    assert abs(ce.item() - math.log(len(tok))) < 0.5  # untrained: about log(vocab)
+    capture.remove()
+
+
+def test_packing_masks_prompts_and_isolates_samples(tmp_path, tok):
+    cfg = tiny_config(tmp_path)
+    samples = make_split("train", 1, seed=3, families=["add", "sort", "qa", "upper"])
+    from slimwise.testbed.tokenizer import encode_sample
+
+    enc = [encode_sample(tok, s) for s in samples]
+    batch = pack(enc, 256, tok.pad_token_id)
+    assert batch["input_ids"].shape[0] == 1  # four short samples share one row
+    assert int(batch["valid"].sum()) == sum(len(p) + len(t) for p, t in enc)
+    assert int((batch["labels"] != -100).sum()) == sum(len(t) for _, t in enc)  # targets + EOS only
+    trained = set(batch["labels"][batch["labels"] != -100].tolist())
+    assert tok.eos_token_id in trained
+    # the packed forward equals each sample's own forward: no attention across samples
+    model = build_model(cfg, tok).eval()
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+        for (p, t), start in zip(sorted(enc, key=lambda x: -(len(x[0]) + len(x[1]))), starts, strict=False):
+            ids = torch.tensor([p + t])
+            alone = model(input_ids=ids, use_cache=False).logits
+            torch.testing.assert_close(packed[:, start:start + ids.shape[1]], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_batches_cover_all_families_and_are_deterministic(tmp_path, tok):
+    cfg = tiny_config(tmp_path, samples_per_family=2)
+    from slimwise.testbed.train import step_samples
+
+    s0 = step_samples(cfg, 0)
+    assert {s.family for s in s0} == set(FAMILIES) and len(s0) == 2 * len(FAMILIES)
+    assert [s.prompt for s in s0] == [s.prompt for s in step_samples(cfg, 0)]
+    assert [s.prompt for s in s0] != [s.prompt for s in step_samples(cfg, 1)]
+    weighted = step_samples(tiny_config(tmp_path, samples_per_family=2, family_weights={"gcd": 2.0, "qa": 0.5}), 0)
+    per = {f: sum(s.family == f for s in weighted) for f in FAMILIES}
+    assert per["gcd"] == 4 and per["qa"] == 1 and per["add"] == 2
+    b0, b0_again = make_batch(cfg, tok, 0), make_batch(cfg, tok, 0)
+    assert all(torch.equal(b0[k], b0_again[k]) for k in b0)
+
+
+def test_lr_schedule_and_thread_tuner():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(cfg, 0, 0.0) == pytest.approx(1e-4)
+    assert lr_at(cfg, 9, 0.0) == pytest.approx(1e-3)
+    assert lr_at(cfg, 500, 0.5) == pytest.approx(0.55e-3)
+    assert lr_at(cfg, 900, 1.0) == pytest.approx(1e-4)
+    tuner = ThreadTuner(choices=(1, 2), period=10, probe=2)
+    seen = []
+    for step in range(30):
+        n = tuner.threads_for(step)
+        seen.append(n)
+        tuner.record(n, 1.0 if n == 1 else 0.5 if step < 10 else 3.0)  # 2 threads win, then turn 6x slower
+    assert seen[:10] == [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]  # first probe: 2 threads measured faster
+    assert seen[10:20] == [1, 1, 2, 2, 1, 1, 1, 1, 1, 1]  # 2 threads turned 6x slower: 1 thread chosen
+    assert seen[20:24] == [1, 1, 2, 1]  # probing 2 again: one step over 2x the reference aborts the probe
+    # the chosen count turning slow re-probes at once instead of waiting for the next period
+    tuner = ThreadTuner(choices=(1, 2), period=100, probe=2, patience=3)
+    seen = []
+    for step in range(20):
+        n = tuner.threads_for(step)
+        seen.append(n)
+        tuner.record(n, (0.5 if step < 8 else 10.0) if n == 2 else 1.0)
+    assert seen[:8] == [1, 1, 2, 2, 2, 2, 2, 2]
+    assert seen[8:11] == [2, 2, 2]  # three slow steps with 2 threads...
+    assert seen[11:15] == [1, 1, 2, 2]  # ...start a new probe at once, which picks 1 thread
+    assert set(seen[15:]) == {1}
+
+
+def test_a_few_steps_lower_the_loss(tmp_path, tok):
+    cfg = tiny_config(tmp_path, max_steps=30, lr=1e-2, warmup_steps=3, samples_per_family=2)
+    fixed = make_batch(cfg, tok, 10_000)  # a batch the run never trains on
+    model = build_model(cfg, tok)
+    capture = RouterCapture(model)
+    with torch.no_grad():
+        before = training_losses(model, capture, fixed, 0.0)[1].item()
+    out = train(cfg)
+    state = torch.load(out / STATE_FILE, weights_only=False)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        after = training_losses(model, capture, fixed, 0.0)[1].item()
+    assert state["step"] == 30
+    assert after < before - 1.0, (before, after)
+    # the exported model is a stock, loadable checkpoint
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["num_experts"] == TINY["a"]["num_experts"] and cfg_json["vocab_size"] == len(tok)
+    assert "experts_implementation" not in cfg_json
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tok.eos_token_id
+
+
+def test_resume_continues_the_same_run(tmp_path, tok):
+    full = train(tiny_config(tmp_path / "full", max_steps=6))
+    cut_cfg = tiny_config(tmp_path / "cut", max_steps=6, stop_at_step=3)
+    cut = train(cut_cfg)
+    interrupted = torch.load(cut / STATE_FILE, weights_only=False)
+    assert interrupted["step"] == 3 and not (cut / "config.json").exists()  # no export when interrupted
+    resumed = train(tiny_config(tmp_path / "cut", max_steps=6, resume=True))
+    a = torch.load(full / STATE_FILE, weights_only=False)
+    b = torch.load(resumed / STATE_FILE, weights_only=False)
+    assert a["step"] == b["step"] == 6 and a["tokens"] == b["tokens"]
+    # the same losses after the cut (same next batches, same optimizer state), hence the same weights
+    assert [r["loss"] for r in a["history"]] == pytest.approx([r["loss"] for r in b["history"]], rel=1e-5)
+    for name, t in a["model"].items():
+        torch.testing.assert_close(b["model"][name], t, rtol=1e-5, atol=1e-6, msg=name)
+    exp_a, exp_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    for k in exp_a:
+        torch.testing.assert_close(exp_b[k]["exp_avg_sq"], exp_a[k]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    with pytest.raises(ValueError, match="cannot resume"):
+        train(tiny_config(tmp_path / "cut", max_steps=6, resume=True, seq_len=128))
+
+
+def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
+    from slimwise.testbed.evaluate import evaluate_model
+
+    model = build_model(tiny_config(tmp_path), tok).eval()
+    model.set_experts_implementation("eager")
+    r = evaluate_model(model=model, tokenizer=tok, split="test", n_per_family=2, families=["add", "sort"],
+                       max_new_tokens=6)
+    assert set(r["families"]) == {"add", "sort"} and set(r["domains"]) == {"arithmetic", "lists"}
+    assert r["n"] == 4 and 0.0 <= r["accuracy"] <= 1.0 and r["mean_tokens"] <= 6
+    routing = r["routing"]
+    assert len(routing["max_share_over_uniform"]) == model.config.num_hidden_layers
+    assert all(1.0 <= x <= model.config.num_experts for x in routing["max_share_over_uniform"])
+
+
+SHIPPED = [name for name in ("testbed-a", "testbed-b") if embedded_model_dir(name) is not None]
+
+
+@pytest.mark.parametrize("name", SHIPPED or [pytest.param("testbed-a", marks=pytest.mark.skip("not shipped"))])
+def test_shipped_backbone_solves_arithmetic(name):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimwise.testbed.evaluate import evaluate_model
+
+    path = embedded_model_dir(name)
+    assert (path / "model.safetensors").stat().st_size <= 30e6
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()  # stock classes, stock (eager) experts
+    assert model.config.vocab_size == len(tok)
+    assert model.config.eos_token_id == tok.eos_token_id
+    r = evaluate_model(model=model, tokenizer=tok, split="test", n_per_family=5, domain="arithmetic",
+                       routing=False, seed=1)
+    assert r["n"] == 25
+    assert r["accuracy"] >= 0.7, r["families"]
