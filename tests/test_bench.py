@@ -268,3 +268,16 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     assert r["bars"]["colocated_reaches_95pct_of_pruned"]
     for f in r["files"].values():
         assert (tmp_path / "bench" / f.split("/")[-1]).stat().st_size > 0
+
+
+def test_partial_results_resume_only_with_the_same_settings(tmp_path):
+    from slimwise.perf.bench import Variant, _load_partial, _save_partial, _signature
+
+    config = BenchConfig(synthetic="smoke", out_dir=str(tmp_path), batches=(1, 4), repetitions=1, resume=True)
+    variants = [Variant("full", "m", {}, 16, "Qwen3MoeForCausalLM")]
+    sig = _signature(config, variants, {"dtype": "bfloat16"})
+    _save_partial(config, sig, {"full": {1: [_m(10.0, 0)]}}, {"full": [3.0]})
+    runs, starts = _load_partial(config, sig, log=lambda s: None)
+    assert runs == {"full": {1: [_m(10.0, 0)]}} and starts == {"full": [3.0]}
+    other = _signature(BenchConfig(synthetic="smoke", output_len=64), variants, {"dtype": "bfloat16"})
+    assert _load_partial(config, other, log=lambda s: None) == ({}, {})

@@ -77,6 +77,7 @@ class BenchConfig:
     kv_cache_bytes: int | None = None  # default: what the largest batch needs, +25%
     max_num_batched_tokens: int | None = None  # default: max batch x prompt_len (one prefill step)
     restart: bool = False
+    resume: bool = False  # resident mode: reuse batches already measured in out_dir/bench.partial.json
     count_experts: bool = True
     count_output_len: int = 16
     hardware: str | None = "cpu-measured"  # roofline hardware; None: no prediction
@@ -386,17 +387,53 @@ def _vocab(model_dir: str) -> int:
     return int(cfg.get("text_config", cfg)["vocab_size"])
 
 
+PARTIAL_FILE = "bench.partial.json"
+
+
+def _signature(config: BenchConfig, variants: list[Variant], kwargs: dict) -> dict:
+    """What must match for a partial run to be resumed."""
+    return {"variants": [[v.name, v.model_dir, v.min_decode_batch] for v in variants], "engine": kwargs,
+            "prompt_len": config.prompt_len, "output_len": config.output_len, "repetitions": config.repetitions,
+            "seed": config.seed}
+
+
+def _load_partial(config: BenchConfig, signature: dict, log) -> tuple[dict, dict]:
+    path = Path(config.out_dir) / PARTIAL_FILE
+    if not (config.resume and path.is_file()):
+        return {}, {}
+    data = json.loads(path.read_text())
+    if data.get("signature") != json.loads(json.dumps(signature)):
+        log(f"resume: {path} was written with other settings; starting afresh")
+        return {}, {}
+    runs = {name: {int(b): ms for b, ms in per.items()} for name, per in data["runs"].items()}
+    done = [b for b in config.batches if all(len(runs.get(n, {}).get(b, [])) >= config.repetitions for n in runs)]
+    log(f"resume: batches {done} already measured in {path}")
+    return runs, data.get("engine_start_s", {})
+
+
+def _save_partial(config: BenchConfig, signature: dict, runs: dict, starts: dict) -> None:
+    path = Path(config.out_dir) / PARTIAL_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_jsonable({"signature": signature, "runs": runs, "engine_start_s": starts})) + "\n")
+    os.replace(tmp, path)
+
+
 def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:
-    runs: dict[str, dict[int, list]] = {v.name: {} for v in variants}
-    starts: dict[str, list[float]] = {}
+    signature = _signature(config, variants, kwargs)
+    old_runs, old_starts = _load_partial(config, signature, log)
+    runs: dict[str, dict[int, list]] = {v.name: dict(old_runs.get(v.name, {})) for v in variants}
+    starts: dict[str, list[float]] = {v.name: list(old_starts.get(v.name, [])) for v in variants}
+    todo = [b for b in config.batches if any(len(runs[v.name].get(b, [])) < config.repetitions for v in variants)]
     engines = {}
     vocab = _vocab(variants[0].model_dir)
     try:
-        for v in variants:
+        for v in variants if todo else []:
             engines[v.name], s = start_engine(v, kwargs)
-            starts[v.name] = [s]
+            starts[v.name].append(s)
             log(f"engine {v.name}: started in {s:.1f}s")
-        for b in config.batches:
+        for b in todo:
+            for v in variants:
+                runs[v.name][b] = []  # a batch is measured whole (all variants, all rounds) or again
             prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
             for v in variants:
                 measure(engines[v.name], prompts, min(config.warmup_tokens, config.output_len))
@@ -404,9 +441,10 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
                 for v in order:
                     m = measure(engines[v.name], prompts, config.output_len)
                     m.update(round=r, loadavg=os.getloadavg()[0])
-                    runs[v.name].setdefault(b, []).append(m)
+                    runs[v.name][b].append(m)
                     log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
                         f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
+            _save_partial(config, signature, runs, starts)
     finally:
         for llm in engines.values():
             close_engine(llm)

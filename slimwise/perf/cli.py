@@ -235,7 +235,7 @@ def cmd_bench(args) -> None:
         repetitions=args.repetitions, warmup_tokens=args.warmup_tokens, dtype=args.dtype,
         enforce_eager=not args.compile,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
-        max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart,
+        max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart, resume=args.resume,
         count_experts=not args.no_count, count_output_len=args.count_output_len,
         hardware=None if args.hardware == "none" else args.hardware, suggest_threshold=args.suggest_threshold,
         out_dir=args.out, plot=args.plot, seed=args.seed, verbose=args.verbose)
@@ -301,6 +301,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, help="default: max batch x prompt length")
     p.add_argument("--restart", action="store_true",
                    help="one engine alive at a time, restarted every round (when the engines do not fit together)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the batches a crashed run of the same settings saved in OUT/bench.partial.json")
     p.add_argument("--no-count", action="store_true", help="skip the expert-traffic pass")
     p.add_argument("--count-output-len", type=int, default=16, help="tokens per sequence in the traffic pass")
     p.add_argument("--hardware", default="cpu-measured", help="roofline hardware (cpu-measured, h100, h200, none)")
