@@ -168,7 +168,7 @@ def check_qa(prompt: str, steps: list[str], answer: str) -> None:
         hits = [i for i, f in enumerate(facts) if f[0] == m.group(1)]
         expected = facts[hits[0]][2] if hits else None
     assert len(hits) == 1 and answer == expected
-    assert steps == [f"{f[0]} {'yes' if i == hits[0] else 'no'}" for i, f in enumerate(facts)]
+    assert steps == [f"{' '.join(f)} {'yes' if i == hits[0] else 'no'}" for i, f in enumerate(facts)]
 
 
 CHECKERS = {

@@ -330,7 +330,12 @@ def gen_novowel(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
 
 @register_family("qa", "text", train={"facts": (2, 4)}, heldout={"facts": (5, 6)})
 def gen_qa(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
-    """Questions answered from a short passage; the solution checks each fact in turn (`Name yes|no`)."""
+    """Questions answered from a short passage.
+
+    The solution copies each fact in turn and marks whether it matches the question (`Name color animal yes|no`),
+    so the answer is read off the marked line: a two-hop lookup (find the fact, then its field) written out as
+    steps, the way the arithmetic families write out their carries.
+    """
     k = d["facts"]
     names = rng.sample(NAMES, k)
     pairs: list[tuple[str, str]] = []
@@ -348,7 +353,7 @@ def gen_qa(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
         question, answer = f"who has the {color} {animal}?", name
     else:
         question, answer = f"what pet does {name} have?", animal
-    steps = [f"{n} {'yes' if j == i else 'no'}" for j, n in enumerate(names)]
+    steps = [f"{n} {c} {a} {'yes' if j == i else 'no'}" for j, (n, (c, a)) in enumerate(zip(names, pairs, strict=True))]
     return f"{passage}\nQ: {question}\n", _solution(steps, answer), answer
 
 

@@ -55,7 +55,8 @@ FAST_EXPERTS = "slimwise_sorted"
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "README.md", "eval.json")
+               "tokenizer_config.json", "special_tokens_map.json", "README.md", "eval.json", "train_config.json",
+               "train_summary.json")
 
 # --------------------------------------------------------------------------------------------------------
 # Fast experts forward for CPU training
@@ -162,11 +163,11 @@ _COMMON = dict(max_position_embeddings=512, tie_word_embeddings=False, initializ
                hidden_act="silu", use_cache=True, output_router_logits=False)
 CARD_NAMES = {"a": "testbed-a", "b": "testbed-b"}
 #: Difficulty sampling: more draws of the families that need the most steps (one-shot multi-digit division in
-#: gcd and base, two-hop lookups in qa, whose targets are only ~12 tokens), fewer of those learnt first (the
+#: gcd and base, the fact lookups of qa), fewer of those learnt first (the
 #: letter-by-letter text families, list copying). Every family is in every batch (weights >= 1/3 of 3 samples).
 DEFAULT_FAMILY_WEIGHTS = {"add": 1.0, "sub": 1.0, "mul": 1.0, "gcd": 4.0, "base": 4.0, "sort": 1.5,
                           "reverse": 0.67, "dedup": 0.67, "count": 0.67, "strrev": 0.34, "upper": 0.34,
-                          "novowel": 0.34, "qa": 4.0}
+                          "novowel": 0.34, "qa": 2.0}
 
 
 def backbone_config(backbone: str, tokenizer, **overrides) -> PretrainedConfig:
@@ -510,7 +511,8 @@ def tie_pair_rows(model: nn.Module, pairs: Sequence[tuple[int, int]]) -> None:
 
 def build_model(config: TrainConfig, tokenizer) -> nn.Module:
     torch.manual_seed(config.seed)
-    model_config = backbone_config(config.backbone, tokenizer, **config.model_overrides)
+    overrides = {"router_aux_loss_coef": config.aux_loss_coef, **config.model_overrides}  # documents the recipe
+    model_config = backbone_config(config.backbone, tokenizer, **overrides)
     model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     if config.pair_init:
         tie_pair_rows(model, word_pairs(tokenizer))
