@@ -119,8 +119,10 @@ def test_disaggregated_serve(served):
         check_completions(client, prompts, ref["slimwise"])
         kv_dirs = set(glob.glob("/tmp/slimwise-kv-*")) - before
         assert len(kv_dirs) == 1 and not os.listdir(kv_dirs.pop())  # per pair, emptied after each request
-        text = (root / "pd.log").read_text()
-        assert "SlimWise: loading full-model KV" in text
+        deadline = time.monotonic() + 30  # the decode engine process's log line may reach the file late
+        while "SlimWise: loading full-model KV" not in (text := (root / "pd.log").read_text()):
+            assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
+            time.sleep(0.5)
         # one instance gone: the client gets a clear 503 naming it, quickly
         decode = subprocess.run(["pgrep", "-f", "--", f"--port {port + 2} "], capture_output=True, text=True).stdout.split()
         assert decode, "decode instance process not found"

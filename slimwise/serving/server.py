@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -120,7 +121,8 @@ class Supervisor:
 
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
-        proc = subprocess.Popen(cmd)
+        # unbuffered: instance logs (e.g. the connector's KV loads) reach a redirected log file as they happen
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.procs.append((name, proc))
         return proc
 
