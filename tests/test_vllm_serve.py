@@ -135,4 +135,17 @@ def test_disaggregated_serve(served):
         assert time.monotonic() - t0 < 30
     finally:
         stop(proc)
+    # the killed instance's engine processes (orphans of its API server) went with the rest of its group
+    deadline = time.monotonic() + 20  # SIGKILLed members take a moment to be reaped
+
+    def group_alive(pgid: int) -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    while any(group_alive(int(pid)) for pid in decode):
+        assert time.monotonic() < deadline, "the killed decode instance left processes running"
+        time.sleep(0.5)
     assert set(glob.glob("/tmp/slimwise-kv-*")) == before  # cleaned on shutdown

@@ -10,6 +10,7 @@ and the proxy in front; `--prefill-url/--decode-url` attach the proxy to instanc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -122,19 +123,24 @@ class Supervisor:
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
         # unbuffered: instance logs (e.g. the connector's KV loads) reach a redirected log file as they happen
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # own process group: stopping an instance also stops its EngineCore/worker processes, which outlive an
+        # API server that crashed or was killed (they are re-parented to init and keep their memory)
+        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 
+    @staticmethod
+    def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)  # the group outlives its leader while any member is alive
+
     def stop(self, *_args) -> None:
         for _, proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
+            self._signal_group(proc, signal.SIGTERM)
         for _, proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            self._signal_group(proc, signal.SIGKILL)  # whatever is left of the group (orphaned engine processes)
         self.procs.clear()
         for d in self.cleanup_dirs:
             shutil.rmtree(d, ignore_errors=True)
