@@ -78,6 +78,10 @@ class VllmEngine:
 
     def close(self) -> None:
         if self.llm is not None:
+            # stop the EngineCore process now: relying on garbage collection left it running after the engine
+            core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
             del self.llm
             self.llm = None
             self._mode = None
