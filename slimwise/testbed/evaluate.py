@@ -27,6 +27,41 @@ ROUTING_LIMIT = 3.0  # the issue's bound on max expert share / uniform share, pe
 FAMILY_NOTES: dict[str, str] = {}  # family -> why it misses the bar, for the model card
 
 
+BAND = {"min_cost_points": 10.0, "min_length_change_pct": 15.0, "min_kept_accuracy": 0.30}  # issue #3's band
+
+
+def pruning_regime(report: dict, source: str, command: str) -> dict:
+    """Where a backbone lands under uniform pruning, from a `slimwise eval` report (target domain).
+
+    Per calibration phase: the best criterion at 50% (highest uniform accuracy), its uniform and SlimWise
+    accuracy and mean length at every ratio, and whether 50% falls in the band: uniform costs at least 10
+    points or changes the mean length by at least 15%, yet keeps at least 30% accuracy.
+    """
+    full = report["full"]
+    out: dict = {"source": source, "command": command, "full": {"accuracy": full["accuracy"],
+                                                                  "length_mean": full["length_mean"]},
+                 "n": len(full["correct"]), "phases": {}}
+    runs = report["runs"]
+    for phase in sorted({r["phase"] for r in runs}):
+        at50 = [r for r in runs if r["phase"] == phase and r["mode"] == "uniform" and abs(r["ratio"] - 0.5) < 1e-9]
+        if not at50:
+            continue
+        best = max(at50, key=lambda r: r["metrics"]["accuracy"])["criterion"]
+        rows = []
+        for r in sorted((r for r in runs if r["phase"] == phase and r["criterion"] == best), key=lambda r: r["ratio"]):
+            if r["mode"] in ("uniform", "slimwise"):
+                rows.append({"ratio": r["ratio"], "mode": r["mode"], "accuracy": r["metrics"]["accuracy"],
+                             "length_mean": r["metrics"]["length_mean"]})
+        u50 = next(x for x in rows if x["mode"] == "uniform" and abs(x["ratio"] - 0.5) < 1e-9)
+        cost = 100 * (full["accuracy"] - u50["accuracy"])
+        change = 100 * (u50["length_mean"] / full["length_mean"] - 1)
+        in_band = ((cost >= BAND["min_cost_points"] or abs(change) >= BAND["min_length_change_pct"])
+                   and u50["accuracy"] >= BAND["min_kept_accuracy"])
+        out["phases"][phase] = {"best_criterion": best, "rows": rows, "uniform50_cost_points": cost,
+                                "uniform50_length_change_pct": change, "in_band": in_band}
+    return out
+
+
 def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype = "auto",
                experts_implementation: str | None = None):
     """Stock transformers load (the shipped dtype by default) plus the tokenizer saved next to it."""
@@ -169,7 +204,7 @@ def _size_mb(path: Path) -> float:
 
 
 def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
-                command: str) -> str:
+                command: str, pruning: dict | None = None) -> str:
     cfg = json.loads((out / "config.json").read_text())
     from slimwise.testbed.train import count_parameters  # lazy: train imports transformers internals
 
@@ -276,6 +311,28 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
                      "digits, longer lists or words; compare pruning methods on the test split.")
     lines.append(f"- a {cfg['num_hidden_layers']}-layer, {cfg['hidden_size']}-wide model trained for under an hour: "
                  "the accuracies are the measured ones above, not a statement about the architecture family.")
+    if pruning:
+        lines += ["", "## Pruning regime (target domain)", "",
+                  f"Uniform pruning (prefill and decode pruned) and SlimWise (full prefill, pruned decode) with the best "
+                  f"of the four criteria at 50%, per calibration phase, on {pruning['n']} arithmetic test problems; "
+                  f"full model {_pct(pruning['full']['accuracy'])}, {pruning['full']['length_mean']:.1f} tokens. "
+                  f"From `{pruning['source']}`, produced by `{pruning['command']}`.", "",
+                  "| calibration | criterion | ratio | uniform acc | uniform length | SlimWise acc | SlimWise length |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for phase, ph in pruning["phases"].items():
+            by_ratio: dict = {}
+            for row in ph["rows"]:
+                by_ratio.setdefault(row["ratio"], {})[row["mode"]] = row
+            for ratio, m in sorted(by_ratio.items()):
+                u, w = m.get("uniform"), m.get("slimwise")
+                lines.append(f"| {phase} | {ph['best_criterion']} | {ratio:g} | "
+                             + (f"{_pct(u['accuracy'])} | {u['length_mean']:.1f}" if u else "- | -") + " | "
+                             + (f"{_pct(w['accuracy'])} | {w['length_mean']:.1f}" if w else "- | -") + " |")
+        lines += [""] + [
+            f"- {phase} calibration: uniform 50% costs {ph['uniform50_cost_points']:.1f} points and changes the mean "
+            f"length by {ph['uniform50_length_change_pct']:+.1f}% -> "
+            + ("in the band (>= 10 points or >= 15% length, and >= 30% kept)" if ph["in_band"] else "NOT in the band")
+            for phase, ph in pruning["phases"].items()]
     if "routing" in test:
         rt = test["routing"]
         lines += ["", "## Routing load", "",
@@ -324,8 +381,65 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     tc = json.loads((out / "train_config.json").read_text())
     ev = json.loads((out / "eval.json").read_text())
     name = CARD_NAMES.get(tc["backbone"], out.name)
-    command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {out} "
+    command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {tc.get('out', out)} "
                           f"--minutes {tc['minutes']:g} --seed {tc['seed']}"
+                          + (f" --threads {tc['threads']}" if tc.get("threads") else "")
                           + ("" if tc.get("pair_init") else " --no-pair-init"))
-    (out / "README.md").write_text(format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command))
+    (out / "README.md").write_text(format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
+                                               ev.get("pruning")))
     return out / "README.md"
+
+
+def ship(run_dir: str | os.PathLike, name: str) -> Path:
+    """Copy a trained model's shippable files into the package (slimwise/testbed/checkpoints/<dir>), atomically."""
+    import shutil
+    import tempfile
+
+    from slimwise.embedded import CHECKPOINTS, EMBEDDED
+    from slimwise.testbed.train import copy_model_files
+
+    if name not in EMBEDDED:
+        raise SystemExit(f"unknown embedded name {name!r}; choose one of {sorted(EMBEDDED)}")
+    dst = CHECKPOINTS / EMBEDDED[name]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=CHECKPOINTS))
+    copy_model_files(run_dir, tmp)
+    old = dst.with_name(f".{dst.name}-old")
+    if dst.exists():
+        dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.evaluate",
+                                description="model cards of trained testbed backbones")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("card", help="add the pruning regime from a `slimwise eval` report and rewrite README.md")
+    c.add_argument("model_dir")
+    c.add_argument("--pruning-report", help="report.json of `slimwise eval` on this model (target domain)")
+    c.add_argument("--pruning-command", default="slimwise eval", help="the command that wrote the report")
+    c.add_argument("--ship", metavar="NAME", help="then copy the model into the package as NAME (testbed-a|b)")
+    args = p.parse_args(argv)
+    out = Path(args.model_dir)
+    if args.pruning_report:
+        ev_path = out / "eval.json"
+        ev = json.loads(ev_path.read_text())
+        ev["pruning"] = pruning_regime(json.loads(Path(args.pruning_report).read_text()), args.pruning_report,
+                                       args.pruning_command)
+        tmp = ev_path.with_name(ev_path.name + ".tmp")
+        tmp.write_text(json.dumps(ev, indent=2) + "\n")
+        os.replace(tmp, ev_path)
+        for phase, ph in ev["pruning"]["phases"].items():
+            print(f"{phase}: best {ph['best_criterion']}, uniform 50% costs {ph['uniform50_cost_points']:.1f} points, "
+                  f"length {ph['uniform50_length_change_pct']:+.1f}% -> {'in' if ph['in_band'] else 'NOT in'} band")
+    print(write_card(out))
+    if args.ship:
+        print(ship(out, args.ship))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
