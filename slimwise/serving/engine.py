@@ -18,7 +18,7 @@ from pathlib import Path
 from slimwise.errors import SlimWiseError
 from slimwise.generate import Generation, GenerationConfig
 from slimwise.plan import PrunePlan
-from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
+from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
 from slimwise.serving.routing import DELTA_KEY, LOG_EVERY_KEY, MASK_ALL_KEY, MIN_BATCH_KEY, PLAN_KEY
 
 
@@ -29,14 +29,21 @@ def slimwise_overrides(model_dir: str | Path, plan: PrunePlan | str | Path | Non
     arch = (config.get("architectures") or [None])[0]
     if arch not in STOCK_ARCHS:
         raise SlimWiseError(f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}")
-    if plan is None:
-        return {}
+    if plan is None:  # the full model: stock, except where the SlimWise class carries a vLLM CPU fix
+        return {"architectures": [slimwise_arch(arch)]} if slimwise_arch(arch) in CPU_ROPE_FIX else {}
     plan_value = plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
     out = {"architectures": [slimwise_arch(arch)], PLAN_KEY: plan_value, MASK_ALL_KEY: mask_all,
            MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
     if delta is not None:
         out[DELTA_KEY] = str(Path(delta).resolve())
     return out
+
+
+def full_model_overrides(model_dir: str | Path) -> dict:
+    """`hf_overrides` for the unpruned model: none, or the SlimWise class (no plan) where it fixes vLLM on CPU."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    arch = (config.get("architectures") or [None])[0]
+    return slimwise_overrides(model_dir, None) if arch in STOCK_ARCHS else {}
 
 
 class VllmEngine:
@@ -68,7 +75,7 @@ class VllmEngine:
             raise SlimWiseError(f"mode {mode!r} needs a plan")
         if mode == "distilled" and self.delta is None:
             raise SlimWiseError("mode 'distilled' needs a delta (VllmEngine(..., delta=DIR))")
-        overrides = {} if mode == "full" else slimwise_overrides(
+        overrides = full_model_overrides(self.model_dir) if mode == "full" else slimwise_overrides(
             self.model_dir, self.plan, mask_all=mode == "uniform", min_decode_batch=self.min_decode_batch,
             delta=self.delta if mode == "distilled" else None)
         self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,

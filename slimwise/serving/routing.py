@@ -108,7 +108,20 @@ class DecodeRouting(nn.Module):
             pruned = self.plan.pruned_mask(layer)
             if not pruned.any() and layer not in routers:
                 continue
-            self._install(module, pruned, routers.pop(layer, None))
+            router = _selection_router(model, name)
+            runner = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts", None)
+            if router is not None:  # sigmoid + correction bias / grouped top-k: -inf logits alone would not do
+                self._install(module, pruned if pruned.any() else None, routers.pop(layer, None))
+                if pruned.any():
+                    self._install_selection(router)
+            elif getattr(runner, "_fse_fuse_gate", False):
+                # the runner computes router + shared-expert-gate logits in one GEMM and never calls the gate; a
+                # mask applied inside the runner is not known to survive torch.compile (see _install_selection)
+                raise SlimWiseError(f"{name}: vLLM fuses this router with the shared-expert gate (ROCm AITER fused "
+                                    "shared experts), which bypasses the SlimWise gate hook; disable the fusion "
+                                    "(VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+            else:
+                self._install(module, pruned, routers.pop(layer, None))
             self.gates[layer] = module
         if routers or norms:
             raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in this vLLM "
@@ -152,8 +165,11 @@ class DecodeRouting(nn.Module):
         logger.info("SlimWise: decode-only delta %s (%s)", value, ", ".join(delta.params))
         return dict(delta.routers()), dict(delta.norms())
 
-    def _install(self, gate: nn.Module, pruned: torch.Tensor, router: torch.Tensor | None = None) -> None:
-        gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
+    def _install(self, gate: nn.Module, pruned: torch.Tensor | None, router: torch.Tensor | None = None) -> None:
+        """Gate output hook: decode rows get the distilled router (if any) and, with `pruned`, -inf logits for
+        the pruned experts (softmax routers). pruned=None: logits untouched (the selection is masked instead)."""
+        if pruned is not None:
+            gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
         if router is not None:
             gate.register_buffer("slimwise_router", router.to(gate.weight.device, gate.weight.dtype), persistent=False)
         routing = self
@@ -163,10 +179,23 @@ class DecodeRouting(nn.Module):
             decode = routing.decode_mask[: logits.shape[0], None]
             if router is not None:  # decode tokens route with the distilled router
                 logits = torch.where(decode, F.linear(args[0], module.slimwise_router).to(logits.dtype), logits)
-            masked = logits.masked_fill(decode & module.slimwise_pruned[None, :], float("-inf"))
+            masked = logits if pruned is None else logits.masked_fill(decode & module.slimwise_pruned[None, :],
+                                                                       float("-inf"))
             return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
         gate.register_forward_hook(hook)
+
+    @staticmethod
+    def _install_selection(router) -> None:
+        """Replace a grouped / biased vLLM router's routing with `masked_grouped_topk`, taking the experts a row may
+        not select from its -inf logits: the gate hook writes those (decode rows, pruned experts), so the mask
+        travels with the logits (a mask read from the decode buffer inside the router was not applied under
+        torch.compile -- verified: compiled uniform mode gave other tokens) and a stock (finite) row routes as stock."""
+
+        def compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
+            return masked_grouped_topk(router_logits, torch.isneginf(router_logits), router)
+
+        router._compute_routing = compute_routing
 
     def _install_norm(self, norm: nn.Module, weight: torch.Tensor) -> None:
         """Decode tokens get the distilled MoE-input norm; recomputed from the (residual-added) input."""
@@ -195,8 +224,8 @@ class DecodeRouting(nn.Module):
         routing = self
         for name, module in model.named_modules():
             match = _GATE_NAME.search(name)
-            if match is None or not hasattr(module, "weight"):
-                continue
+            if match is None or not hasattr(module, "weight") or _selection_router(model, name) is not None:
+                continue  # (a selection router does not pick the logits' top-k: not counted)
             layer = int(match.group(1))
 
             def hook(module, args, output, layer=layer):
@@ -248,6 +277,66 @@ class DecodeRouting(nn.Module):
         if self.log_every and c.steps % self.log_every == 0:
             logger.info("SlimWise step %d: %d tokens pruned-routed, %d full-routed (totals %d / %d)",
                         c.steps, n_decode, n - n_decode, c.pruned_tokens, c.full_tokens)
+
+
+def _selection_router(model: nn.Module, gate_name: str):
+    """The vLLM router of the MoE block that owns `gate_name` if it selects experts from anything but the logits'
+    top-k (a correction bias, grouped top-k, sigmoid scores): masking logits is not enough there."""
+    experts = getattr(model.get_submodule(gate_name.rsplit(".", 1)[0]), "experts", None)
+    router = getattr(experts, "router", None)
+    if router is None:
+        return None
+    biased = getattr(router, "e_score_correction_bias", None) is not None
+    grouped = bool(getattr(router, "use_grouped_topk", getattr(router, "num_expert_group", None) is not None))
+    if not (biased or grouped or getattr(router, "scoring_func", "softmax") != "softmax"):
+        return None
+    if getattr(router, "num_fused_shared_experts", 0):
+        raise SlimWiseError(f"{gate_name}: shared experts fused into the routed top-k (ROCm AITER) are not supported; "
+                            "disable the fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+    if not hasattr(router, "_compute_routing") or getattr(router, "scoring_func", "softmax") not in ("softmax",
+                                                                                                      "sigmoid"):
+        raise SlimWiseError(f"{gate_name}: vLLM router {type(router).__name__} "
+                            f"({getattr(router, 'scoring_func', '?')}) has no SlimWise selection mask")
+    return router
+
+
+def masked_grouped_topk(router_logits: torch.Tensor, rows_pruned: torch.Tensor, router) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """vLLM's CPU `_grouped_topk` (vllm/model_executor/layers/fused_moe/router/cpu_router.py) with the selection
+    scores (scores + e_score_correction_bias) of `rows_pruned` set to -inf before the group scores and again after
+    the group mask -- `DeepseekV3Adapter.route`, the reference engine's masking, row by row. Weights are the unbiased
+    scores of the selected experts. Rows without a pruned entry give exactly the stock result. Tested for DeepSeek-V3
+    (sigmoid + bias + groups); softmax-scored grouped routers (DeepSeek-V2 style) follow the same code, untested.
+    """
+    scores = router_logits.float()
+    # softmax scoring: pruned logits -> -inf first, as in a sliced router (sigmoid: the scores stay unbiased)
+    scores = scores.sigmoid() if router.scoring_func == "sigmoid" else scores.masked_fill(rows_pruned, float(
+        "-inf")).softmax(dim=-1)
+    bias = getattr(router, "e_score_correction_bias", None)
+    n, experts = scores.shape
+    groups = int(getattr(router, "num_expert_group", None) or 1) if getattr(router, "use_grouped_topk", True) else 1
+    topk_group = int(getattr(router, "topk_group", None) or groups) if groups > 1 else 1
+    choice = scores + bias.unsqueeze(0) if bias is not None else scores
+    choice = choice.masked_fill(rows_pruned, float("-inf"))
+    if groups > 1:
+        grouped = choice.view(n, groups, -1)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if bias is not None else grouped.max(dim=-1).values
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, groups, experts // groups).reshape(n, -1)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        choice = choice.masked_fill(rows_pruned, float("-inf"))
+    if bias is not None:
+        topk_ids = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+    else:
+        topk_weights, topk_ids = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)
+    if router.renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if router.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * router.routed_scaling_factor
+    return topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int32).contiguous()
 
 
 def describe_plan(plan: PrunePlan) -> str:
