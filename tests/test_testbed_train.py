@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from slimwise.embedded import embedded_model_dir
 from slimwise.testbed.tasks import FAMILIES, make_split
 from slimwise.testbed.train import (
     FAST_EXPERTS,
@@ -247,24 +246,3 @@ def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
     routing = r["routing"]
     assert len(routing["max_share_over_uniform"]) == model.config.num_hidden_layers
     assert all(1.0 <= x <= model.config.num_experts for x in routing["max_share_over_uniform"])
-
-
-SHIPPED = [name for name in ("testbed-a", "testbed-b") if embedded_model_dir(name) is not None]
-
-
-@pytest.mark.parametrize("name", SHIPPED or [pytest.param("testbed-a", marks=pytest.mark.skip("not shipped"))])
-def test_shipped_backbone_solves_arithmetic(name):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from slimwise.testbed.evaluate import evaluate_model
-
-    path = embedded_model_dir(name)
-    assert (path / "model.safetensors").stat().st_size <= 30e6
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path).eval()  # stock classes, stock (eager) experts
-    assert model.config.vocab_size == len(tok)
-    assert model.config.eos_token_id == tok.eos_token_id
-    r = evaluate_model(model=model, tokenizer=tok, split="test", n_per_family=5, domain="arithmetic",
-                       routing=False, seed=1)
-    assert r["n"] == 25
-    assert r["accuracy"] >= 0.7, r["families"]

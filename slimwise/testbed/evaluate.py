@@ -402,6 +402,7 @@ def ship(run_dir: str | os.PathLike, name: str) -> Path:
         raise SystemExit(f"unknown embedded name {name!r}; choose one of {sorted(EMBEDDED)}")
     dst = CHECKPOINTS / EMBEDDED[name]
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=CHECKPOINTS))
+    tmp.chmod(0o755)  # mkdtemp makes it private
     copy_model_files(run_dir, tmp)
     old = dst.with_name(f".{dst.name}-old")
     if dst.exists():

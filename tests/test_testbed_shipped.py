@@ -1,0 +1,196 @@
+"""The two trained testbed backbones shipped in the package (slimwise/testbed/checkpoints).
+
+Checked here, on the shipped files: the architecture the testbed promises, size and dtype, the quality bars the
+model card reports (and a fresh sample of them with stock transformers), transformers == vLLM greedy tokens,
+and the colocated plugin on the backbones (empty plan == stock vLLM, plan == the reference engine's SlimWise
+mode with exact prompt/decode counters, compiled == eager).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from slimwise.calibrate import CalibrationConfig, calibrate
+from slimwise.criteria import plan_from_stats
+from slimwise.embedded import EMBEDDED, embedded_model_dir
+from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.models import load_model, load_tokenizer
+from slimwise.testbed import make_split
+
+NAMES = sorted(EMBEDDED)  # testbed-a, testbed-b
+CONFIG = GenerationConfig(max_new_tokens=48, batch_size=16)
+
+
+def test_both_backbones_are_shipped():
+    assert [n for n in NAMES if embedded_model_dir(n) is None] == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_architecture_size_and_dtype(name):
+    path = embedded_model_dir(name)
+    cfg = json.loads((path / "config.json").read_text())
+    if name == "testbed-a":  # fine-grained, like Qwen3-30B-A3B
+        assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["norm_topk_prob"] is True
+        assert cfg["num_experts"] >= 64 and cfg["num_experts_per_tok"] == 8
+    else:  # routed + shared expert with its gate, like Qwen3.6-35B-A3B
+        assert cfg["architectures"] == ["Qwen2MoeForCausalLM"] and cfg["shared_expert_intermediate_size"] > 0
+        assert cfg["num_experts"] >= 32
+    assert cfg["hidden_size"] % 32 == 0 and cfg["moe_intermediate_size"] % 32 == 0  # vLLM CPU kernels
+    weights = path / "model.safetensors"
+    assert weights.stat().st_size <= 30e6
+    with safe_open(weights, "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (safe_open is not iterable)
+    assert cfg["vocab_size"] == len(load_tokenizer(path))
+
+
+def card_eval(name: str) -> dict:
+    return json.loads((embedded_model_dir(name) / "eval.json").read_text())
+
+
+# The issue's bars, on the numbers the model card reports (test split, 100 problems per family).
+B_TARGET_MISS = pytest.mark.xfail(strict=True, reason="testbed-b: arithmetic 84.0% < 85% (issue #3 open; "
+                                  "retrain with more gcd/base weight)")
+
+
+@pytest.mark.parametrize("name", ["testbed-a", pytest.param("testbed-b", marks=B_TARGET_MISS)])
+def test_card_target_domain_bar(name):
+    assert card_eval(name)["test"]["domains"]["arithmetic"]["accuracy"] >= 0.85
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_every_family_and_routing_bars(name):
+    ev = card_eval(name)["test"]
+    assert min(r["accuracy"] for r in ev["families"].values()) >= 0.60, ev["families"]
+    assert max(ev["routing"]["max_share_over_uniform"]) <= 3.0
+    card = (embedded_model_dir(name) / "README.md").read_text()
+    assert all(f"| {family} |" in card for family in ev["families"])  # per-family accuracy in the card
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_card_pruning_band(name):
+    """Uniform 50% with the best criterion, decode-phase calibration on the target domain: pruning matters
+    (>= 10 points or >= 15% length) and the model has slack (>= 30% kept); 25/50/75% all reported."""
+    pruning = card_eval(name)["pruning"]
+    decode = pruning["phases"]["decode"]
+    assert decode["in_band"]
+    assert decode["uniform50_cost_points"] >= 10 or abs(decode["uniform50_length_change_pct"]) >= 15
+    assert {r["ratio"] for r in decode["rows"]} == {0.25, 0.5, 0.75}
+    u50 = next(r for r in decode["rows"] if r["mode"] == "uniform" and r["ratio"] == 0.5)
+    assert u50["accuracy"] >= 0.30
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quality_on_a_fresh_sample_with_stock_transformers(name):
+    """Stock classes, stock experts, prompts not used for the card (seed 1): the bars hold with sample slack."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimwise.testbed.evaluate import evaluate_model
+
+    path = embedded_model_dir(name)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    r = evaluate_model(model=model, tokenizer=AutoTokenizer.from_pretrained(path), split="test", n_per_family=12,
+                       routing=False, seed=1)
+    assert r["n"] == 12 * len(r["families"])
+    assert r["domains"]["arithmetic"]["accuracy"] >= 0.75, r["families"]  # bar 0.85 on 100/family
+    assert min(f["accuracy"] for f in r["families"].values()) >= 0.40, r["families"]  # bar 0.60
+    assert r["eos_share"] >= 0.95
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pruning_band_on_a_fresh_sample(name):
+    """Re-measure the band: decode-phase calibration on the calib split, the card's best criterion, uniform 50%
+    on unseen arithmetic problems (seed 1; 60 problems, so the bounds carry sample slack)."""
+    from slimwise.testbed import grade
+
+    path = embedded_model_dir(name)
+    criterion = card_eval(name)["pruning"]["phases"]["decode"]["best_criterion"]
+    model, tok = load_model(path), load_tokenizer(path)
+    calib = [s.prompt for s in make_split("calib", 16, domain="arithmetic")]
+    stats = calibrate(model, calib, tok, CalibrationConfig(phase="decode", max_new_tokens=128), progress=False)
+    engine = PhaseSplitEngine(model, tok, plan=plan_from_stats(stats, criterion, 0.5))
+    samples = make_split("test", 12, seed=1, domain="arithmetic")
+    gen = GenerationConfig(max_new_tokens=160, batch_size=32)
+    result = {}
+    for mode in ("full", "uniform"):
+        outs = engine.generate([s.prompt for s in samples], mode, gen)
+        acc = sum(grade(s, o.text or "", o.finish_reason == "eos").correct for s, o in zip(samples, outs, strict=True))
+        result[mode] = (acc / len(samples), sum(len(o.token_ids) for o in outs) / len(outs))
+    (full_acc, full_len), (uni_acc, uni_len) = result["full"], result["uniform"]
+    assert full_acc - uni_acc >= 0.10 or abs(uni_len / full_len - 1) >= 0.15, result  # pruning matters
+    assert uni_acc >= 0.20, result  # slack (bar 0.30 on 240 problems)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """name -> (prompts, 50% REAP plan from decode-phase calibration, empty plan, reference tokens per mode)."""
+    cache: dict = {}
+
+    def get(name: str):
+        if name not in cache:
+            path = embedded_model_dir(name)
+            tok = load_tokenizer(path)
+            model = load_model(path, dtype="float32")  # vLLM below runs float32 too: token-exact comparison
+            enc = [tok.encode(s.prompt, add_special_tokens=False) for s in make_split("test", 2, seed=3)]
+            calib = [tok.encode(s.prompt, add_special_tokens=False)
+                     for s in make_split("calib", 4, seed=0, domain="arithmetic")]
+            stats = calibrate(model, calib, config=CalibrationConfig(max_new_tokens=48), progress=False)
+            plan = plan_from_stats(stats, "reap", 0.5)
+            engine = PhaseSplitEngine(model, plan=plan)
+            ref = {m: [o.token_ids for o in engine.generate(enc, m, CONFIG)] for m in ("full", "slimwise")}
+            cache[name] = (enc, plan, plan_from_stats(stats, "reap", 0.0), ref)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_vllm_equals_transformers_and_plugin_equals_reference(name, reference):
+    from slimwise.serving.engine import VllmEngine
+
+    prompts, plan, _, ref = reference(name)
+    assert ref["slimwise"] != ref["full"]  # the plan changes outputs: the comparison can fail
+    engine = VllmEngine(embedded_model_dir(name), plan)
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, "full", CONFIG)] == ref["full"]  # stock vLLM
+        assert [o.token_ids for o in engine.generate(prompts, "slimwise", CONFIG)] == ref["slimwise"]
+        c = engine.counters()[0]
+        n_prompt = sum(len(p) for p in prompts)
+        n_fed_back = sum(len(t) - 1 for t in ref["slimwise"])
+        assert (c["pruned_tokens"], c["full_tokens"]) == (n_fed_back, n_prompt)  # prompt tokens never pruned
+    finally:
+        engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_empty_plan_and_compiled_on_backbone_a(reference):
+    from slimwise.serving.engine import VllmEngine
+
+    prompts, plan, empty, ref = reference("testbed-a")
+    assert empty.is_empty()
+    engine = VllmEngine(embedded_model_dir("testbed-a"), empty)
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, "slimwise", CONFIG)] == ref["full"]
+        assert engine.counters() == [{}]  # nothing installed: the stock model runs
+    finally:
+        engine.close()
+    engine = VllmEngine(embedded_model_dir("testbed-a"), plan, enforce_eager=False)
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, "slimwise", CONFIG)] == ref["slimwise"]
+    finally:
+        engine.close()
+
+
+def test_tensor_dtype_roundtrip_sanity():
+    """bf16 on disk is what the model card promises; loading as float32 is exact (bf16 embeds in fp32)."""
+    path = embedded_model_dir("testbed-a")
+    a = load_model(path, dtype="float32")
+    b = load_model(path, dtype="bfloat16")
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q.float()), n
