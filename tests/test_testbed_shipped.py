@@ -194,3 +194,20 @@ def test_tensor_dtype_roundtrip_sanity():
     b = load_model(path, dtype="bfloat16")
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(p, q.float()), n
+
+
+def test_small_eval_run_on_a_backbone(tmp_path):
+    """`slimwise eval` end to end on a shipped backbone: report, plots, and the method's ordering on its
+    headline plan (full >= SlimWise >= uniform at 50%, within the sample's noise)."""
+    from slimwise.cli import main as cli_main
+
+    out = tmp_path / "eval"
+    assert cli_main(["eval", "testbed-b", "--criteria", "reap", "--ratios", "0.5", "--phases", "decode",
+                     "--per-family", "8", "--calib-per-family", "8", "--threads", "1", "--out", str(out),
+                     "--cache-dir", str(tmp_path / "cache")]) == 0
+    report = json.loads((out / "report.json").read_text())
+    acc = {r["mode"]: r["metrics"]["accuracy"] for r in report["runs"]}
+    assert report["full"]["accuracy"] >= 0.6 and report["tasks"]["n"] == 40
+    assert acc["slimwise"] >= acc["uniform"] - 0.05  # SlimWise does not lose to classic pruning
+    assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
+    assert "## Plots" in (out / "report.md").read_text()
