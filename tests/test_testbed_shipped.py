@@ -22,7 +22,8 @@ from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import make_split
 
 NAMES = sorted(EMBEDDED)  # testbed-a, testbed-b
-CONFIG = GenerationConfig(max_new_tokens=48, batch_size=16)
+EOS = 0  # the testbed tokenizer's <|endoftext|>, checked below; both engines stop on it
+CONFIG = GenerationConfig(max_new_tokens=48, batch_size=16, eos_token_id=EOS)
 
 
 def test_both_backbones_are_shipped():
@@ -133,6 +134,7 @@ def reference():
         if name not in cache:
             path = embedded_model_dir(name)
             tok = load_tokenizer(path)
+            assert tok.eos_token_id == EOS
             model = load_model(path, dtype="float32")  # vLLM below runs float32 too: token-exact comparison
             enc = [tok.encode(s.prompt, add_special_tokens=False) for s in make_split("test", 2, seed=3)]
             calib = [tok.encode(s.prompt, add_special_tokens=False)
@@ -173,7 +175,7 @@ def test_empty_plan_and_compiled_on_backbone_a(reference):
     from slimwise.serving.engine import VllmEngine
 
     prompts, plan, empty, ref = reference("testbed-a")
-    assert empty.is_empty()
+    assert empty.is_empty
     engine = VllmEngine(embedded_model_dir("testbed-a"), empty)
     try:
         assert [o.token_ids for o in engine.generate(prompts, "slimwise", CONFIG)] == ref["full"]
