@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -248,7 +249,9 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
                          prompt_len=6, output_len=5, warmup_tokens=2, count_output_len=4, hardware=None,
                          variants=("full", "slimwise", "pruned", "slimwise-min4"), suggest_threshold=0.0,
                          out_dir=str(tmp_path / "bench"))
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
     r = run_bench(config, log=lambda s: None)
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == level  # quiet engines here, the caller's level restored
     for name in config.variants:
         for b in ("1", "4"):
             e = r["summary"][name][b]

@@ -59,7 +59,7 @@ def served(tmp_path_factory):
 def start(args: list[str], port: int, log) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port),
                              "--served-model-name", "tiny", *VLLM_ARGS], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         assert proc.poll() is None, "server exited during start-up"

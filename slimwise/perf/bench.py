@@ -747,8 +747,19 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     """Run the benchmark; write bench.json, bench.md and the PNG into config.out_dir; return the result."""
     log = log or (lambda s: print(s, flush=True))
     _check_config(config)
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
     if not config.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        return _run_bench(config, log)
+    finally:  # the caller's environment (and every process it starts later) keeps its own log level
+        if saved is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = saved
+
+
+def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(config, log)
