@@ -11,7 +11,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check slimwise tests
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=30
 
 lint:
 	$(VENV)/bin/ruff check slimwise tests
