@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
 from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
 
 ROUTING_LIMIT = 3.0  # the issue's bound on max expert share / uniform share, per layer
-FAMILY_NOTES: dict[str, str] = {}  # family -> why it misses the bar, for the model card
 
 
 BAND = {"min_cost_points": 10.0, "min_length_change_pct": 15.0, "min_kept_accuracy": 0.30}  # issue #3's band
@@ -302,9 +302,6 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
     if weak:
         lines.append("- below 60% on the test split: " + ", ".join(
             f"{f} ({_pct(test['families'][f]['accuracy'])})" for f in weak) + ".")
-        for f in weak:
-            if f in FAMILY_NOTES:
-                lines.append(f"  {f}: {FAMILY_NOTES[f]}")
     if heldout:
         lines.append(f"- held-out (longer instances than any seen in training): {_pct(heldout['accuracy'])} overall. "
                      "The model follows each procedure at the trained lengths but does not extrapolate to more "
@@ -399,7 +396,7 @@ def ship(run_dir: str | os.PathLike, name: str) -> Path:
     from slimwise.testbed.train import copy_model_files
 
     if name not in EMBEDDED:
-        raise SystemExit(f"unknown embedded name {name!r}; choose one of {sorted(EMBEDDED)}")
+        raise SlimWiseError(f"unknown embedded name {name!r}; choose one of {sorted(EMBEDDED)}")
     dst = CHECKPOINTS / EMBEDDED[name]
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=CHECKPOINTS))
     tmp.chmod(0o755)  # mkdtemp makes it private
