@@ -62,36 +62,52 @@ class ExpertObserver:
         self.counted_tokens += int(self.rows.sum())
 
     def _make_forward(self, row: int, layer: MoELayer):
-        adapter, experts, stats = self.adapter, layer.experts, self.stats
+        experts, stats = layer.experts, self.stats
+        num_experts = stats.num_experts
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            out = torch.zeros_like(hidden_states)
+            # Sorted by expert: one gather, one contiguous slice per hit expert, one scatter, and the statistics
+            # of all experts from a handful of bincounts (no per-expert Python work beyond the matmuls).
+            top_k = top_k_index.shape[-1]
+            flat = top_k_index.reshape(-1)
+            valid = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(-1)  # EP/padding sentinels drop out
+            order = valid[torch.argsort(flat[valid], stable=True)]
+            expert_of = flat[order]
+            token_of = order // top_k
+            counts = torch.bincount(expert_of, minlength=num_experts)
             rows = self.rows if self.rows is not None and self.rows.numel() == hidden_states.shape[0] else None
-            hit = torch.unique(top_k_index)
-            for e in hit.tolist():
-                if e < 0 or e >= stats.num_experts:
-                    continue
-                token_idx, slot = torch.where(top_k_index == e)
-                y = adapter.expert_forward(experts, e, hidden_states[token_idx])
-                gate = top_k_weights[token_idx, slot]
-                out.index_add_(0, token_idx, (y * gate[:, None]).to(out.dtype))
-                if rows is None:
-                    continue
-                keep = rows[token_idx]
-                if not keep.any():
-                    continue
-                norms = y[keep].double().norm(dim=-1)
-                g = gate[keep].double()
-                stats.count[row, e] += norms.numel()
-                stats.gate_sum[row, e] += g.sum()
-                stats.norm_sum[row, e] += norms.sum()
-                stats.norm_sq_sum[row, e] += (norms * norms).sum()
-                stats.gate_norm_sum[row, e] += (g * norms).sum()
+            y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts.tolist(), rows)
+            gate = top_k_weights.reshape(-1)[order]
+            out = torch.zeros_like(hidden_states)
+            out.index_add_(0, token_of, (y * gate[:, None]).to(out.dtype))
             if rows is not None:
+                keep = rows[token_of].double()
+                g = gate.double()
+                for name, w in (("count", keep), ("gate_sum", g * keep), ("norm_sum", norms * keep),
+                                ("norm_sq_sum", norms * norms * keep), ("gate_norm_sum", g * norms * keep)):
+                    getattr(stats, name)[row] += torch.bincount(expert_of, weights=w, minlength=num_experts).to(
+                        getattr(stats, name).dtype)
                 stats.tokens[row] += rows.sum()
             return out
 
         return forward
+
+    def _expert_outputs(self, row: int, experts: nn.Module, hidden_states: torch.Tensor, token_of: torch.Tensor,
+                        counts: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """f_e(x) and ||f_e(x)|| (float64) for every (token, expert) assignment, sorted by expert: each hit expert on
+        its routed rows. The norm is taken per expert while its output is in cache (one float64 copy of all
+        outputs at once costs more than the expert matmuls at long prompts)."""
+        x = hidden_states[token_of]
+        y = torch.empty_like(x)
+        norms = torch.empty(token_of.numel(), dtype=torch.float64)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                y_e = self.adapter.expert_forward(experts, e, x[start:start + n])
+                y[start:start + n] = y_e
+                norms[start:start + n] = torch.linalg.vector_norm(y_e, dim=-1, dtype=torch.float64)
+                start += n
+        return y, norms
 
     def remove(self) -> None:
         for layer in self.layers:

@@ -215,17 +215,38 @@ def test_counting_off_keeps_the_routing_inactive_without_a_plan():
 def test_all_experts_observer_gives_the_same_routed_statistics(tiny_dirs):
     from slimwise.calibrate import ExpertObserver
     from slimwise.models import load_model
-    from slimwise.perf.calib_cost import AllExpertsObserver, CalibCostConfig, observe
+    from slimwise.perf.calib_cost import AllExpertsObserver, CalibCostConfig, ReapHookObserver, observe
 
     model = load_model(tiny_dirs("qwen3_moe"))
     prompts = random_prompts(4, seed=3, lengths=(6, 6, 6, 6))
     for phase in ("prompt", "decode"):
         cfg = CalibCostConfig(model="x", phase=phase, batch_size=2, max_new_tokens=4)
         ours = observe(model, prompts, ExpertObserver, cfg)
-        every = observe(model, prompts, AllExpertsObserver, cfg)
-        assert ours["tokens"] == every["tokens"] > 0 and ours["counted"] == every["counted"] > 0
-        for f in ("count", "gate_sum", "norm_sum", "gate_norm_sum", "tokens"):
-            assert torch.allclose(getattr(ours["stats"], f), getattr(every["stats"], f), rtol=1e-4, atol=1e-5), f
+        for cls in (AllExpertsObserver, ReapHookObserver):
+            every = observe(model, prompts, cls, cfg)
+            assert ours["tokens"] == every["tokens"] > 0 and ours["counted"] == every["counted"] > 0
+            for f in ("count", "gate_sum", "norm_sum", "gate_norm_sum", "tokens"):
+                assert torch.allclose(getattr(ours["stats"], f), getattr(every["stats"], f), rtol=1e-4,
+                                      atol=1e-5), (cls.__name__, f)
+            # every expert's norm on every counted token: at least the routed ones
+            assert (every["stats"].norm_sum <= every["observer"].all_norm_sum + 1e-6).all()
+
+
+def test_sorted_observer_returns_exactly_the_models_own_experts_output(tiny_dirs):
+    """The observer replaces the experts forward: with the sorted loop the logits are bit-identical."""
+    from slimwise.calibrate import ExpertObserver
+    from slimwise.models import load_model
+
+    for family in ("qwen3_moe", "qwen2_moe"):
+        model = load_model(tiny_dirs(family), dtype="bfloat16")
+        ids = torch.tensor(random_prompts(3, seed=5, lengths=(12, 12, 12)))
+        with torch.inference_mode():
+            want = model(ids).logits
+            observer = ExpertObserver(model, "prompt")
+            observer.before_forward("prompt", torch.ones(ids.numel(), dtype=torch.bool))
+            got = model(ids).logits
+            observer.remove()
+        assert torch.equal(want, got), family
 
 
 def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
@@ -234,6 +255,7 @@ def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
     r = run_calib_cost(CalibCostConfig(model=str(tiny_dirs("qwen3_moe")), num_prompts=4, prompt_len=8,
                                        batch_size=2, repetitions=1, out=str(tmp_path / "c.json")), log=lambda s: None)
     assert r["same_routed_stats"] and r["bar"]["target"] == (r["num_experts"] / r["top_k"]) / 2
+    assert r["bar"]["baseline"] == "reap_hook" and set(r["speedup"]) == {"reap_hook", "all_experts"}
     assert r["tokens_per_s"]["ours"]["median"] > 0 and json.loads((tmp_path / "c.json").read_text())["bar"]
 
 
