@@ -155,6 +155,31 @@ def test_compiled_equals_eager(family, setup):
         engine.close()
 
 
+@pytest.mark.parametrize(("family", "eager"), [("qwen3_moe", False), ("qwen2_moe", True)])
+def test_distilled_delta_in_vllm_equals_reference(family, eager, setup, tmp_path):
+    """Router + norm + LoRA (q/k/v/o; qwen2_moe's q/k/v carry a bias) act on decode tokens only, in vLLM exactly as
+    in the reference engine, compiled (qwen3_moe) and eager (qwen2_moe); the first token stays the full model's."""
+    from slimwise.distill import DistillConfig, distill
+
+    model_dir, plan, ref, _ = setup(family)
+    model = load_model(model_dir)
+    delta = distill(model, plan, random_prompts(8, seed=9),
+                    config=DistillConfig(params=("router", "norm", "lora"), steps=4, batch_size=4, max_new_tokens=8,
+                                         lr=5e-2, progress=False))
+    assert delta.lora_pairs() and delta.routers() and delta.norms()
+    delta.save(tmp_path / "delta")
+    reference = PhaseSplitEngine(model, plan=plan, delta=tmp_path / "delta")
+    want = [o.token_ids for o in reference.generate(PROMPTS, "distilled", CONFIG)]
+    assert want != ref["slimwise"], "the delta changed nothing: the test could not tell"
+    assert [t[0] for t in want] == [t[0] for t in ref["full"]]
+    engine = VllmEngine(model_dir, plan, delta=tmp_path / "delta", enforce_eager=eager)
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, "distilled", CONFIG)] == want
+        assert totals(engine.counters()) == (sum(len(t) - 1 for t in want), sum(len(p) for p in PROMPTS))
+    finally:
+        engine.close()
+
+
 def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool) -> list[float]:
     """Teacher-forced on the float32 reference: per generated token, best log-prob minus the token's log-prob,
     prompt tokens routed to every expert and fed-back generated tokens to the kept ones (decode_pruned)."""

@@ -42,6 +42,11 @@ class SlimWiseMixin:
         if type(self).__name__ in CPU_ROPE_FIX:
             fix_cpu_multihead_rope(self)
 
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        self.slimwise.merge_lora()  # a distilled LoRA's merged weights, from the weights just loaded
+        return loaded
+
 
 #: SlimWise classes whose attention calls the rotary op with a 3-D multi-head query (MLA: q[..., nope:])
 CPU_ROPE_FIX = {"SlimWiseDeepseekV3ForCausalLM"}

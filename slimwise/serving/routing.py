@@ -34,10 +34,14 @@ MASK_ALL_KEY = "slimwise_mask_all"  # prune prompt tokens too (uniform pruning i
 MIN_BATCH_KEY = "slimwise_min_decode_batch"  # load-aware: prune only when >= this many decode tokens
 LOG_EVERY_KEY = "slimwise_log_every"  # log counters every N steps (0 = never)
 COUNT_EXPERTS_KEY = "slimwise_count_experts"  # count distinct experts per layer on decode steps (eager only)
-DELTA_KEY = "slimwise_delta"  # path to a `slimwise distill` delta: decode-only router / norm overrides
+DELTA_KEY = "slimwise_delta"  # path to a `slimwise distill` delta: decode-only router / norm / LoRA overrides
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
 _NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
+#: transformers' attention projection -> (vLLM module name, block of its fused output): q/k/v are fused in
+#: vLLM's QKVParallelLinear (output blocks q, k, v), o_proj is one RowParallelLinear
+_LORA_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "o_proj": ("o_proj", None)}
 
 
 @dataclass
@@ -90,11 +94,15 @@ class DecodeRouting(nn.Module):
         # fixed-address step buffer: True where the token is routed to the kept experts only
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
         self.gates: dict[int, nn.Module] = {}
+        self.lora_modules: dict[str, nn.Module] = {}  # vLLM module name -> module whose decode rows use W + sBA
+        self._lora: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+        self._lora_scale = 1.0
         if self.plan is None:
             self._install_counting(model, text_config)
             return
         self._check_plan(hf_config, text_config)
         routers, norms = self._load_delta(getattr(hf_config, DELTA_KEY, None) or getattr(text_config, DELTA_KEY, None))
+        self._install_lora(model)
         for name, module in model.named_modules():
             norm_match = _NORM_NAME.search(name)
             if norm_match is not None and int(norm_match.group(1)) in norms:
@@ -149,7 +157,8 @@ class DecodeRouting(nn.Module):
                                 f"{want} not in {sorted(have)}): serve the plan's source model")
 
     def _load_delta(self, value) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """Router and norm overrides of a distilled delta (decode tokens only); refuses other plans and LoRA."""
+        """Router and norm overrides of a distilled delta (decode tokens only); its LoRA pairs go to `self._lora`
+        (applied by `_install_lora` / `merge_lora`). Refuses a delta made for another plan or for uniform pruning."""
         if not value:
             return {}, {}
         from slimwise.distill import Delta, plan_hash
@@ -157,13 +166,73 @@ class DecodeRouting(nn.Module):
         delta = Delta.load(value)
         if delta.manifest.get("plan_hash") != plan_hash(self.plan):
             raise SlimWiseError(f"delta {value} was distilled for another plan: serve it with its own plan")
-        if delta.lora_pairs():
-            raise SlimWiseError("LoRA deltas are served folded: export with `slimwise prune --distilled` and serve "
-                                "that checkpoint (e.g. as the --disaggregated decode model)")
         if delta.mode == "uniform" and not self.mask_all:
             raise SlimWiseError("this delta was distilled for uniform pruning (prefill pruned too), not SlimWise")
+        self._lora_scale = delta.lora_scale
+        for name, (a, b) in sorted(delta.lora_pairs().items()):
+            prefix, _, leaf = name.rpartition(".")
+            if leaf not in _LORA_TARGETS:
+                raise SlimWiseError(f"LoRA on {name} is not served colocated (only {', '.join(_LORA_TARGETS)}): export "
+                                    "the folded checkpoint with `slimwise prune --distilled` and serve it as the "
+                                    "--disaggregated decode model")
+            target, block = _LORA_TARGETS[leaf]
+            self._lora.setdefault(f"{prefix}.{target}", []).append((block, a, b))
         logger.info("SlimWise: decode-only delta %s (%s)", value, ", ".join(delta.params))
         return dict(delta.routers()), dict(delta.norms())
+
+    def _install_lora(self, model: nn.Module) -> None:
+        """Decode rows of each LoRA-targeted projection are recomputed with the merged weight W + scale * B @ A --
+        the reference engine's and the exporter's exact expression -- and selected by the decode mask; prompt rows
+        keep the stock output. The merged weight is a fixed-address buffer filled by `merge_lora` once the
+        checkpoint is loaded (it costs one more copy of the targeted projections: the attention weights, a few
+        percent of an MoE model)."""
+        if not self._lora:
+            return
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() != 1:
+            raise SlimWiseError("colocated LoRA deltas need tensor_parallel_size 1: export the folded checkpoint with "
+                                "`slimwise prune --distilled` and serve it as the --disaggregated decode model")
+        modules = dict(model.named_modules())
+        routing = self
+        for name in self._lora:
+            module = modules.get(name)
+            if module is None or getattr(module, "weight", None) is None:
+                raise SlimWiseError(f"the delta's LoRA targets {name}, which this vLLM model does not have: use the "
+                                    "delta made for this model")
+            module.register_buffer("slimwise_lora_weight", torch.zeros_like(module.weight, requires_grad=False),
+                                   persistent=False)
+
+            def hook(module, args, output):
+                out = output[0] if isinstance(output, tuple) else output
+                bias = module.bias if getattr(module, "bias", None) is not None and not module.skip_bias_add else None
+                merged = F.linear(args[0], module.slimwise_lora_weight, bias).to(out.dtype)
+                out = torch.where(routing.decode_mask[: out.shape[0], None], merged, out)
+                return (out, *output[1:]) if isinstance(output, tuple) else out
+
+            module.register_forward_hook(hook)
+            self.lora_modules[name] = module
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        """After the weights are loaded (before vLLM may repack them): W + scale * B @ A per targeted block."""
+        from slimwise.distill import merged_weight
+
+        for name, module in self.lora_modules.items():
+            merged = module.weight.detach().clone()
+            sizes = list(getattr(module, "output_sizes", None) or [merged.shape[0]])
+            starts = np.cumsum([0, *sizes]).tolist()
+            for block, a, b in self._lora[name]:
+                lo, hi = (0, merged.shape[0]) if block is None else (starts[block], starts[block + 1])
+                if b.shape[0] != hi - lo or a.shape[1] != merged.shape[1]:
+                    raise SlimWiseError(f"LoRA for {name} (block {block}) has shape B {tuple(b.shape)} A "
+                                        f"{tuple(a.shape)}, not rows {hi - lo} x {merged.shape[1]}: use the delta made "
+                                        "for this model")
+                merged[lo:hi] = merged_weight(merged[lo:hi], a.to(merged.device), b.to(merged.device),
+                                              self._lora_scale)
+            module.slimwise_lora_weight.copy_(merged)
+        if self.lora_modules:
+            logger.info("SlimWise: decode-only LoRA merged into %d projections", len(self.lora_modules))
 
     def _install(self, gate: nn.Module, pruned: torch.Tensor | None, router: torch.Tensor | None = None) -> None:
         """Gate output hook: decode rows get the distilled router (if any) and, with `pruned`, -inf logits for
@@ -246,7 +315,7 @@ class DecodeRouting(nn.Module):
 
     @property
     def active(self) -> bool:
-        return bool(self.gates) or self.count_experts
+        return bool(self.gates) or bool(self.lora_modules) or self.count_experts
 
     def set_step(self, positions: torch.Tensor, prompt_lens: np.ndarray) -> None:
         """Fill the decode mask for this step. prompt_lens: per scheduled token, its request's prompt length."""
@@ -260,7 +329,7 @@ class DecodeRouting(nn.Module):
             self.count_rows[:n].copy_(torch.from_numpy(generated))
             self.count_rows[n:].zero_()
             self.counters.decode_steps += self._count_batch > 0
-            if not self.gates:
+            if not self.gates and not self.lora_modules:
                 return
         decode = np.ones(n, dtype=bool) if self.mask_all else generated.copy()
         n_decode = int(decode.sum())
