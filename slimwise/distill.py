@@ -966,9 +966,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--heldout-per-family", type=int, default=50)
     b.add_argument("--distill-per-family", type=int, default=160)
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--loss", default="fkl", choices=["fkl", "rkl", "jsd"])
+    b.add_argument("--ce-weight", type=float, default=0.0)
+    b.add_argument("--on-policy", type=float, default=0.0, help="share of steps on the student's own samples")
     args = p.parse_args(argv)
     dcfg = DistillConfig(params=tuple(x for x in args.params.split(",") if x), steps=args.steps, lr=args.lr,
-                         max_minutes=args.minutes)
+                         max_minutes=args.minutes, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy)
     cfg = BarsConfig(test_per_family=args.test_per_family, heldout_per_family=args.heldout_per_family,
                      distill_per_family=args.distill_per_family, threads=args.threads, distill=dcfg)
     for name in args.models:
