@@ -53,11 +53,7 @@ def card_eval(name: str) -> dict:
 
 
 # The issue's bars, on the numbers the model card reports (test split, 100 problems per family).
-B_TARGET_MISS = pytest.mark.xfail(strict=True, reason="testbed-b: arithmetic 84.0% < 85% (issue #3 open; "
-                                  "retrain with more gcd/base weight)")
-
-
-@pytest.mark.parametrize("name", ["testbed-a", pytest.param("testbed-b", marks=B_TARGET_MISS)])
+@pytest.mark.parametrize("name", NAMES)
 def test_card_target_domain_bar(name):
     assert card_eval(name)["test"]["domains"]["arithmetic"]["accuracy"] >= 0.85
 

@@ -372,16 +372,19 @@ def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str |
 
 def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     """(Re)write README.md of a trained model directory from its train_config, train_summary and eval.json."""
-    from slimwise.testbed.train import CARD_NAMES
+    from slimwise.testbed.train import CARD_NAMES, DEFAULT_FAMILY_WEIGHTS
 
     out = Path(out)
     tc = json.loads((out / "train_config.json").read_text())
     ev = json.loads((out / "eval.json").read_text())
     name = CARD_NAMES.get(tc["backbone"], out.name)
+    weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
     command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {tc.get('out', out)} "
                           f"--minutes {tc['minutes']:g} --seed {tc['seed']}"
                           + (f" --threads {tc['threads']}" if tc.get("threads") else "")
-                          + ("" if tc.get("pair_init") else " --no-pair-init"))
+                          + ("" if tc.get("pair_init") else " --no-pair-init")
+                          + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
+                             " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
     (out / "README.md").write_text(format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
                                                ev.get("pruning")))
     return out / "README.md"
