@@ -102,12 +102,14 @@ def test_colocated_equals_reference_with_exact_counters(setup):
         assert totals(engine.counters()) == (n_fed_back, n_prompt)  # prompt tokens never pruned
         assert [o.token_ids for o in engine.generate(PROMPTS, "uniform", CONFIG)] == ref["uniform"]
         assert totals(engine.counters()) == (n_prompt + n_fed_back, 0)
-        assert [o.token_ids for o in engine.generate(PROMPTS, "full", CONFIG)] == ref["full"]
+        # mode "full" (stock vLLM) == the reference: test_empty_plan_gives_stock_tokens and, on the trained
+        # backbones, tests/test_testbed_shipped.py (one engine start fewer here)
     finally:
         engine.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "qwen3_next"])
+# qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py)
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
 def test_empty_plan_gives_stock_tokens(family, setup):
     """deepseek_v3: equal to the reference (stock vLLM CPU is not: see fix_cpu_multihead_rope); qwen3_next (bf16):
     equal to the stock vLLM engine."""
@@ -144,7 +146,8 @@ def test_chunked_prefill_and_prefix_cache_hits_are_never_pruned(setup):
         engine.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+# qwen3_moe compiled: test_distilled_delta_in_vllm_equals_reference and, on testbed-a, test_testbed_shipped.py
+@pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_compiled_equals_eager(family, setup):
     """torch.compile traces the gate hook (qwen3_moe) / the router's selection mask (deepseek_v3) once."""
     model_dir, plan, ref, _ = setup(family)
@@ -196,7 +199,8 @@ def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool) -> list[float]:
     return gaps
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"])
+# qwen2_moe: testbed-b (test_testbed_shipped.py) and test_distilled_delta_in_vllm_equals_reference
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"])
 def test_other_served_families(family, setup):
     """Every family whose stock vLLM model runs on this CPU (qwen2_moe, qwen3_next: routed + shared expert;
     deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection; qwen3_next: hybrid Gated
