@@ -133,6 +133,16 @@ def test_disaggregated_serve(served):
             client.completions.create(model="tiny", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0)
         assert info.value.status_code == 503 and "decode instance" in str(info.value)
         assert time.monotonic() - t0 < 30
+        # once the supervisor has noticed (and stopped the prefill instance), health and requests still name
+        # the decode instance as the cause, not the prefill instance it stopped
+        while "decode instance exited" not in (health := httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)).text:
+            assert time.monotonic() - t0 < 30, f"the supervisor did not report the dead instance: {health.text}"
+            assert health.status_code == 503  # not yet noticed: the unreachable decode instance already fails it
+            time.sleep(0.5)
+        assert health.status_code == 503
+        with pytest.raises(APIStatusError) as info:
+            client.completions.create(model="tiny", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0)
+        assert info.value.status_code == 503 and "decode instance exited" in str(info.value)
     finally:
         stop(proc)
     # the killed instance's engine processes (orphans of its API server) went with the rest of its group

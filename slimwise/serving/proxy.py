@@ -13,6 +13,7 @@ import json
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -39,8 +40,13 @@ class Unavailable(Exception):
     pass
 
 
-def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl: bool = False) -> FastAPI:
-    """The proxy app. nixl=True asks the prefill instance for remote-decode transfer params (NixlConnector)."""
+def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl: bool = False,
+              down: Callable[[], str | None] = lambda: None) -> FastAPI:
+    """The proxy app. nixl=True asks the prefill instance for remote-decode transfer params (NixlConnector).
+
+    `down()` names a supervised instance that exited (None while all run): `slimwise serve` stops the other
+    instance then, so without it a request caught in that shutdown would blame the instance being stopped.
+    """
     app = FastAPI(title="SlimWise PD proxy")
     client = httpx.AsyncClient(timeout=TIMEOUT)
     stats = {"requests": 0, "first_tokens_from_prefill": 0}
@@ -158,10 +164,13 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
                                "list); send batches as separate requests", "invalid_request_error")
         if int(body.get("n") or 1) != 1:
             return _error(400, "n > 1 is not supported by the disaggregated proxy", "invalid_request_error")
+        if reason := down():
+            return _error(503, f"{reason}; restart slimwise serve")
         try:
             dec, result = await complete(body, chat)
         except Unavailable as exc:
-            return _error(503, str(exc))
+            reason = down()
+            return _error(503, f"{reason}; restart slimwise serve ({exc})" if reason else str(exc))
         if dec is None:
             return result
         prompt_ids, _, t1_text, rid, model = result
@@ -185,6 +194,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
 
     @app.get("/health")
     async def health():
+        if reason := down():
+            return _error(503, reason)
         bad = []
         for role, url in (("prefill", prefill_url), ("decode", decode_url)):
             try:

@@ -118,6 +118,7 @@ class Supervisor:
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.cleanup_dirs: list[str] = []
+        self.exited: str | None = None  # "decode instance exited with code -9": the first child that exited
         atexit.register(self.stop)
 
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
@@ -152,6 +153,8 @@ class Supervisor:
                 if proc.poll() is not None:
                     print(f"{name} exited with code {proc.returncode}; shutting down", flush=True)
                     code = proc.returncode
+                    # recorded before the others are stopped, so errors name the cause, not a casualty
+                    self.exited = f"{name} instance exited with code {code}"
                     self.stop()
                     return code or 1
             time.sleep(0.5)
@@ -207,8 +210,8 @@ def serve(cfg: ServeConfig) -> int:
     else:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
                  {"prefill": prefill_url, "decode": decode_url})
-    config = uvicorn.Config(build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl), host=cfg.host, port=cfg.port,
-                            log_level="warning")
+    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning")
     server = uvicorn.Server(config)
     import threading
 
