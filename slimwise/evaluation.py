@@ -402,10 +402,10 @@ def load_delta(path: str | Path):
 
 
 def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None,
-                delta: Any = None) -> GenerationEngine:
+                delta: Any = None, share: bool = False) -> GenerationEngine:
     """`hf`: the reference PhaseSplitEngine (with a distilled `delta` for mode distilled); `vllm`:
     `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=, delta=)` when that plugin is installed (generation
-    only: KL and traffic are measured on the HF model)."""
+    only: KL and traffic are measured on the HF model); `share`: one vLLM engine for full, slimwise and uniform."""
     if kind == "hf":
         if delta is not None:
             return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta)
@@ -425,7 +425,8 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
         # same dtype as the reference model, so greedy tokens can agree exactly
         dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "auto"
         delta_dir = getattr(delta, "path", delta) if delta is not None else None
-        return cls(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir)
+        kwargs = {"share_engine": True} if share and delta_dir is None else {}
+        return cls(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir, **kwargs)
     raise SlimWiseError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 
 
@@ -656,6 +657,9 @@ class Sweep:
         self.calibration: dict[str, dict] = {}
         self._kl_reference: dict[int, torch.Tensor] = {}
         self._full: list[Generation] | None = None
+        # vLLM: one engine per plan serves full, slimwise and uniform (mode switched in place): (kept_key, engine)
+        self._vllm: tuple[str | None, Any] | None = None
+        self._first_spec: PlanSpec | None = None  # the plan whose engine also runs mode full
         self.delta = load_delta(config.distilled) if config.distilled else None
         self.modes = [m for m in dict.fromkeys([*config.modes, *(["distilled"] if self.delta else [])]) if m != "full"]
 
@@ -765,8 +769,7 @@ class Sweep:
             rec["cached"] = True
             return rec
         plan = spec.plan if spec else None
-        engine = make_engine(self.config.engine, self.model, self.tokenizer, plan, self.model_dir,
-                             self.delta if mode == "distilled" else None)
+        engine, owned = self._engine(mode, spec)
         hf = isinstance(engine, PhaseSplitEngine)
         meter = DecodeTrafficMeter(self.model, _active_experts(plan, mode), self.config.batch_size) \
             if self.config.traffic and hf else None
@@ -780,7 +783,8 @@ class Sweep:
         finally:
             if meter is not None:
                 meter.remove()
-            _close(engine)
+            if owned:
+                _close(engine)
         if self.tokenizer is not None:
             for g in gens:
                 if g.text is None:
@@ -812,6 +816,27 @@ class Sweep:
         finally:
             engine.close()
 
+    def _engine(self, mode: str, spec: PlanSpec | None) -> tuple[Any, bool]:
+        """The engine for one run and whether the caller closes it. vLLM engines are kept across the modes of a
+        plan (full runs on the first plan's engine): one engine start per plan instead of one per run."""
+        delta = self.delta if mode == "distilled" else None
+        if self.config.engine != "vllm" or delta is not None:
+            return make_engine(self.config.engine, self.model, self.tokenizer, spec.plan if spec else None,
+                               self.model_dir, delta), True
+        spec = spec or self._first_spec
+        key = spec.kept_key if spec else None
+        if self._vllm is None or self._vllm[0] != key:
+            self._close_engine()
+            self._vllm = (key, make_engine("vllm", self.model, self.tokenizer, spec.plan if spec else None,
+                                           self.model_dir, share=True))
+        return self._vllm[1], False
+
+    def _close_engine(self) -> None:
+        """Stop a kept vLLM engine (its EngineCore process holds the weights and the KV cache)."""
+        if self._vllm is not None:
+            _close(self._vllm[1])
+            self._vllm = None
+
     def full(self) -> list[Generation]:
         if self._full is None:
             self._full_rec = self._generate("full", None)
@@ -841,6 +866,14 @@ class Sweep:
         self.console.print(f"[bold]{self.model_name}[/]: {len(self.samples)} samples, {len(specs)} plans, modes "
                            f"{', '.join(modes)}: {total} runs with full ({len({s.kept_key for s in specs})} distinct "
                            "kept sets)", soft_wrap=True)
+        self._first_spec = specs[0] if specs else None
+        try:
+            return self._run(specs, modes, todo, total, t_start, cpu_start)
+        finally:
+            self._close_engine()
+
+    def _run(self, specs: list[PlanSpec], modes: list[str], todo: list, total: int, t_start: float,
+             cpu_start: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         self.full()
         full_metrics = self._metrics(self._full_rec)
@@ -971,6 +1004,7 @@ class Sweep:
                            soft_wrap=True)
 
     def close(self) -> None:
+        self._close_engine()
         self._kl_reference.clear()
 
 

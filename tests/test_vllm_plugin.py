@@ -94,16 +94,24 @@ def setup(model_dirs):
 def test_colocated_equals_reference_with_exact_counters(setup):
     model_dir, plan, ref, _ = setup("qwen3_moe")
     assert ref["slimwise"] != ref["full"]
-    engine = VllmEngine(model_dir, plan)
+    # one engine, the mode switched in place (slimwise_set_mode): what `slimwise eval --engine vllm` runs
+    engine = VllmEngine(model_dir, plan, share_engine=True)
     n_prompt = sum(len(p) for p in PROMPTS)
     n_fed_back = sum(len(t) - 1 for t in ref["slimwise"])
     try:
         assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["slimwise"]
         assert totals(engine.counters()) == (n_fed_back, n_prompt)  # prompt tokens never pruned
         assert [o.token_ids for o in engine.generate(PROMPTS, "uniform", CONFIG)] == ref["uniform"]
-        assert totals(engine.counters()) == (n_prompt + n_fed_back, 0)
-        # mode "full" (stock vLLM) == the reference: test_empty_plan_gives_stock_tokens and, on the trained
-        # backbones, tests/test_testbed_shipped.py (one engine start fewer here)
+        assert totals(engine.counters()) == (n_prompt + n_fed_back, 0)  # counters restart with the mode
+        # full: the SlimWise class with nothing masked gives the reference's full-model tokens
+        assert [o.token_ids for o in engine.generate(PROMPTS, "full", CONFIG)] == ref["full"]
+        assert totals(engine.counters()) == (0, n_prompt + sum(len(t) - 1 for t in ref["full"]))
+        # and back: the prefix cache was reset, so no block computed under another mode is reused
+        assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["slimwise"]
+        assert engine.llm.collective_rpc("slimwise_set_mode", args=("slimwise", 3)) == [
+            {"mode": "slimwise", "min_decode_batch": 3}]
+        with pytest.raises(Exception, match="unknown mode 'half'"):
+            engine.llm.collective_rpc("slimwise_set_mode", args=("half",))
     finally:
         engine.close()
 

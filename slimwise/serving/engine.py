@@ -3,7 +3,11 @@
 One vLLM engine per mode, built on demand with the SlimWise plugin's model class:
   full      stock architecture, no plan;
   slimwise  SlimWise class + plan: prompt tokens use every expert, generated tokens the kept ones;
-  uniform   SlimWise class + plan with `slimwise_mask_all`: every token pruned (classic pruning).
+  uniform   SlimWise class + plan with `slimwise_mask_all`: every token pruned (classic pruning);
+  distilled slimwise + a decode-only delta.
+With `share_engine=True`, full / slimwise / uniform run in one SlimWise engine (one start, one weight copy):
+the mode switches between calls by `collective_rpc("slimwise_set_mode")` and the prefix cache is reset, "full"
+being the SlimWise class with no token masked (its hooks pass every input through: stock tokens, tested).
 Greedy outputs equal the reference engine's (`PhaseSplitEngine`) for the same token-id prompts.
 vLLM spawns workers: construct this under an `if __name__ == "__main__":` guard.
 """
@@ -51,7 +55,8 @@ class VllmEngine:
 
     def __init__(self, model_dir: str | Path, plan: PrunePlan | None = None, tokenizer=None, *,
                  dtype: str = "float32", enforce_eager: bool = True, max_model_len: int | None = None,
-                 min_decode_batch: int = 0, delta: str | Path | None = None, engine_kwargs: dict | None = None):
+                 min_decode_batch: int = 0, delta: str | Path | None = None, engine_kwargs: dict | None = None,
+                 share_engine: bool = False):
         self.model_dir = str(model_dir)
         self.plan = plan
         self.tokenizer = tokenizer
@@ -62,7 +67,9 @@ class VllmEngine:
             self.kwargs["max_model_len"] = max_model_len
         self.min_decode_batch = min_decode_batch
         self.delta = delta  # applied in mode "distilled" (= slimwise + decode-only delta)
+        self.share_engine = share_engine and plan is not None
         self._mode: str | None = None
+        self._kind: str | None = None  # the running engine: a mode, or "shared"
         self.llm = None
 
     def _engine(self, mode: str):
@@ -70,17 +77,28 @@ class VllmEngine:
             return self.llm
         from vllm import LLM
 
-        self.close()
         if mode != "full" and self.plan is None:
             raise SlimWiseError(f"mode {mode!r} needs a plan")
         if mode == "distilled" and self.delta is None:
             raise SlimWiseError("mode 'distilled' needs a delta (VllmEngine(..., delta=DIR))")
-        overrides = full_model_overrides(self.model_dir) if mode == "full" else slimwise_overrides(
-            self.model_dir, self.plan, mask_all=mode == "uniform", min_decode_batch=self.min_decode_batch,
-            delta=self.delta if mode == "distilled" else None)
+        kind = "shared" if self.share_engine and mode in ("full", "slimwise", "uniform") else mode
+        if kind == "shared" and self._kind == "shared":
+            self.llm.collective_rpc("slimwise_set_mode", args=(mode, self.min_decode_batch))
+            self.llm.reset_prefix_cache()  # blocks computed under the previous mode
+            self._mode = mode
+            return self.llm
+        self.close()
+        if kind == "full":
+            overrides = full_model_overrides(self.model_dir)
+        else:
+            overrides = slimwise_overrides(self.model_dir, self.plan, mask_all=mode == "uniform",
+                                           min_decode_batch=self.min_decode_batch,
+                                           delta=self.delta if mode == "distilled" else None)
         self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                        skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
-        self._mode = mode
+        if kind == "shared":
+            self.llm.collective_rpc("slimwise_set_mode", args=(mode, self.min_decode_batch))
+        self._mode, self._kind = mode, kind
         return self.llm
 
     def close(self) -> None:
@@ -91,7 +109,7 @@ class VllmEngine:
                 core.shutdown()
             del self.llm
             self.llm = None
-            self._mode = None
+            self._mode = self._kind = None
             gc.collect()
 
     def counters(self) -> list[dict]:

@@ -63,11 +63,27 @@ def register() -> None:
 
 
 def _add_worker_method() -> None:
-    """`LLM.collective_rpc("slimwise_counters")` reads each worker's routing counters (no pickled callables)."""
+    """`LLM.collective_rpc("slimwise_counters")` reads each worker's routing counters and
+    `collective_rpc("slimwise_set_mode", args=(mode, min_decode_batch))` switches full / slimwise / uniform
+    between steps (by method name: no pickled callables)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     if not hasattr(WorkerBase, "slimwise_counters"):
         WorkerBase.slimwise_counters = read_counters
+    if not hasattr(WorkerBase, "slimwise_set_mode"):
+        WorkerBase.slimwise_set_mode = set_mode
+
+
+def set_mode(worker, mode: str, min_decode_batch: int | None = None) -> dict:
+    """For `LLM.collective_rpc("slimwise_set_mode", ...)`: switch the worker's served mode (see DecodeRouting)."""
+    from slimwise.errors import SlimWiseError
+
+    routing = getattr(worker.model_runner.get_model(), "slimwise", None)
+    if routing is None:
+        if mode != "full":
+            raise SlimWiseError(f"mode {mode!r}: this engine runs a stock model class; serve it with a SlimWise plan")
+        return {"mode": "full", "min_decode_batch": 0}
+    return routing.set_mode(mode, min_decode_batch)
 
 
 def read_counters(worker) -> dict:

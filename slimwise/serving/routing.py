@@ -31,6 +31,7 @@ logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's l
 #: hf_overrides / config keys the SlimWise model classes read.
 PLAN_KEY = "slimwise_plan"          # path to a plan JSON (or the plan as a dict)
 MASK_ALL_KEY = "slimwise_mask_all"  # prune prompt tokens too (uniform pruning inside one engine)
+MODES = ("full", "slimwise", "uniform")  # what `DecodeRouting.set_mode` switches between
 MIN_BATCH_KEY = "slimwise_min_decode_batch"  # load-aware: prune only when >= this many decode tokens
 LOG_EVERY_KEY = "slimwise_log_every"  # log counters every N steps (0 = never)
 COUNT_EXPERTS_KEY = "slimwise_count_experts"  # count distinct experts per layer on decode steps (eager only)
@@ -89,6 +90,8 @@ class DecodeRouting(nn.Module):
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
         self.log_every = int(getattr(hf_config, LOG_EVERY_KEY, 0) or 0)
         self.count_experts = bool(getattr(hf_config, COUNT_EXPERTS_KEY, False))
+        self.mode = "uniform" if self.mask_all else "slimwise"  # switched at run time by `set_mode`
+        self.has_delta = False
         self._count_batch = 0  # decode tokens in the current step (expert counting)
         self.counters = RoutingCounters()
         # fixed-address step buffer: True where the token is routed to the kept experts only
@@ -169,6 +172,7 @@ class DecodeRouting(nn.Module):
         if delta.mode == "uniform" and not self.mask_all:
             raise SlimWiseError("this delta was distilled for uniform pruning (prefill pruned too), not SlimWise")
         self._lora_scale = delta.lora_scale
+        self.has_delta = True
         for name, (a, b) in sorted(delta.lora_pairs().items()):
             prefix, _, leaf = name.rpartition(".")
             if leaf not in _LORA_TARGETS:
@@ -313,6 +317,24 @@ class DecodeRouting(nn.Module):
 
             module.register_forward_hook(hook)
 
+    def set_mode(self, mode: str, min_decode_batch: int | None = None) -> dict:
+        """Switch the served mode between steps, so one engine (one weight copy) serves all three:
+        "full" (no token pruned: every hook passes its input through), "slimwise" (generated tokens pruned) or
+        "uniform" (every token pruned). Counters restart. The caller resets vLLM's prefix cache: its blocks were
+        computed under the previous mode (prompt KV differs between uniform and the others)."""
+        if mode not in MODES:
+            raise SlimWiseError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode != "full" and self.plan is None:
+            raise SlimWiseError(f"mode {mode!r} needs a plan: serve the model with one")
+        if mode == "uniform" and self.has_delta:
+            raise SlimWiseError("this engine carries a SlimWise decode-only delta, which uniform pruning must not "
+                                "use: start an engine without --distilled for uniform")
+        self.mode, self.mask_all = mode, mode == "uniform"
+        if min_decode_batch is not None:
+            self.min_decode_batch = int(min_decode_batch)
+        self.counters = RoutingCounters()
+        return {"mode": self.mode, "min_decode_batch": self.min_decode_batch}
+
     @property
     def active(self) -> bool:
         return bool(self.gates) or bool(self.lora_modules) or self.count_experts
@@ -331,7 +353,10 @@ class DecodeRouting(nn.Module):
             self.counters.decode_steps += self._count_batch > 0
             if not self.gates and not self.lora_modules:
                 return
-        decode = np.ones(n, dtype=bool) if self.mask_all else generated.copy()
+        if self.mode == "full":
+            decode = np.zeros(n, dtype=bool)
+        else:
+            decode = np.ones(n, dtype=bool) if self.mask_all else generated.copy()
         n_decode = int(decode.sum())
         if self.min_decode_batch and not self.mask_all and n_decode < self.min_decode_batch:
             decode[:] = False  # load-aware policy: small decode batches keep every expert
