@@ -280,7 +280,11 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
             assert e["tokens_per_s"]["median"] > 0 and e["prefill_spread_s"] == 0  # one prefill step
             assert "speedup" in e
             assert r["runs"][name][b][0]["decode_tokens"] == int(b) * (config.output_len - 1)
+    # the masked variants ran on one SlimWise engine (mode switched in place); full and pruned on their own
+    assert r["engine_start_s"]["slimwise"] == r["engine_start_s"]["slimwise-min4"] != r["engine_start_s"]["full"]
+    assert [v["mode"] for v in r["variants"]] == [None, "slimwise", None, "slimwise"]
     t = r["traffic"]
+    assert t["full"]["engine_start_s"] == t["slimwise"]["engine_start_s"] != t["pruned"]["engine_start_s"]
     k, e_full, kept = r["plan"]["top_k"], r["plan"]["num_experts"], r["plan"]["kept"][0]
     for name in config.variants:
         assert t[name]["batches"]["1"]["touched_mean"] == k  # one token touches exactly k experts per layer

@@ -1,11 +1,14 @@
 """`slimwise bench`: decode throughput of full / SlimWise / pruned / uniform models in vLLM, against batch size.
 
-Variants (one vLLM engine each, identical engine settings):
-  full          the checkpoint as is (stock architecture);
+Variants (identical engine settings; the masked ones share one engine):
+  full          the checkpoint as is (stock architecture, its own engine);
   slimwise      SlimWise colocated: full-model prefill, decode tokens routed to the kept experts (masking);
   pruned        the exported pruned checkpoint alone (what a PD-disaggregated decode instance runs);
   uniform       every token routed to the kept experts inside the full checkpoint (classic pruning);
   slimwise-minN SlimWise with the load-aware policy: prune only on steps with >= N decode tokens.
+slimwise, uniform and slimwise-minN are one SlimWise engine (one weight copy, as colocated serving runs it)
+whose mode is switched before each measurement (`slimwise_set_mode`, outside the timed window); full and
+pruned are separate stock engines.
 
 Method: B random-token prompts of `prompt_len` tokens, `output_len` tokens each with ignore_eos and greedy
 sampling. Decode time comes from vLLM's per-request metrics (engine-core timestamps): from the first token
@@ -18,11 +21,12 @@ variant, then `repetitions` rounds in which every variant runs once, the order r
 A, ...). Speedups are paired: variant / full within the same round; medians and min-max are reported. Engine
 start (construction of `vllm.LLM`) is timed separately and excluded.
 
-Engines stay resident (all variants alive at once) unless `restart` is set: then each round starts and closes
-one engine per variant in turn (for machines where the engines do not fit together).
+Engines stay resident (all alive at once) unless `restart` is set: then each round starts and closes one
+engine at a time (for machines where the engines do not fit together).
 
 Expert traffic (`count_experts`): a separate pass with counting engines (the plugin's
-`slimwise_count_experts` hook, eager mode) runs each batch once more and reads, per layer and decode step,
+`slimwise_count_experts` hook, eager mode; one for the checkpoint, where full runs as mode "full", and one for
+the pruned checkpoint) runs each batch once more and reads, per layer and decode step,
 the distinct experts the decode tokens selected; beside it the uniform expectation E'(1-(1-k/E')^B) and the
 expert bytes read. Counting costs a top-k and a sync per layer per step, so it never runs in the timed engines.
 
@@ -98,7 +102,27 @@ class Variant:
     available_experts: int  # experts a decode token can reach
     stock_arch: str
     min_decode_batch: int = 0
+    mode: str | None = None  # set on a shared SlimWise engine before each run; None: a stock engine of its own
     meta: dict = field(default_factory=dict)
+
+    @property
+    def engine_key(self) -> str:
+        """Variants with equal keys run on one engine."""
+        return json.dumps([self.model_dir, self.overrides], sort_keys=True, default=str)
+
+
+def select(llm, variant: Variant) -> None:
+    """Put a shared engine in the variant's mode (a no-op for a stock engine)."""
+    if variant.mode is not None:
+        llm.collective_rpc("slimwise_set_mode", args=(variant.mode, variant.min_decode_batch))
+
+
+def engine_groups(variants: list[Variant]) -> dict[str, list[Variant]]:
+    """engine key -> its variants, in the variants' order."""
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.engine_key, []).append(v)
+    return groups
 
 
 # ----- preparation -------------------------------------------------------------------------------------------
@@ -259,12 +283,12 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, p
             parch = (json.loads((pruned_dir / "config.json").read_text()).get("architectures") or [None])[0]
             out.append(Variant(name, str(pruned_dir), {}, kept, parch))
         elif name in ("slimwise", "uniform"):
-            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path,
-                                                                        mask_all=name == "uniform"), kept, arch))
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path), kept, arch,
+                               mode=name))
         else:
             n = int(name[len(POLICY_PREFIX):])
-            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path, min_decode_batch=n),
-                               kept, arch, min_decode_batch=n))
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path), kept, arch,
+                               min_decode_batch=n, mode="slimwise"))
     return out
 
 
@@ -392,7 +416,7 @@ PARTIAL_FILE = "bench.partial.json"
 
 def _signature(config: BenchConfig, variants: list[Variant], kwargs: dict) -> dict:
     """What must match for a partial run to be resumed."""
-    return {"variants": [[v.name, v.model_dir, v.min_decode_batch] for v in variants], "engine": kwargs,
+    return {"variants": [[v.name, v.model_dir, v.min_decode_batch, v.mode] for v in variants], "engine": kwargs,
             "prompt_len": config.prompt_len, "output_len": config.output_len, "repetitions": config.repetitions,
             "seed": config.seed}
 
@@ -424,21 +448,25 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
     runs: dict[str, dict[int, list]] = {v.name: dict(old_runs.get(v.name, {})) for v in variants}
     starts: dict[str, list[float]] = {v.name: list(old_starts.get(v.name, [])) for v in variants}
     todo = [b for b in config.batches if any(len(runs[v.name].get(b, [])) < config.repetitions for v in variants)]
-    engines = {}
+    engines = {}  # variant name -> its (possibly shared) engine
     vocab = _vocab(variants[0].model_dir)
     try:
-        for v in variants if todo else []:
-            engines[v.name], s = start_engine(v, kwargs)
-            starts[v.name].append(s)
-            log(f"engine {v.name}: started in {s:.1f}s")
+        for group in engine_groups(variants).values() if todo else []:
+            llm, s = start_engine(group[0], kwargs)
+            for v in group:
+                engines[v.name] = llm
+                starts[v.name].append(s)
+            log(f"engine {'/'.join(v.name for v in group)}: started in {s:.1f}s")
         for b in todo:
             for v in variants:
                 runs[v.name][b] = []  # a batch is measured whole (all variants, all rounds) or again
             prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
             for v in variants:
+                select(engines[v.name], v)
                 measure(engines[v.name], prompts, min(config.warmup_tokens, config.output_len))
             for r, order in enumerate(_rounds(variants, config.repetitions)):
                 for v in order:
+                    select(engines[v.name], v)
                     m = measure(engines[v.name], prompts, config.output_len)
                     m.update(round=r, loadavg=os.getloadavg()[0])
                     runs[v.name][b].append(m)
@@ -446,7 +474,7 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
                         f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
             _save_partial(config, signature, runs, starts)
     finally:
-        for llm in engines.values():
+        for llm in {id(e): e for e in engines.values()}.values():
             close_engine(llm)
     return runs, starts
 
@@ -456,19 +484,22 @@ def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log
     starts: dict[str, list[float]] = {v.name: [] for v in variants}
     vocab = _vocab(variants[0].model_dir)
     prompts = {b: make_prompts(b, config.prompt_len, vocab, config.seed) for b in config.batches}
-    for r, order in enumerate(_rounds(variants, config.repetitions)):
-        for v in order:
-            llm, s = start_engine(v, kwargs)
-            starts[v.name].append(s)
-            log(f"round {r}: engine {v.name} started in {s:.1f}s")
+    groups = list(engine_groups(variants).values())
+    for r in range(config.repetitions):
+        for group in groups[r % len(groups):] + groups[:r % len(groups)]:
+            llm, s = start_engine(group[0], kwargs)
+            log(f"round {r}: engine {'/'.join(v.name for v in group)} started in {s:.1f}s")
             try:
-                for b in config.batches:
-                    measure(llm, prompts[b], min(config.warmup_tokens, config.output_len))
-                    m = measure(llm, prompts[b], config.output_len)
-                    m.update(round=r, loadavg=os.getloadavg()[0])
-                    runs[v.name].setdefault(b, []).append(m)
-                    log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
-                        f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
+                for v in group:
+                    starts[v.name].append(s)
+                    select(llm, v)
+                    for b in config.batches:
+                        measure(llm, prompts[b], min(config.warmup_tokens, config.output_len))
+                        m = measure(llm, prompts[b], config.output_len)
+                        m.update(round=r, loadavg=os.getloadavg()[0])
+                        runs[v.name].setdefault(b, []).append(m)
+                        log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
+                            f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
             finally:
                 close_engine(llm)
     return runs, starts
@@ -503,7 +534,8 @@ def summarize_runs(runs: dict[str, dict[int, list]], batches) -> dict:
 
 def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, expert_bytes: float, top_k: int,
                   log) -> dict:
-    """Distinct experts touched per layer per decode step, per variant and batch (separate eager engines)."""
+    """Distinct experts touched per layer per decode step, per variant and batch (separate eager engines: one
+    SlimWise engine for the checkpoint, full counted in its mode "full", and one for the pruned checkpoint)."""
     from slimwise.perf.traffic import counters_delta, summarize_traffic
     from slimwise.serving.models import slimwise_arch
     from slimwise.serving.routing import COUNT_EXPERTS_KEY
@@ -511,14 +543,23 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
     kw = dict(kwargs, enforce_eager=True)  # the counting hook runs in eager mode only
     vocab = _vocab(variants[0].model_dir)
     out: dict[str, dict] = {}
-    for v in variants:
-        overrides = dict(v.overrides) or {"architectures": [slimwise_arch(v.stock_arch)]}
+    shared = next((v for v in variants if v.mode is not None), None)
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:  # full joins the shared engine of its checkpoint (mode "full" masks nothing)
+        on_shared = shared is not None and (v.mode is not None or v.model_dir == shared.model_dir)
+        groups.setdefault(shared.engine_key if on_shared else v.engine_key, []).append(v)
+    for key, group in groups.items():
+        base = shared if shared is not None and key == shared.engine_key else group[0]
+        overrides = dict(base.overrides) or {"architectures": [slimwise_arch(base.stock_arch)]}
         overrides[COUNT_EXPERTS_KEY] = True
-        llm, s = start_engine(v, kw, overrides)
-        out[v.name] = {"engine_start_s": s, "batches": {}}
+        llm, s = start_engine(base, kw, overrides)
+        for v in group:
+            out[v.name] = {"engine_start_s": s, "batches": {}}
         try:
-            for b in config.batches:
+            for b, v in ((b, v) for b in config.batches for v in group):
                 prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
+                if base.mode is not None:  # the shared engine: this variant's mode ("full" for full)
+                    llm.collective_rpc("slimwise_set_mode", args=(v.mode or "full", v.min_decode_batch))
                 before = llm.collective_rpc("slimwise_counters")[0]
                 measure(llm, prompts, config.count_output_len)
                 after = llm.collective_rpc("slimwise_counters")[0]
@@ -781,7 +822,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
                  "num_experts": plan.num_experts, "top_k": plan.top_k,
                  "kept": sorted({len(v) for v in plan.kept_experts.values()})},
         "variants": [{"name": v.name, "model_dir": v.model_dir, "available_experts": v.available_experts,
-                      "min_decode_batch": v.min_decode_batch,
+                      "min_decode_batch": v.min_decode_batch, "mode": v.mode,
                       "overrides": {k: val for k, val in v.overrides.items() if k != "slimwise_plan"}}
                      for v in variants],
         "engine_start_s": starts, "runs": runs, "summary": summary,
