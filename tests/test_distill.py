@@ -277,3 +277,40 @@ def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):
     for extra in (dict(loss="rkl"), dict(loss="jsd", ce_weight=0.5), dict(on_policy=0.5)):
         history = distill(model, plan, prompts, config=DistillConfig(**(FAST | extra))).manifest["loss_history"]
         assert history[-1] < history[0], (extra, history)
+
+
+def test_bars_check_and_report_rerender(tmp_path):
+    """The bars arithmetic on a hand-made report (gap, recovery, the stricter length bar, never worse) and the
+    per-problem length drift; `python -m slimwise.distill report` rewrites report.md and the bars from report.json."""
+    from slimwise.distill import bars_check, length_drift
+    from slimwise.distill import main as distill_main
+
+    def run(acc, lengths, **extra):
+        return {"accuracy": acc, "mean_length": sum(lengths) / len(lengths), "lengths": lengths,
+                "correct": [1] * len(lengths), "kl": 0.01, "flip_pct": 0.5, **extra}
+
+    full = [10, 20, 30, 40]
+    report = {"model": "m", "full": {"test": run(90.0, full), "heldout": run(10.0, full)}, "ratios": {}}
+    sw, good, bad = run(80.0, [10, 20, 30, 44]), run(86.0, [10, 20, 31, 40]), run(86.0, [10, 20, 30, 45])
+    report["ratios"]["0.5"] = {m: {"test": r, "heldout": r} for m, r in [("uniform", sw), ("slimwise", sw),
+                                                                          ("distilled", good),
+                                                                          ("uniform_distilled", good)]}
+    report["ratios"]["0.5"]["distilled"]["distill"] = report["ratios"]["0.5"]["uniform_distilled"]["distill"] = {
+        "seconds": 12.0, "trainable_params": 10, "trainable_share": 0.001, "peak_memory_mb": 1.0,
+        "loss_first_last": [1.0, 0.1]}
+    bars = bars_check(report)["0.5"]
+    # gap 10, recovered 6 >= 5; length +4 tokens (4.0%) -> +1 (1.0%) <= min(5%, 2%); never worse
+    assert bars["gap"] == 10 and bars["recovered"] == 6 and bars["recovery_bar"] and bars["length_bar"]
+    assert bars["never_worse"] and not bars["within_3_points"]
+    assert length_drift(sw, report["full"]["test"]) == pytest.approx(
+        {"mean_diff": 1.0, "mean_diff_se": 1.0, "mean_abs_diff": 1.0, "changed_pct": 25.0})
+    report["ratios"]["0.5"]["distilled"]["test"] = bad  # +5 tokens: longer than SlimWise's +4
+    bars = bars_check(report)["0.5"]
+    assert not bars["length_bar"] and not bars["never_worse"] and bars["recovery_bar"]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert distill_main(["report", str(path)]) == 0
+    assert json.loads(path.read_text())["bars"]["0.5"]["length_bar"] is False
+    md = (tmp_path / "report.md").read_text()
+    assert "| 0.5 | distilled | 86.0 | 26.25 (+5.00%) | +1.250 ± 1.250 / 1.25 / 25.0 |" in md
+    assert not list(tmp_path.glob("*.tmp"))
