@@ -944,6 +944,55 @@ def bars_check(report: dict, split: str = "test") -> dict:
     return out
 
 
+def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = (1, 2), per_family: int = 200,
+                   threads: int = 2) -> dict:
+    """Re-test a finished bars run's plans and SlimWise deltas on fresh test samples (other seeds of the test
+    split, still disjoint from calibration): how much of each bar's outcome is the sample. Writes
+    replicate.json / replicate.md beside the report."""
+    from slimwise.models import load_model, load_tokenizer
+    from slimwise.testbed import TARGET_DOMAIN, make_split
+
+    torch.set_num_threads(threads)
+    run_dir = Path(run_dir)
+    report = json.loads((run_dir / "report.json").read_text())
+    model = load_model(model_name, dtype="float32")
+    tok = load_tokenizer(model_name)
+    config = BarsConfig()
+    out: dict = {"model": model_name, "run": str(run_dir), "per_family": per_family, "seeds": {}}
+    for seed in tqdm(seeds, desc="seeds"):
+        samples = make_split("test", per_family, seed=seed, domain=TARGET_DOMAIN)
+        full = _evaluate(PhaseSplitEngine(model, tok), samples, "full", config)
+        full.pop("token_ids")
+        entry: dict = {"full": full}
+        for ratio in report["ratios"]:
+            plan = PrunePlan.load(run_dir / f"plan-{ratio}.json")
+            delta = Delta.load(run_dir / f"delta-distilled-{ratio}")
+            sw = _evaluate(PhaseSplitEngine(model, tok, plan=plan), samples, "slimwise", config)
+            d = _evaluate(PhaseSplitEngine(model, tok, plan=plan, delta=delta), samples, "distilled", config)
+            entry[ratio] = {"slimwise": sw, "distilled": d}
+        out["seeds"][str(seed)] = entry
+    lines = [f"## {model_name}: fresh test samples ({per_family} per family)", "",
+             "| seed | ratio | full % | SlimWise % | distilled % | recovered / gap | length Δ tokens SlimWise → "
+             "distilled (± se) | length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for seed, entry in out["seeds"].items():
+        full = entry["full"]
+        for ratio in report["ratios"]:
+            sw, d = entry[ratio]["slimwise"], entry[ratio]["distilled"]
+            a, b = length_drift(sw, full), length_drift(d, full)
+            gap, rec = full["accuracy"] - sw["accuracy"], d["accuracy"] - sw["accuracy"]
+            length_ok = abs(_length_dev(d, full)) <= min(5.0, abs(_length_dev(sw, full)) / 2)
+            never = d["accuracy"] >= sw["accuracy"] and abs(b["mean_diff"]) <= abs(a["mean_diff"])
+            lines.append(f"| {seed} | {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
+                         f"{rec:+.1f} / {gap:.1f} | {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} → "
+                         f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
+                         f"{('met' if length_ok else 'not met') if gap >= 3 else 'n/a (gap < 3)'} | "
+                         f"{'yes' if never else 'no'} |")
+    _atomic_write(run_dir / "replicate.json", json.dumps(out))
+    _atomic_write(run_dir / "replicate.md", "\n".join(lines))
+    print("\n".join(lines))
+    return out
+
+
 def bars_table(report: dict) -> str:
     """Markdown tables of a bars report: accuracy, mean length (deviation from full), teacher-forced KL."""
     lines = [f"## {report['model']}", ""]
@@ -995,7 +1044,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--on-policy", type=float, default=0.0, help="share of steps on the student's own samples")
     r = sub.add_parser("report", help="re-render report.md and the bars of finished bars runs (report.json)")
     r.add_argument("reports", nargs="+", help="report.json files")
+    rp = sub.add_parser("replicate", help="re-test a finished bars run's plans and deltas on fresh test samples")
+    rp.add_argument("model")
+    rp.add_argument("run_dir", help="the bars output folder holding report.json, plan-*.json, delta-distilled-*")
+    rp.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    rp.add_argument("--per-family", type=int, default=200)
+    rp.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
+    if args.command == "replicate":
+        replicate_bars(args.model, args.run_dir, args.seeds, args.per_family, args.threads)
+        return 0
     if args.command == "report":
         for path in map(Path, args.reports):
             report = json.loads(path.read_text())

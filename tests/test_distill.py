@@ -18,7 +18,7 @@ from slimwise.distill import Delta, DistillConfig, distill, init_delta, plan_has
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
-from slimwise.models import load_model
+from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import build_tokenizer, export_jsonl, make_split
 from slimwise.tiny import build_tiny_model
 
@@ -314,3 +314,34 @@ def test_bars_check_and_report_rerender(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| 0.5 | distilled | 86.0 | 26.25 (+5.00%) | +1.250 ± 1.250 / 1.25 / 25.0 |" in md
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_replicate_on_fresh_samples(tmp_path):
+    """`python -m slimwise.distill replicate` re-tests a bars run's plan and delta on another seed's test problems:
+    the rows are the engine's own greedy results on those problems, written atomically beside the report."""
+    from slimwise.distill import BarsConfig, _evaluate, replicate_bars
+    from slimwise.tiny import save_tiny_model
+
+    tok = build_tokenizer(tmp_path / "model")
+    save_tiny_model("qwen3_moe", tmp_path / "model", initializer_range=0.15, vocab_size=len(tok),
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = load_model(tmp_path / "model")
+    calib = [tok.encode(s.prompt, add_special_tokens=False) for s in make_split("calib", 2, domain="arithmetic")]
+    plan = plan_from_stats(calibrate(model, calib, config=CalibrationConfig(max_new_tokens=8), progress=False),
+                           "reap", 0.5)
+    run = tmp_path / "run"
+    run.mkdir()
+    plan.save(run / "plan-0.5.json")
+    perturbed_delta(model, plan).save(run / "delta-distilled-0.5")
+    (run / "report.json").write_text(json.dumps({"ratios": {"0.5": {}}}))
+    out = replicate_bars(str(tmp_path / "model"), run, seeds=(1,), per_family=1, threads=1)
+    fresh = make_split("test", 1, seed=1, domain="arithmetic")
+    assert {s.prompt for s in fresh}.isdisjoint({s.prompt for s in make_split("test", 1, seed=0, domain="arithmetic")})
+    want = _evaluate(PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), fresh, "slimwise",
+                     BarsConfig())
+    got = out["seeds"]["1"]["0.5"]["slimwise"]
+    assert got["lengths"] == want["lengths"] and got["correct"] == want["correct"]
+    assert out["seeds"]["1"]["0.5"]["distilled"]["lengths"] != got["lengths"]  # the delta was applied
+    md = (run / "replicate.md").read_text().splitlines()
+    assert len([line for line in md if line.startswith("| 1 | 0.5 |")]) == 1
+    assert json.loads((run / "replicate.json").read_text())["per_family"] == 1 and not list(run.glob("*.tmp"))
