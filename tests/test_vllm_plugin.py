@@ -183,10 +183,15 @@ def test_distilled_delta_in_vllm_equals_reference(family, eager, setup, tmp_path
     want = [o.token_ids for o in reference.generate(PROMPTS, "distilled", CONFIG)]
     assert want != ref["slimwise"], "the delta changed nothing: the test could not tell"
     assert [t[0] for t in want] == [t[0] for t in ref["full"]]
-    engine = VllmEngine(model_dir, plan, delta=tmp_path / "delta", enforce_eager=eager)
+    engine = VllmEngine(model_dir, plan, delta=tmp_path / "delta", enforce_eager=eager, share_engine=True)
     try:
         assert [o.token_ids for o in engine.generate(PROMPTS, "distilled", CONFIG)] == want
         assert totals(engine.counters()) == (sum(len(t) - 1 for t in want), sum(len(p) for p in PROMPTS))
+        # the same engine in mode full: nothing masked, no delta row, so the full model's tokens
+        assert [o.token_ids for o in engine.generate(PROMPTS, "full", CONFIG)] == ref["full"]
+        assert engine._kind == "shared-delta"  # no second engine was started
+        with pytest.raises(Exception, match="decode-only delta"):  # uniform must not use SlimWise's delta
+            engine.llm.collective_rpc("slimwise_set_mode", args=("uniform",))
     finally:
         engine.close()
 

@@ -8,6 +8,7 @@ One vLLM engine per mode, built on demand with the SlimWise plugin's model class
 With `share_engine=True`, full / slimwise / uniform run in one SlimWise engine (one start, one weight copy):
 the mode switches between calls by `collective_rpc("slimwise_set_mode")` and the prefix cache is reset, "full"
 being the SlimWise class with no token masked (its hooks pass every input through: stock tokens, tested).
+An engine with a delta serves distilled and full (the delta acts on decode rows only); it refuses uniform.
 Greedy outputs equal the reference engine's (`PhaseSplitEngine`) for the same token-id prompts.
 vLLM spawns workers: construct this under an `if __name__ == "__main__":` guard.
 """
@@ -81,9 +82,10 @@ class VllmEngine:
             raise SlimWiseError(f"mode {mode!r} needs a plan")
         if mode == "distilled" and self.delta is None:
             raise SlimWiseError("mode 'distilled' needs a delta (VllmEngine(..., delta=DIR))")
-        kind = "shared" if self.share_engine and mode in ("full", "slimwise", "uniform") else mode
-        if kind == "shared" and self._kind == "shared":
-            self.llm.collective_rpc("slimwise_set_mode", args=(mode, self.min_decode_batch))
+        kind = self._kind_of(mode)
+        worker_mode = "slimwise" if mode == "distilled" else mode
+        if kind.startswith("shared") and kind == self._kind:
+            self.llm.collective_rpc("slimwise_set_mode", args=(worker_mode, self.min_decode_batch))
             self.llm.reset_prefix_cache()  # blocks computed under the previous mode
             self._mode = mode
             return self.llm
@@ -93,13 +95,24 @@ class VllmEngine:
         else:
             overrides = slimwise_overrides(self.model_dir, self.plan, mask_all=mode == "uniform",
                                            min_decode_batch=self.min_decode_batch,
-                                           delta=self.delta if mode == "distilled" else None)
+                                           delta=self.delta if kind in ("distilled", "shared-delta") else None)
         self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                        skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
-        if kind == "shared":
-            self.llm.collective_rpc("slimwise_set_mode", args=(mode, self.min_decode_batch))
+        if kind.startswith("shared"):
+            self.llm.collective_rpc("slimwise_set_mode", args=(worker_mode, self.min_decode_batch))
         self._mode, self._kind = mode, kind
         return self.llm
+
+    def _kind_of(self, mode: str) -> str:
+        """Which engine runs `mode`: its own (the mode's name), "shared" (full / slimwise / uniform) or
+        "shared-delta" (full / distilled: the delta acts on decode rows only, so mode full is the full model)."""
+        if not self.share_engine:
+            return mode
+        if mode == "distilled":
+            return "shared-delta"
+        if mode == "full" and self._kind in ("shared", "shared-delta"):
+            return self._kind
+        return "shared"
 
     def close(self) -> None:
         if self.llm is not None:
