@@ -78,17 +78,22 @@ def run_policy_quality(config: PolicyQualityConfig, log: Callable[[str], None] |
     outputs: dict[tuple[str, int], list] = {}
     modes: Sequence[tuple[str, int]] = (("full", 0), ("slimwise", 0), (f"slimwise-min{config.threshold}",
                                                                       config.threshold))
-    for name, threshold in modes:
-        for conc in config.concurrencies:
-            engine = VllmEngine(model_dir, plan, tokenizer, dtype=config.dtype, min_decode_batch=threshold,
-                                engine_kwargs={"max_num_seqs": conc})
-            try:
+    measured: dict[tuple[str, int], tuple] = {}
+    for conc in config.concurrencies:  # one engine per concurrency; the modes switch inside it
+        engine = VllmEngine(model_dir, plan, tokenizer, dtype=config.dtype, engine_kwargs={"max_num_seqs": conc},
+                            share_engine=True)
+        try:
+            for name, threshold in modes:
+                engine.set_min_decode_batch(threshold)
                 t0 = time.perf_counter()
                 outs = engine.generate([s.prompt for s in samples], "full" if name == "full" else "slimwise", gen)
-                seconds = time.perf_counter() - t0
-                counters = engine.counters()[0] if name != "full" else {}
-            finally:
-                engine.close()
+                measured[(name, conc)] = (outs, time.perf_counter() - t0,
+                                          engine.counters()[0] if name != "full" else {})
+        finally:
+            engine.close()
+    for name, _ in modes:
+        for conc in config.concurrencies:
+            outs, seconds, counters = measured[(name, conc)]
             correct = [grader(s, o) for s, o in zip(samples, outs, strict=True)]
             decode_tokens = sum(max(len(o.token_ids) - 1, 0) for o in outs)
             pruned = counters.get("pruned_tokens", 0)

@@ -103,6 +103,17 @@ class VllmEngine:
         self._mode, self._kind = mode, kind
         return self.llm
 
+    def set_min_decode_batch(self, n: int) -> None:
+        """Change the load-aware threshold; a running shared engine takes it at once (counters restart, prefix
+        cache reset)."""
+        self.min_decode_batch = int(n)
+        if self.llm is not None and (self._kind or "").startswith("shared"):
+            mode = "slimwise" if self._mode == "distilled" else self._mode
+            self.llm.collective_rpc("slimwise_set_mode", args=(mode, self.min_decode_batch))
+            self.llm.reset_prefix_cache()  # as after a mode switch: the next run starts from the same state
+        elif self.llm is not None and self._mode != "full":
+            self.close()  # an engine of its own read the threshold at start: the next call starts a new one
+
     def _kind_of(self, mode: str) -> str:
         """Which engine runs `mode`: its own (the mode's name), "shared" (full / slimwise / uniform) or
         "shared-delta" (full / distilled: the delta acts on decode rows only, so mode full is the full model)."""
