@@ -931,17 +931,21 @@ def bars_check(report: dict, split: str = "test") -> dict:
     full = report["full"][split]
     out: dict = {"cost_seconds": sum(r["distilled"]["distill"]["seconds"] for r in report["ratios"].values())}
     for ratio, row in report["ratios"].items():
-        sw, d = row["slimwise"][split], row["distilled"][split]
-        gap = full["accuracy"] - sw["accuracy"]
-        dev_sw, dev_d = abs(_length_dev(sw, full)), abs(_length_dev(d, full))
-        applies = gap >= 3
-        out[ratio] = {"gap": gap, "recovered": d["accuracy"] - sw["accuracy"], "applies": applies,
-                      "recovery_bar": (d["accuracy"] - sw["accuracy"] >= gap / 2) if applies else None,
-                      "length_bar": (dev_d <= min(5.0, dev_sw / 2)) if applies else None,
-                      "never_worse": d["accuracy"] >= sw["accuracy"] and dev_d <= dev_sw,
-                      "within_3_points": full["accuracy"] - d["accuracy"] <= 3,
-                      "length_drift": {"slimwise": length_drift(sw, full), "distilled": length_drift(d, full)}}
+        out[ratio] = cell_bars(row["slimwise"][split], row["distilled"][split], full)
     return out
+
+
+def cell_bars(sw: dict, d: dict, full: dict) -> dict:
+    """The bars of one (ratio, sample): SlimWise `sw` and distilled `d` runs against the full model's."""
+    gap = full["accuracy"] - sw["accuracy"]
+    dev_sw, dev_d = abs(_length_dev(sw, full)), abs(_length_dev(d, full))
+    applies = gap >= 3
+    return {"gap": gap, "recovered": d["accuracy"] - sw["accuracy"], "applies": applies,
+            "recovery_bar": (d["accuracy"] - sw["accuracy"] >= gap / 2) if applies else None,
+            "length_bar": (dev_d <= min(5.0, dev_sw / 2)) if applies else None,
+            "never_worse": d["accuracy"] >= sw["accuracy"] and dev_d <= dev_sw,
+            "within_3_points": full["accuracy"] - d["accuracy"] <= 3,
+            "length_drift": {"slimwise": length_drift(sw, full), "distilled": length_drift(d, full)}}
 
 
 def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = (1, 2), per_family: int = 200,
@@ -978,15 +982,13 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
         full = entry["full"]
         for ratio in report["ratios"]:
             sw, d = entry[ratio]["slimwise"], entry[ratio]["distilled"]
-            a, b = length_drift(sw, full), length_drift(d, full)
-            gap, rec = full["accuracy"] - sw["accuracy"], d["accuracy"] - sw["accuracy"]
-            length_ok = abs(_length_dev(d, full)) <= min(5.0, abs(_length_dev(sw, full)) / 2)
-            never = d["accuracy"] >= sw["accuracy"] and abs(b["mean_diff"]) <= abs(a["mean_diff"])
+            c = cell_bars(sw, d, full)
+            a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
             lines.append(f"| {seed} | {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
-                         f"{rec:+.1f} / {gap:.1f} | {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} → "
+                         f"{c['recovered']:+.1f} / {c['gap']:.1f} | {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} → "
                          f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
-                         f"{('met' if length_ok else 'not met') if gap >= 3 else 'n/a (gap < 3)'} | "
-                         f"{'yes' if never else 'no'} |")
+                         f"{('met' if c['length_bar'] else 'not met') if c['applies'] else 'n/a (gap < 3)'} | "
+                         f"{'yes' if c['never_worse'] else 'no'} |")
     _atomic_write(run_dir / "replicate.json", json.dumps(out))
     _atomic_write(run_dir / "replicate.md", "\n".join(lines))
     print("\n".join(lines))

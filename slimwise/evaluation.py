@@ -425,8 +425,7 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
         # same dtype as the reference model, so greedy tokens can agree exactly
         dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "auto"
         delta_dir = getattr(delta, "path", delta) if delta is not None else None
-        kwargs = {"share_engine": True} if share and delta_dir is None else {}
-        return cls(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir, **kwargs)
+        return cls(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir, share_engine=share)
     raise SlimWiseError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 
 

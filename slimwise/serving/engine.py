@@ -83,11 +83,9 @@ class VllmEngine:
         if mode == "distilled" and self.delta is None:
             raise SlimWiseError("mode 'distilled' needs a delta (VllmEngine(..., delta=DIR))")
         kind = self._kind_of(mode)
-        worker_mode = "slimwise" if mode == "distilled" else mode
         if kind.startswith("shared") and kind == self._kind:
-            self.llm.collective_rpc("slimwise_set_mode", args=(worker_mode, self.min_decode_batch))
-            self.llm.reset_prefix_cache()  # blocks computed under the previous mode
             self._mode = mode
+            self._switch()
             return self.llm
         self.close()
         if kind == "full":
@@ -98,19 +96,24 @@ class VllmEngine:
                                            delta=self.delta if kind in ("distilled", "shared-delta") else None)
         self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                        skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
-        if kind.startswith("shared"):
-            self.llm.collective_rpc("slimwise_set_mode", args=(worker_mode, self.min_decode_batch))
         self._mode, self._kind = mode, kind
+        if kind.startswith("shared"):
+            self._switch()
         return self.llm
+
+    def _switch(self) -> None:
+        """Put the running shared engine in `self._mode` with `self.min_decode_batch` (worker counters restart)
+        and drop its prefix cache, whose blocks may have been computed under another mode."""
+        self.llm.collective_rpc("slimwise_set_mode", args=("slimwise" if self._mode == "distilled" else self._mode,
+                                                          self.min_decode_batch))
+        self.llm.reset_prefix_cache()
 
     def set_min_decode_batch(self, n: int) -> None:
         """Change the load-aware threshold; a running shared engine takes it at once (counters restart, prefix
         cache reset)."""
         self.min_decode_batch = int(n)
         if self.llm is not None and (self._kind or "").startswith("shared"):
-            mode = "slimwise" if self._mode == "distilled" else self._mode
-            self.llm.collective_rpc("slimwise_set_mode", args=(mode, self.min_decode_batch))
-            self.llm.reset_prefix_cache()  # as after a mode switch: the next run starts from the same state
+            self._switch()
         elif self.llm is not None and self._mode != "full":
             self.close()  # an engine of its own read the threshold at start: the next call starts a new one
 

@@ -86,11 +86,11 @@ class DecodeRouting(nn.Module):
         super().__init__()
         text_config = getattr(hf_config, "text_config", hf_config)
         self.plan = load_plan_setting(getattr(hf_config, PLAN_KEY, None) or getattr(text_config, PLAN_KEY, None))
-        self.mask_all = bool(getattr(hf_config, MASK_ALL_KEY, False))
+        # "uniform" with MASK_ALL_KEY (every token pruned), else "slimwise"; switched at run time by `set_mode`
+        self.mode = "uniform" if getattr(hf_config, MASK_ALL_KEY, False) else "slimwise"
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
         self.log_every = int(getattr(hf_config, LOG_EVERY_KEY, 0) or 0)
         self.count_experts = bool(getattr(hf_config, COUNT_EXPERTS_KEY, False))
-        self.mode = "uniform" if self.mask_all else "slimwise"  # switched at run time by `set_mode`
         self.has_delta = False
         self._count_batch = 0  # decode tokens in the current step (expert counting)
         self.counters = RoutingCounters()
@@ -144,7 +144,7 @@ class DecodeRouting(nn.Module):
         logger.info("SlimWise: decode routing on %d MoE layers, kept %s of %d experts (%s, ratio %s)%s",
                     len(self.gates), sorted({len(v) for v in self.plan.kept_experts.values()}),
                     self.plan.num_experts, self.plan.criterion, self.plan.ratio,
-                    ", all tokens pruned (uniform)" if self.mask_all else "")
+                    ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
         self._install_counting(model, text_config)
 
     def _check_plan(self, hf_config, text_config) -> None:
@@ -169,7 +169,7 @@ class DecodeRouting(nn.Module):
         delta = Delta.load(value)
         if delta.manifest.get("plan_hash") != plan_hash(self.plan):
             raise SlimWiseError(f"delta {value} was distilled for another plan: serve it with its own plan")
-        if delta.mode == "uniform" and not self.mask_all:
+        if delta.mode == "uniform" and self.mode != "uniform":
             raise SlimWiseError("this delta was distilled for uniform pruning (prefill pruned too), not SlimWise")
         self._lora_scale = delta.lora_scale
         self.has_delta = True
@@ -329,7 +329,7 @@ class DecodeRouting(nn.Module):
         if mode == "uniform" and self.has_delta:
             raise SlimWiseError("this engine carries a SlimWise decode-only delta, which uniform pruning must not "
                                 "use: start an engine without --distilled for uniform")
-        self.mode, self.mask_all = mode, mode == "uniform"
+        self.mode = mode
         if min_decode_batch is not None:
             self.min_decode_batch = int(min_decode_batch)
         self.counters = RoutingCounters()
@@ -355,10 +355,12 @@ class DecodeRouting(nn.Module):
                 return
         if self.mode == "full":
             decode = np.zeros(n, dtype=bool)
+        elif self.mode == "uniform":
+            decode = np.ones(n, dtype=bool)
         else:
-            decode = np.ones(n, dtype=bool) if self.mask_all else generated.copy()
+            decode = generated.copy()
         n_decode = int(decode.sum())
-        if self.min_decode_batch and not self.mask_all and n_decode < self.min_decode_batch:
+        if self.min_decode_batch and self.mode == "slimwise" and n_decode < self.min_decode_batch:
             decode[:] = False  # load-aware policy: small decode batches keep every expert
             n_decode = 0
         self.decode_mask[:n].copy_(torch.from_numpy(decode), non_blocking=True)
