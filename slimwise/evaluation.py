@@ -38,6 +38,7 @@ from torch import nn
 from slimwise.adapters import get_adapter
 from slimwise.errors import SlimWiseError
 from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
+from slimwise.io import atomic_write_text
 from slimwise.plan import PrunePlan, model_fingerprint
 
 SCHEMA = "slimwise-eval/1"
@@ -797,10 +798,7 @@ class Sweep:
         elif self.config.kl:
             rec["kl"] = [0.0] * len(gens)
         if self.config.cache:
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(json.dumps({**rec, "gens": [_gen_to_json(g) for g in gens]}))
-            os.replace(tmp, path)
+            atomic_write_text(path, json.dumps({**rec, "gens": [_gen_to_json(g) for g in gens]}))
         rec["cached"] = False
         return rec
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -19,6 +18,7 @@ from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_write_text
 
 PLAN_FORMAT = "slimwise-plan/1"
 Scope = Literal["layer", "global"]
@@ -143,12 +143,7 @@ class PrunePlan:
         return d
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> PrunePlan:

@@ -7,7 +7,6 @@ criteria can be recomputed and compared without touching the model again.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_path
 
 STATS_FORMAT = "slimwise-stats/1"
 _FIELDS = ("count", "gate_sum", "norm_sum", "norm_sq_sum", "gate_norm_sum")
@@ -63,9 +63,8 @@ class ExpertStats:
         tensors = {name: getattr(self, name).contiguous() for name in (*_FIELDS, "tokens")}
         header = {"format": STATS_FORMAT, "layers": json.dumps(self.layers), "num_experts": str(self.num_experts),
                   "meta": json.dumps(self.meta)}
-        tmp = path.with_name(path.name + ".tmp")
-        save_file(tensors, str(tmp), metadata=header)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=header)
         return path
 
     @classmethod

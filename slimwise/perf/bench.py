@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_write_text
 
 DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
@@ -436,10 +437,8 @@ def _load_partial(config: BenchConfig, signature: dict, log) -> tuple[dict, dict
 
 
 def _save_partial(config: BenchConfig, signature: dict, runs: dict, starts: dict) -> None:
-    path = Path(config.out_dir) / PARTIAL_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_jsonable({"signature": signature, "runs": runs, "engine_start_s": starts})) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(Path(config.out_dir) / PARTIAL_FILE,
+                      json.dumps(_jsonable({"signature": signature, "runs": runs, "engine_start_s": starts})) + "\n")
 
 
 def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:

@@ -14,9 +14,9 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_write_text
 
 
 @dataclass
@@ -114,8 +114,7 @@ def run_policy_quality(config: PolicyQualityConfig, log: Callable[[str], None] |
               "plan": {"criterion": plan.criterion, "ratio": plan.ratio, "num_experts": plan.num_experts,
                        "kept": sorted({len(v) for v in plan.kept_experts.values()})}, "rows": rows}
     if config.out:
-        Path(config.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.out).write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_text(config.out, json.dumps(result, indent=1) + "\n")
     return result
 
 

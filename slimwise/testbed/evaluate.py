@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.io import atomic_write_text
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
 from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
 
@@ -430,9 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         ev = json.loads(ev_path.read_text())
         ev["pruning"] = pruning_regime(json.loads(Path(args.pruning_report).read_text()), args.pruning_report,
                                        args.pruning_command)
-        tmp = ev_path.with_name(ev_path.name + ".tmp")
-        tmp.write_text(json.dumps(ev, indent=2) + "\n")
-        os.replace(tmp, ev_path)
+        atomic_write_text(ev_path, json.dumps(ev, indent=2) + "\n")
         for phase, ph in ev["pruning"]["phases"].items():
             print(f"{phase}: best {ph['best_criterion']}, uniform 50% costs {ph['uniform50_cost_points']:.1f} points, "
                   f"length {ph['uniform50_length_change_pct']:+.1f}% -> {'in' if ph['in_band'] else 'NOT in'} band")

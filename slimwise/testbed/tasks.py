@@ -12,17 +12,17 @@ harder difficulty range that lies beyond the training range.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import random
 import re
 import string
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from slimwise.io import atomic_path
 
 TARGET_DOMAIN = "arithmetic"
 DOMAINS = ("arithmetic", "lists", "text")
@@ -463,17 +463,9 @@ def _prompt_of(s: Sample | Mapping | str) -> str:
 def export_jsonl(samples: Iterable[Sample], path: str | os.PathLike) -> Path:
     """One JSON object per line; written to a temporary file and renamed so readers never see half a file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for s in samples:
-                f.write(json.dumps(s.to_dict(), ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_dict(), ensure_ascii=False) + "\n")
     return path
 
 

@@ -48,6 +48,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from slimwise.io import atomic_torch_save
 from slimwise.testbed.tasks import FAMILIES, make_split
 from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_tokenizer
 
@@ -450,12 +451,6 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
         (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=1e-8)
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def save_state(path: Path, model, optimizer, config: TrainConfig, step: int, elapsed: float, tokens: int,
