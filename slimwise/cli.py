@@ -121,7 +121,7 @@ def cmd_serve(args) -> None:
 
 def cmd_distill(args) -> None:
     from slimwise.data import load_prompts
-    from slimwise.distill import DistillConfig, distill
+    from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
     from slimwise.models import load_model, load_tokenizer
     from slimwise.plan import PrunePlan
 
@@ -138,7 +138,16 @@ def cmd_distill(args) -> None:
         max_new_tokens=args.max_new_tokens, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, seed=args.seed, checkpoint=str(checkpoint),
         checkpoint_every=args.checkpoint_every, resume=args.resume)
-    delta = distill(model, plan, prompts, load_tokenizer(args.model), config)
+    tokenizer = load_tokenizer(args.model)
+    teacher = None
+    if args.teacher:  # shared between runs on the same model and prompts (other plans, ratios, the baseline)
+        if Path(args.teacher).is_file():
+            teacher = TeacherData.load(args.teacher)
+        else:
+            teacher = build_teacher(model, prompts, tokenizer, config)
+            teacher.save(args.teacher)
+            print(f"wrote teacher data {args.teacher} ({len(teacher.continuations)} prompts, {teacher.seconds:.0f}s)")
+    delta = distill(model, plan, prompts, tokenizer, config, teacher=teacher)
     delta.save(out, force=args.force)
     checkpoint.unlink(missing_ok=True)
     m = delta.manifest
@@ -252,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=25, help="steps between resumable checkpoints "
                    "(OUT.ckpt.pt, removed once the delta is written)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.ckpt.pt")
+    p.add_argument("--teacher", help="teacher-data file (.pt) shared between runs on the same model and data: "
+                   "built and written there if absent, reused (and checked) if present")
     p.add_argument("--force", action="store_true", help="replace a non-empty output")
     p.set_defaults(func=cmd_distill)
 

@@ -24,7 +24,6 @@ and trained too): the honest baseline for the same budget.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -47,11 +46,13 @@ from tqdm.auto import tqdm
 from slimwise.adapters import MoEAdapter, get_adapter
 from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan, model_fingerprint
 
 DELTA_FORMAT = "slimwise-delta/1"
 CHECKPOINT_FORMAT = "slimwise-distill-checkpoint/1"
+TEACHER_FORMAT = "slimwise-teacher/1"
 TENSORS_FILE = "delta.safetensors"
 MANIFEST_FILE = "delta.json"
 PARAM_SETS = ("router", "norm", "lora")
@@ -562,6 +563,82 @@ def divergence(teacher_lp: torch.Tensor, student_logits: torch.Tensor, kind: str
 # Training
 
 
+@dataclass
+class TeacherData:
+    """The full model's greedy continuations of the distillation prompts (EOS kept) and its log-probs on them.
+
+    Why a value of its own: it depends on the model, the prompts and the generation settings only, never on the
+    plan or the mode, so one is built once and shared by every ratio, plan and baseline distilled on the same
+    prompts (`distill(..., teacher=...)`, `slimwise distill --teacher FILE`). `logprobs` is None when the
+    cache would exceed `teacher_cache_mb`; training then recomputes them per step."""
+
+    key: dict  # model fingerprint, prompt hash and generation settings: what the data is a function of
+    continuations: list[list[int]]
+    logprobs: list[torch.Tensor] | None
+    seconds: float
+
+    def check(self, key: dict) -> None:
+        if self.key != key:
+            diff = sorted(k for k in set(self.key) | set(key) if self.key.get(k) != key.get(k))
+            raise SlimWiseError(f"teacher data was built for another {', '.join(diff)} (model, prompts or "
+                                "--max-new-tokens/--batch-size differ): rebuild it or pass the matching one")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        atomic_torch_save({"format": TEACHER_FORMAT, "key": self.key, "continuations": self.continuations,
+                            "logprobs": self.logprobs, "seconds": self.seconds}, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> TeacherData:
+        try:
+            state = torch.load(Path(path), map_location="cpu", weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+            raise SlimWiseError(f"teacher data {path} is unreadable ({type(exc).__name__}): delete it to rebuild") from exc
+        if not isinstance(state, dict) or state.get("format") != TEACHER_FORMAT:
+            raise SlimWiseError(f"{path} is not SlimWise teacher data ({TEACHER_FORMAT}): delete it to rebuild")
+        return cls(state["key"], state["continuations"], state["logprobs"], state["seconds"])
+
+
+def _teacher_key(model: nn.Module, ids: list[list[int]], config: DistillConfig) -> dict:
+    return {"model_fingerprint": _fingerprint(model), "data": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+            "max_new_tokens": config.max_new_tokens, "batch_size": config.batch_size}
+
+
+def _build_teacher(engine: PhaseSplitEngine, ids: list[list[int]], config: DistillConfig,
+                   continuations: list[list[int]] | None = None) -> TeacherData:
+    t0 = time.perf_counter()
+    if continuations is None:
+        gen_cfg = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
+                                   progress=config.progress)
+        continuations = [g.token_ids for g in engine.generate(ids, mode="full", config=gen_cfg)]
+    vocab = engine.model.get_output_embeddings().weight.shape[0]
+    logprobs: list[torch.Tensor] | None = None
+    if sum(len(c) for c in continuations) * vocab * 4 <= config.teacher_cache_mb * 2**20 and config.on_policy < 1.0:
+        logprobs = []
+        for start in range(0, len(ids), config.batch_size):
+            chunk = continuations[start:start + config.batch_size]
+            lp = teacher_logprobs(engine, ids[start:start + config.batch_size], chunk)
+            logprobs += [lp[i, :len(c)].clone() for i, c in enumerate(chunk)]
+    return TeacherData(_teacher_key(engine.model, ids, config), continuations, logprobs,
+                       round(time.perf_counter() - t0, 2))
+
+
+def build_teacher(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer=None,
+                  config: DistillConfig | None = None) -> TeacherData:
+    """The teacher data `distill` would build for (model, prompts, config), to share between several runs."""
+    config = config or DistillConfig()
+    prompts = list(prompts)[:config.max_samples] if config.max_samples else list(prompts)
+    if not prompts:
+        raise SlimWiseError("distillation data is empty: pass calibration prompts (JSONL with a 'prompt' field)")
+    engine = PhaseSplitEngine(model, tokenizer)
+    try:
+        with torch.no_grad():
+            return _build_teacher(engine, engine._encode(prompts), config)
+    finally:
+        engine.close()
+
+
 def _batch_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
     """Step `step`'s samples: a seeded permutation per epoch, so a batch is a pure function of (seed, step)."""
     per_epoch = math.ceil(n / batch_size)
@@ -592,21 +669,7 @@ def _run_key(config: DistillConfig, plan: PrunePlan, fingerprint: dict, data_has
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text if text.endswith("\n") else text + "\n")
-    os.replace(tmp, path)
-
-
-def _atomic_torch_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+    atomic_write_text(path, text if text.endswith("\n") else text + "\n")
 
 
 def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: list[list[int]],
@@ -649,13 +712,16 @@ def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: lis
 
 
 def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer=None,
-            config: DistillConfig | None = None, *, callback: Callable[[int, float], None] | None = None) -> Delta:
+            config: DistillConfig | None = None, *, teacher: TeacherData | None = None,
+            callback: Callable[[int, float], None] | None = None) -> Delta:
     """Distil a decode-only delta for `plan` on `prompts`; `model` is the (frozen) teacher and the student's base.
 
     `callback(step, loss)` runs after every step (and after its checkpoint). The model's weights and
     requires_grad flags are left as they were. With `config.checkpoint`, a resumable state is written
     atomically every `checkpoint_every` steps; `config.resume` continues from it (same final delta as an
-    uninterrupted run). Deleting the checkpoint once the delta is saved is the caller's job.
+    uninterrupted run). Deleting the checkpoint once the delta is saved is the caller's job. `teacher` (from
+    `build_teacher` on the same model, prompts and settings) skips building the teacher data; the delta is the
+    same as without it.
     """
     config = config or DistillConfig()
     config.validate()
@@ -687,24 +753,20 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
                 raise SlimWiseError(f"checkpoint {ckpt} belongs to another run (model, plan, data or settings "
                                     "differ): delete it or run without --resume")
             say(f"distill: resuming from {ckpt} at step {state['step']}")
-        # teacher data: the full model's greedy continuations (EOS included), generated once
-        if state is not None:
-            conts = state["continuations"]
+        # teacher data: the full model's greedy continuations (EOS included) and its log-probs, built once
+        shared_teacher = teacher is not None
+        if teacher is not None:
+            teacher.check(_teacher_key(model, ids, config))
+        elif state is not None:  # the continuations are in the checkpoint; the log-probs are recomputed
+            teacher = _build_teacher(engine, ids, config, state["continuations"])
         else:
-            gen_cfg = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
-                                       progress=config.progress)
-            conts = [g.token_ids for g in engine.generate(ids, mode="full", config=gen_cfg)]
+            teacher = _build_teacher(engine, ids, config)
+        conts = teacher.continuations
         if all(len(c) < 2 for c in conts) and config.mode == "slimwise":
             raise SlimWiseError("every continuation is a single token, so the decoder has nothing to learn: use "
                                 "longer max_new_tokens or other prompts")
         vocab = model.get_output_embeddings().weight.shape[0]
-        cache_bytes = sum(len(c) for c in conts) * vocab * 4
-        teacher_cache: list[torch.Tensor] | None = None
-        if cache_bytes <= config.teacher_cache_mb * 2**20 and config.on_policy < 1.0:
-            teacher_cache = []
-            for start in range(0, len(ids), config.batch_size):
-                lp = teacher_logprobs(engine, ids[start:start + config.batch_size], conts[start:start + config.batch_size])
-                teacher_cache += [lp[i, :len(c)].clone() for i, c in enumerate(conts[start:start + config.batch_size])]
+        teacher_cache = teacher.logprobs if config.on_policy < 1.0 else None
         delta0 = Delta(state["tensors"], state["manifest"]) if state is not None else init_delta(model, plan, config)
         installed = InstalledDelta(model, delta0, engine.mask, plan, trainable=True)
         engine.delta = installed
@@ -731,7 +793,7 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
                 break
             idx = _batch_indices(len(ids), config.batch_size, config.seed, step)
             batch_prompts = [ids[i] for i in idx]
-            teacher = None
+            batch_teacher = None
             if _is_on_policy(config.on_policy, step):  # the student's own greedy continuations (mode distilled)
                 gen_cfg = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
                 batch_conts = [g.token_ids for g in engine.generate(batch_prompts, mode="distilled", config=gen_cfg)]
@@ -739,13 +801,13 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
                 batch_conts = [conts[i] for i in idx]
                 if teacher_cache is not None:
                     width = max(len(c) for c in batch_conts)
-                    teacher = torch.zeros(len(idx), width, vocab)
+                    batch_teacher = torch.zeros(len(idx), width, vocab)
                     for row, i in enumerate(idx):
-                        teacher[row, :len(conts[i])] = teacher_cache[i]
+                        batch_teacher[row, :len(conts[i])] = teacher_cache[i]
             factor = _lr_factor(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = group["base_lr"] * factor
-            loss = _step_loss(engine, installed, batch_prompts, batch_conts, teacher, config)
+            loss = _step_loss(engine, installed, batch_prompts, batch_conts, batch_teacher, config)
             if loss is not None:  # None: no position to train in this batch (single-token continuations)
                 loss.backward()
                 if config.grad_clip:
@@ -758,7 +820,7 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
             bar.update(1)
             bar.set_postfix(loss=f"{history[-1]:.4f}", lr=f"{config.lr * factor:.1e}")
             if ckpt is not None and (step % config.checkpoint_every == 0 or step == config.steps):
-                _atomic_torch_save({"format": CHECKPOINT_FORMAT, "key": key, "step": step,
+                atomic_torch_save({"format": CHECKPOINT_FORMAT, "key": key, "step": step,
                                     "tensors": installed.tensors(), "manifest": installed.manifest,
                                     "optimizer": optimizer.state_dict(), "history": history,
                                     "elapsed": elapsed0 + time.perf_counter() - t_train,
@@ -768,6 +830,7 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
         bar.close()
         train_seconds = elapsed0 + time.perf_counter() - t_train
         manifest = {"steps": step, "stopped_early": stopped_early, "loss_history": history,
+                    "teacher_seconds": teacher.seconds, "teacher_shared": shared_teacher,
                     "trainable_params": trainable, "model_params": total,
                     "trainable_share": trainable / total, "seconds": round(time.perf_counter() - t_start, 2),
                     "train_seconds": round(train_seconds, 2), "peak_memory_mb": round(peak_memory_mb(), 1),
@@ -876,6 +939,10 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
     report["full"] = {name: _evaluate(engine, s, "full", config) for name, s in splits.items()}
     engine.close()
     reference = {name: report["full"][name].pop("token_ids") for name in splits}
+    # one teacher for every ratio and both modes: it depends on the model and prompts only
+    teacher = build_teacher(model, distill_prompts, tok, DistillConfig(**(asdict(config.distill) | {"progress": False})))
+    report["teacher"] = {"seconds": teacher.seconds, "prompts": len(teacher.continuations),
+                         "continuation_tokens": sum(len(c) for c in teacher.continuations)}
     for ratio in config.ratios:
         plan = plan_from_stats(stats, "reap", ratio)
         plan.save(out / f"plan-{ratio}.json")
@@ -886,12 +953,12 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
         engine.close()
         for mode, label in (("slimwise", "distilled"), ("uniform", "uniform_distilled")):
             cfg = DistillConfig(**(asdict(config.distill) | {"mode": mode, "progress": False}))
-            delta = distill(model, plan, distill_prompts, tok, cfg)
+            delta = distill(model, plan, distill_prompts, tok, cfg, teacher=teacher)
             delta.save(out / f"delta-{label}-{ratio}", force=True)
             engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
             row[label] = {name: _evaluate(engine, s, "distilled", config, reference[name])
                           for name, s in splits.items()}
-            row[label]["distill"] = {k: delta.manifest[k] for k in ("seconds", "train_seconds", "steps",
+            row[label]["distill"] = {k: delta.manifest[k] for k in ("seconds", "train_seconds", "steps", "teacher_shared",
                                                                     "trainable_params", "trainable_share",
                                                                     "peak_memory_mb")}
             row[label]["distill"]["loss_first_last"] = [delta.manifest["loss_history"][0],
@@ -929,7 +996,9 @@ def bars_check(report: dict, split: str = "test") -> dict:
     """The issue's bars per ratio: recovery of half the gap (when SlimWise loses >= 3 points), length within the
     stricter of +-5% and half SlimWise's deviation, never worse than SlimWise; plus the total distillation cost."""
     full = report["full"][split]
-    out: dict = {"cost_seconds": sum(r["distilled"]["distill"]["seconds"] for r in report["ratios"].values())}
+    # the backbone's cost: every ratio's SlimWise distillation, plus the teacher data once when they shared it
+    shared = report.get("teacher", {}).get("seconds", 0.0)
+    out: dict = {"cost_seconds": shared + sum(r["distilled"]["distill"]["seconds"] for r in report["ratios"].values())}
     for ratio, row in report["ratios"].items():
         out[ratio] = cell_bars(row["slimwise"][split], row["distilled"][split], full)
     return out
@@ -1021,6 +1090,11 @@ def bars_table(report: dict) -> str:
             lines.append(f"| {ratio} {mode} | {c['seconds']:.0f} | {c['trainable_params']:,} "
                          f"({100 * c['trainable_share']:.3f}%) | {c['peak_memory_mb']:.0f} | "
                          f"{c['loss_first_last'][0]:.5f} -> {c['loss_first_last'][1]:.5f} |")
+    if "teacher" in report:
+        t = report["teacher"]
+        lines += ["", f"Teacher data (full-model continuations and log-probs, shared by every run above): "
+                  f"{t['prompts']} prompts, {t['continuation_tokens']:,} tokens, {t['seconds']:.0f} s, counted once "
+                  "in the cost."]
     lines += ["", "Bars (test split): " + json.dumps(report.get("bars", {})), ""]
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from test_pipeline import cache_tensors
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
-from slimwise.distill import Delta, DistillConfig, distill, init_delta, plan_hash
+from slimwise.distill import Delta, DistillConfig, TeacherData, build_teacher, distill, init_delta, plan_hash
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
@@ -264,6 +264,15 @@ def test_cli_distill(setup, tmp_path, capsys):
     assert cli_main([*args[:4], "--data", str(empty), "--out", str(tmp_path / "d2")]) == 2
     assert "no records" in capsys.readouterr().err
     assert not (tmp_path / "d2").exists()
+    # --teacher: built and written by the first run, reused by the next (a uniform baseline here), checked
+    teacher = tmp_path / "teacher.pt"
+    shared = [*args[:-2], "--params", "router", "--teacher", str(teacher), "--force"]
+    assert cli_main(shared) == 0 and "wrote teacher data" in capsys.readouterr().out
+    first = Delta.load(out)
+    assert cli_main([*shared, "--mode", "uniform"]) == 0 and "wrote teacher data" not in capsys.readouterr().out
+    assert Delta.load(out).manifest["teacher_shared"] and first.manifest["teacher_shared"]
+    assert cli_main([*shared[:-1], "--max-new-tokens", "9", "--force"]) == 2
+    assert "teacher data was built for another max_new_tokens" in capsys.readouterr().err
 
 
 def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):
@@ -345,3 +354,30 @@ def test_replicate_on_fresh_samples(tmp_path):
     md = (run / "replicate.md").read_text().splitlines()
     assert len([line for line in md if line.startswith("| 1 | 0.5 |")]) == 1
     assert json.loads((run / "replicate.json").read_text())["per_family"] == 1 and not list(run.glob("*.tmp"))
+
+
+def test_shared_teacher_gives_the_same_delta(setup, tmp_path):
+    """One teacher (full-model continuations and log-probs) serves every plan and both modes: the delta is the
+    one `distill` gets by building its own; a teacher for other prompts or settings is refused."""
+    model, plan = setup()
+    prompts = random_prompts(8, seed=2)
+    cfg = DistillConfig(**FAST)
+    teacher = build_teacher(model, prompts, config=cfg)
+    assert len(teacher.continuations) == 8 and teacher.logprobs is not None
+    teacher = TeacherData.load(teacher.save(tmp_path / "teacher.pt"))  # through the file, as the CLI shares it
+    for p, mode in ((plan, "slimwise"), (make_plan(model, 0.25), "slimwise"), (plan, "uniform")):
+        c = DistillConfig(**(FAST | {"mode": mode}))
+        own, shared = distill(model, p, prompts, config=c), distill(model, p, prompts, config=c, teacher=teacher)
+        # same data, same trajectory; float32 reductions may round differently with another allocation history
+        # (uniform mode here: 1.5e-5 of a tensor's scale after 6 Adam steps), so this is not bitwise
+        assert shared.manifest["loss_history"] == pytest.approx(own.manifest["loss_history"], rel=1e-4)
+        for k, t in own.tensors.items():
+            assert float((shared.tensors[k] - t).abs().max()) <= 1e-4 * float(t.abs().max()), k
+        assert shared.manifest["teacher_shared"] and not own.manifest["teacher_shared"]
+    with pytest.raises(SlimWiseError, match="another data"):
+        distill(model, plan, random_prompts(8, seed=3), config=cfg, teacher=teacher)
+    with pytest.raises(SlimWiseError, match="another max_new_tokens"):
+        distill(model, plan, prompts, config=DistillConfig(**(FAST | {"max_new_tokens": 9})), teacher=teacher)
+    (tmp_path / "bad.pt").write_bytes(b"not a teacher")
+    with pytest.raises(SlimWiseError, match="unreadable"):
+        TeacherData.load(tmp_path / "bad.pt")
