@@ -36,6 +36,27 @@ from slimwise.adapters.base import MoEAdapter, MoELayer
 from slimwise.adapters.registry import register_adapter
 
 
+def grouped_topk_ids(choice: torch.Tensor, pruned: torch.Tensor, groups: int, topk_group: int, top_k: int,
+                     group_score: str = "top2") -> torch.Tensor:
+    """Top-`top_k` expert ids per row of the selection scores `choice` [N, E], limited to the best `topk_group` of
+    `groups` contiguous groups, with `pruned` ([E] or [N, E]) unselectable: set to -inf before the group scores
+    and again after the group mask (see the module docstring). Group score: sum of the top-2 (`top2`, biased
+    sigmoid routers) or the max (`max`, DeepSeek-V2-style softmax routers). The reference engine
+    (`DeepseekV3Adapter.route`) and the vLLM plugin (`serving.routing.masked_grouped_topk`) both select here."""
+    n, experts = choice.shape
+    choice = choice.masked_fill(pruned, float("-inf"))
+    if groups > 1:
+        grouped = choice.view(n, groups, experts // groups)
+        scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2" else grouped.max(dim=-1).values
+        group_idx = torch.topk(scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, groups, experts // groups).reshape(n, experts)
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        choice = choice.masked_fill(pruned, float("-inf"))  # again after the group mask: never a pruned one
+    return torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+
+
 @register_adapter
 class DeepseekV3Adapter(MoEAdapter):
     family = "deepseek_v3"
@@ -57,19 +78,12 @@ class DeepseekV3Adapter(MoEAdapter):
 
     def route(self, router: nn.Module, hidden: torch.Tensor, pruned: torch.Tensor):
         """`DeepseekV3TopkRouter.forward` with pruned experts unselectable (see the module docstring)."""
-        n, groups = router.num_experts, router.num_group
+        groups = router.num_group
         hidden = hidden.view(-1, router.hidden_dim)
         logits = F.linear(hidden.type(torch.float32), router.weight.type(torch.float32))
         scores = logits.sigmoid()
-        choice = (scores + router.e_score_correction_bias).masked_fill(pruned, float("-inf"))
-        group_scores = choice.view(-1, groups, n // groups).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores)
-        group_mask.scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(-1, groups, n // groups).reshape(-1, n)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        choice = choice.masked_fill(pruned, float("-inf"))  # again after the group mask: never a pruned one
-        top_index = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+        top_index = grouped_topk_ids(scores + router.e_score_correction_bias, pruned, groups, router.topk_group,
+                                     router.top_k)
         top_weight = scores.gather(1, top_index)
         if router.norm_topk_prob:
             denominator = top_weight.sum(dim=-1, keepdim=True) + 1e-20

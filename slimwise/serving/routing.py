@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from slimwise.adapters.deepseek_v3 import grouped_topk_ids
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan, config_fingerprint
 
@@ -409,25 +410,12 @@ def masked_grouped_topk(router_logits: torch.Tensor, rows_pruned: torch.Tensor, 
     scores = scores.sigmoid() if router.scoring_func == "sigmoid" else scores.masked_fill(rows_pruned, float(
         "-inf")).softmax(dim=-1)
     bias = getattr(router, "e_score_correction_bias", None)
-    n, experts = scores.shape
     groups = int(getattr(router, "num_expert_group", None) or 1) if getattr(router, "use_grouped_topk", True) else 1
     topk_group = int(getattr(router, "topk_group", None) or groups) if groups > 1 else 1
     choice = scores + bias.unsqueeze(0) if bias is not None else scores
-    choice = choice.masked_fill(rows_pruned, float("-inf"))
-    if groups > 1:
-        grouped = choice.view(n, groups, -1)
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if bias is not None else grouped.max(dim=-1).values
-        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores)
-        group_mask.scatter_(1, group_idx, 1)
-        score_mask = group_mask.unsqueeze(-1).expand(n, groups, experts // groups).reshape(n, -1)
-        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-        choice = choice.masked_fill(rows_pruned, float("-inf"))
-    if bias is not None:
-        topk_ids = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
-        topk_weights = scores.gather(1, topk_ids)
-    else:
-        topk_weights, topk_ids = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)
+    topk_ids = grouped_topk_ids(choice, rows_pruned, groups, topk_group, router.top_k,
+                                "top2" if bias is not None else "max")
+    topk_weights = scores.gather(1, topk_ids)  # biased: the unbiased scores; unbiased: the selection scores
     if router.renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     if router.routed_scaling_factor != 1.0:
