@@ -910,7 +910,7 @@ def _evaluate(engine: PhaseSplitEngine, samples: list, mode: str, config: BarsCo
               "seconds": round(time.perf_counter() - t0, 1)}
     if reference is not None:
         result |= teacher_forced_fidelity(engine, ids, reference, mode, config.batch_size)
-    result |= {"correct": [int(c) for c in correct], "lengths": lengths}
+    result |= {"correct": [int(c) for c in correct], "lengths": lengths, "families": [s.family for s in samples]}
     if reference is None:
         result["token_ids"] = [o.token_ids for o in outs]  # the full model's, kept for the fidelity metrics
     return result
@@ -992,6 +992,44 @@ def length_drift(run: dict, full: dict) -> dict:
             "changed_pct": float(100 * (diffs != 0).mean())}
 
 
+#: |z| from which a per-family mean-length difference counts as drift rather than sampling noise
+DRIFT_Z = 2.0
+
+
+def family_drift(run: dict, full: dict) -> dict[str, dict]:
+    """Paired length drift per task family: mean difference (tokens and % of the family's full-model length),
+    its standard error and z. Why: drifts of opposite sign in different families cancel in the domain mean
+    (testbed-b 50%: sub +1.9%, base -3.0%, domain +0.4%), so the mean length alone hides them."""
+    families = run.get("families") or full.get("families")
+    if not families:
+        return {}
+    diffs = np.asarray(run["lengths"], dtype=float) - np.asarray(full["lengths"], dtype=float)
+    base = np.asarray(full["lengths"], dtype=float)
+    out = {}
+    for fam in dict.fromkeys(families):
+        sel = np.asarray([f == fam for f in families])
+        d = diffs[sel]
+        se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else float("nan")
+        mean = float(d.mean())
+        out[fam] = {"mean_diff": mean, "se": se, "z": mean / se if se > 0 else 0.0,
+                    "pct": 100 * mean / float(base[sel].mean()), "n": int(sel.sum())}
+    return out
+
+
+def family_length_check(sw: dict, d: dict, full: dict) -> dict:
+    """The length bar per family and noise-aware: every family where SlimWise drifts (|z| >= DRIFT_Z) has its
+    drift at least halved by distillation, and distillation creates no drift of its own (|z| >= DRIFT_Z where
+    SlimWise had none). None when the runs carry no family labels."""
+    a, b = family_drift(sw, full), family_drift(d, full)
+    if not a:
+        return {"drifting": [], "halved": None, "new_drift": [], "families": {}}
+    drifting = [f for f, x in a.items() if abs(x["z"]) >= DRIFT_Z]
+    halved = all(abs(b[f]["mean_diff"]) <= abs(a[f]["mean_diff"]) / 2 for f in drifting)
+    new = [f for f, x in b.items() if abs(x["z"]) >= DRIFT_Z and f not in drifting]
+    return {"drifting": drifting, "halved": halved, "new_drift": new,
+            "families": {f: {"slimwise": a[f], "distilled": b[f]} for f in a}}
+
+
 def bars_check(report: dict, split: str = "test") -> dict:
     """The issue's bars per ratio: recovery of half the gap (when SlimWise loses >= 3 points), length within the
     stricter of +-5% and half SlimWise's deviation, never worse than SlimWise; plus the total distillation cost."""
@@ -1014,7 +1052,8 @@ def cell_bars(sw: dict, d: dict, full: dict) -> dict:
             "length_bar": (dev_d <= min(5.0, dev_sw / 2)) if applies else None,
             "never_worse": d["accuracy"] >= sw["accuracy"] and dev_d <= dev_sw,
             "within_3_points": full["accuracy"] - d["accuracy"] <= 3,
-            "length_drift": {"slimwise": length_drift(sw, full), "distilled": length_drift(d, full)}}
+            "length_drift": {"slimwise": length_drift(sw, full), "distilled": length_drift(d, full)},
+            "family_length": family_length_check(sw, d, full)}
 
 
 def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = (1, 2), per_family: int = 200,
@@ -1044,10 +1083,27 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
             d = _evaluate(PhaseSplitEngine(model, tok, plan=plan, delta=delta), samples, "distilled", config)
             entry[ratio] = {"slimwise": sw, "distilled": d}
         out["seeds"][str(seed)] = entry
-    lines = [f"## {model_name}: fresh test samples ({per_family} per family)", "",
+    _atomic_write(run_dir / "replicate.json", json.dumps(out))
+    text = replicate_table(backfill_families(report), out)
+    _atomic_write(run_dir / "replicate.md", text)
+    print(text)
+    return out
+
+
+def replicate_table(report: dict, rep: dict) -> str:
+    """Markdown of a replication: each sample's bars, then all samples pooled (the bars report's sample 0 and the
+    fresh ones): accuracy, the literal length bar and the per-family drift."""
+    from slimwise.testbed import TARGET_DOMAIN, make_split
+
+    for seed, entry in rep["seeds"].items():  # replications written before runs carried family labels
+        if not entry["full"].get("families"):
+            fams = [x.family for x in make_split("test", rep["per_family"], seed=int(seed), domain=TARGET_DOMAIN)]
+            for run in [entry["full"], *(m for r in report["ratios"] for m in entry[r].values())]:
+                run["families"] = fams
+    lines = [f"## {rep['model']}: fresh test samples ({rep['per_family']} per family)", "",
              "| seed | ratio | full % | SlimWise % | distilled % | recovered / gap | length Δ tokens SlimWise → "
              "distilled (± se) | length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for seed, entry in out["seeds"].items():
+    for seed, entry in rep["seeds"].items():
         full = entry["full"]
         for ratio in report["ratios"]:
             sw, d = entry[ratio]["slimwise"], entry[ratio]["distilled"]
@@ -1058,10 +1114,83 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
                          f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
                          f"{('met' if c['length_bar'] else 'not met') if c['applies'] else 'n/a (gap < 3)'} | "
                          f"{'yes' if c['never_worse'] else 'no'} |")
-    _atomic_write(run_dir / "replicate.json", json.dumps(out))
-    _atomic_write(run_dir / "replicate.md", "\n".join(lines))
-    print("\n".join(lines))
-    return out
+    entries = [rep["seeds"][k] for k in rep["seeds"]]
+    has_0 = "full" in report  # the bars run's own sample (seed 0) joins the pool when its report is complete
+
+    def pooled(ratio: str | None, mode: str) -> dict:
+        first = ([report["full"]["test"]] if ratio is None else [report["ratios"][ratio][mode]["test"]]) if has_0 else []
+        return pool_runs([*first, *(e["full"] if ratio is None else e[ratio][mode] for e in entries)])
+
+    full = pooled(None, "full")
+    n = len(full["lengths"])
+    label = ("sample 0 and seeds " if has_0 else "seeds ") + ", ".join(rep["seeds"])
+    lines += ["", f"### Pooled: {label} ({n:,} problems)", "",
+              "| ratio | full % | SlimWise % | distilled % | recovered / gap | recovery bar | length Δ tokens SlimWise → "
+              "distilled (± se) | mean-length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    fam_rows, verdicts = [], []
+    for ratio in report["ratios"]:
+        sw, d = pooled(ratio, "slimwise"), pooled(ratio, "distilled")
+        c = cell_bars(sw, d, full)
+        a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
+        bar = (lambda ok: "met" if ok else "not met") if c["applies"] else (lambda ok: "n/a (gap < 3)")
+        lines.append(f"| {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
+                     f"{c['recovered']:+.1f} / {c['gap']:.1f} | {bar(c['recovery_bar'])} | {a['mean_diff']:+.3f} ± "
+                     f"{a['mean_diff_se']:.3f} → {b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
+                     f"{bar(c['length_bar'])} | {'yes' if c['never_worse'] else 'no'} |")
+        fam_rows += [(f"{ratio} slimwise", sw), (f"{ratio} distilled", d)]
+        verdicts.append(f"- {ratio}: {family_verdict(c['family_length'])}")
+    table = family_table(fam_rows, full)
+    if table:
+        lines += ["", "Length drift per family, pooled: paired mean difference from full, tokens (% of the family's "
+                  "length, z)", "", *table, "", *verdicts]
+    return "\n".join(lines)
+
+
+def backfill_families(report: dict) -> dict:
+    """Family labels for reports written before runs carried them: the splits are deterministic, so they are
+    regenerated from the run's settings (test: seed 0; held-out: seed 0) and checked against the run's size."""
+    from slimwise.testbed import TARGET_DOMAIN, make_split
+
+    for split, key in (("test", "test_per_family"), ("heldout", "heldout_per_family")):
+        full, per_family = report.get("full", {}).get(split), report.get("config", {}).get(key)
+        if full is None or full.get("families") or not per_family:
+            continue
+        fams = [x.family for x in make_split(split, per_family, domain=TARGET_DOMAIN)]
+        if len(fams) == len(full["lengths"]):
+            full["families"] = fams
+    return report
+
+
+def pool_runs(runs: Sequence[dict]) -> dict:
+    """Several samples' runs of one mode as one run (accuracy and lengths over all their problems)."""
+    correct = [c for r in runs for c in r["correct"]]
+    lengths = [n for r in runs for n in r["lengths"]]
+    families = [f for r in runs for f in r.get("families") or []]
+    return {"accuracy": 100 * sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths),
+            "correct": correct, "lengths": lengths, "families": families if len(families) == len(lengths) else []}
+
+
+def family_table(rows: Sequence[tuple[str, dict]], full: dict) -> list[str]:
+    """Markdown: per-family paired length difference from full (tokens, z) for each (label, run)."""
+    fams = list(family_drift(rows[0][1], full)) if rows else []
+    if not fams:
+        return []
+    lines = ["| run | " + " | ".join(fams) + " |", "|---|" + "---|" * len(fams)]
+    for label, run in rows:
+        drift = family_drift(run, full)
+        lines.append(f"| {label} | " + " | ".join(f"{drift[f]['mean_diff']:+.2f} ({drift[f]['pct']:+.1f}%, "
+                                                  f"z {drift[f]['z']:+.1f})" for f in fams) + " |")
+    return lines
+
+
+def family_verdict(check: dict) -> str:
+    if check["halved"] is None:
+        return "no family labels"
+    new = ", ".join(check["new_drift"]) or "none"
+    if not check["drifting"]:
+        return f"SlimWise drifts (|z| >= {DRIFT_Z:g}) in no family, nothing to halve; new drift from distillation: {new}"
+    return (f"SlimWise drifts (|z| >= {DRIFT_Z:g}) in: {', '.join(check['drifting'])}; distillation halves every "
+            f"one: {'yes' if check['halved'] else 'no'}; new drift from distillation: {new}")
 
 
 def bars_table(report: dict) -> str:
@@ -1083,6 +1212,16 @@ def bars_table(report: dict) -> str:
                              f" / {drift['mean_abs_diff']:.2f} / {drift['changed_pct']:.1f} | {r['kl']:.5f} | "
                              f"{r['flip_pct']:.2f} |")
         lines.append("")
+    full = report["full"]["test"]
+    fam_rows = [(f"{ratio} {mode}", row[mode]["test"]) for ratio, row in report["ratios"].items()
+                for mode in BARS_MODES[1:]]
+    if family_table(fam_rows, full):
+        lines += ["### Length drift per family (test split): paired mean difference from full, tokens (% of the "
+                  "family's length, z)", "", *family_table(fam_rows, full), ""]
+        for ratio, row in report["ratios"].items():
+            check = family_length_check(row["slimwise"]["test"], row["distilled"]["test"], full)
+            lines.append(f"- {ratio}: {family_verdict(check)}")
+        lines.append("")
     lines += ["| ratio | distill s | trainable (share) | peak MB | loss first -> last |", "| --- | --- | --- | --- | --- |"]
     for ratio, row in report["ratios"].items():
         for mode in ("distilled", "uniform_distilled"):
@@ -1095,7 +1234,9 @@ def bars_table(report: dict) -> str:
         lines += ["", f"Teacher data (full-model continuations and log-probs, shared by every run above): "
                   f"{t['prompts']} prompts, {t['continuation_tokens']:,} tokens, {t['seconds']:.0f} s, counted once "
                   "in the cost."]
-    lines += ["", "Bars (test split): " + json.dumps(report.get("bars", {})), ""]
+    bars = {k: ({**v, "family_length": {x: y for x, y in v["family_length"].items() if x != "families"}}
+                if isinstance(v, dict) and "family_length" in v else v) for k, v in report.get("bars", {}).items()}
+    lines += ["", "Bars (test split; per-family figures in the table above): " + json.dumps(bars), ""]
     return "\n".join(lines)
 
 
@@ -1132,11 +1273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "report":
         for path in map(Path, args.reports):
-            report = json.loads(path.read_text())
+            report = backfill_families(json.loads(path.read_text()))
             report["bars"] = bars_check(report)
             _atomic_write(path, json.dumps(report, indent=1))
             _atomic_write(path.with_name("report.md"), bars_table(report))
             print(bars_table(report))
+            rep_path = path.with_name("replicate.json")
+            if rep_path.is_file():  # a replication beside it: its tables (pooled, per family) too
+                text = replicate_table(report, json.loads(rep_path.read_text()))
+                _atomic_write(path.with_name("replicate.md"), text)
+                print(text)
         return 0
     dcfg = DistillConfig(params=tuple(x for x in args.params.split(",") if x), steps=args.steps, lr=args.lr,
                          max_minutes=args.minutes, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from conftest import ALL_FAMILIES, TINY_INIT, random_prompts
@@ -325,6 +326,28 @@ def test_bars_check_and_report_rerender(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_family_length_check():
+    """Per-family drift: drifts of opposite sign that cancel in the mean are found, halving is judged only where
+    SlimWise drifts beyond noise, and a drift distillation creates is reported."""
+    from slimwise.distill import family_drift, family_length_check, length_drift
+
+    fams = ["x"] * 4 + ["y"] * 4
+    full = {"lengths": [10] * 4 + [20] * 4, "families": fams}
+    sw = {"lengths": [12, 12, 13, 11, 18, 18, 17, 19]}  # x +2, y -2: the mean hides both
+    assert length_drift(sw, full)["mean_diff"] == 0
+    drift = family_drift(sw, full)
+    assert drift["x"]["mean_diff"] == 2 and drift["y"]["mean_diff"] == -2 and drift["x"]["pct"] == 20
+    assert drift["x"]["z"] == pytest.approx(2 / (np.std([2, 2, 3, 1], ddof=1) / 2))
+    good = {"lengths": [11, 10, 10, 11, 20, 19, 21, 20]}  # x +0.5, y 0
+    check = family_length_check(sw, good, full)
+    assert check["drifting"] == ["x", "y"] and check["halved"] and check["new_drift"] == []
+    sw_x_only = {"lengths": [12, 12, 13, 11, 20, 21, 19, 20]}  # y is noise around 0: not judged
+    bad = {"lengths": [11, 11, 12, 11, 23, 22, 23, 22]}  # x +1.25 (not halved), y +2.5 (new)
+    check = family_length_check(sw_x_only, bad, full)
+    assert check["drifting"] == ["x"] and not check["halved"] and check["new_drift"] == ["y"]
+    assert family_length_check(sw, good, {"lengths": full["lengths"]})["halved"] is None  # no labels: no verdict
+
+
 def test_replicate_on_fresh_samples(tmp_path):
     """`python -m slimwise.distill replicate` re-tests a bars run's plan and delta on another seed's test problems:
     the rows are the engine's own greedy results on those problems, written atomically beside the report."""
@@ -353,6 +376,8 @@ def test_replicate_on_fresh_samples(tmp_path):
     assert out["seeds"]["1"]["0.5"]["distilled"]["lengths"] != got["lengths"]  # the delta was applied
     md = (run / "replicate.md").read_text().splitlines()
     assert len([line for line in md if line.startswith("| 1 | 0.5 |")]) == 1
+    assert "### Pooled: seeds 1 (5 problems)" in md and "| run | add | sub | mul | gcd | base |" in md
+    assert any(line.startswith("- 0.5: SlimWise drifts") for line in md)
     assert json.loads((run / "replicate.json").read_text())["per_family"] == 1 and not list(run.glob("*.tmp"))
 
 
