@@ -579,9 +579,11 @@ class TeacherData:
 
     def check(self, key: dict) -> None:
         if self.key != key:
-            diff = sorted(k for k in set(self.key) | set(key) if self.key.get(k) != key.get(k))
-            raise SlimWiseError(f"teacher data was built for another {', '.join(diff)} (model, prompts or "
-                                "--max-new-tokens/--batch-size differ): rebuild it or pass the matching one")
+            labels = {"model_fingerprint": "model", "data": "prompt set", "max_new_tokens": "--max-new-tokens",
+                      "batch_size": "--batch-size"}
+            diff = [labels.get(k, k) for k in sorted(set(self.key) | set(key)) if self.key.get(k) != key.get(k)]
+            raise SlimWiseError(f"teacher data was built for a different {' and '.join(diff)}: rebuild it (delete "
+                                "the file) or pass the one built for this run")
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

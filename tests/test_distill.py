@@ -273,7 +273,7 @@ def test_cli_distill(setup, tmp_path, capsys):
     assert cli_main([*shared, "--mode", "uniform"]) == 0 and "wrote teacher data" not in capsys.readouterr().out
     assert Delta.load(out).manifest["teacher_shared"] and first.manifest["teacher_shared"]
     assert cli_main([*shared[:-1], "--max-new-tokens", "9", "--force"]) == 2
-    assert "teacher data was built for another max_new_tokens" in capsys.readouterr().err
+    assert "teacher data was built for a different --max-new-tokens" in capsys.readouterr().err
 
 
 def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):
@@ -399,9 +399,9 @@ def test_shared_teacher_gives_the_same_delta(setup, tmp_path):
         for k, t in own.tensors.items():
             assert float((shared.tensors[k] - t).abs().max()) <= 1e-4 * float(t.abs().max()), k
         assert shared.manifest["teacher_shared"] and not own.manifest["teacher_shared"]
-    with pytest.raises(SlimWiseError, match="another data"):
+    with pytest.raises(SlimWiseError, match="different prompt set"):
         distill(model, plan, random_prompts(8, seed=3), config=cfg, teacher=teacher)
-    with pytest.raises(SlimWiseError, match="another max_new_tokens"):
+    with pytest.raises(SlimWiseError, match="different --max-new-tokens"):
         distill(model, plan, prompts, config=DistillConfig(**(FAST | {"max_new_tokens": 9})), teacher=teacher)
     (tmp_path / "bad.pt").write_bytes(b"not a teacher")
     with pytest.raises(SlimWiseError, match="unreadable"):
