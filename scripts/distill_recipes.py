@@ -1,0 +1,74 @@
+"""Recipe probe: several SlimWise distillation recipes for one (backbone, ratio) from one shared teacher, each
+scored on the pooled test samples of seeds 0, 1 and 2 (3,000 target-domain problems), with the per-family
+length check. Uses the plan of a finished `python -m slimwise.distill bars` run.
+
+    python scripts/distill_recipes.py testbed-b --run runs/distill-bars6/testbed-b/testbed-b --ratio 0.5
+
+Writes RUN/recipes-RATIO.json. docs/results/distillation.md reports its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from slimwise.distill import (
+    BarsConfig,
+    DistillConfig,
+    _evaluate,
+    build_teacher,
+    distill,
+    family_length_check,
+    length_drift,
+    pool_runs,
+)
+from slimwise.generate import PhaseSplitEngine
+from slimwise.models import load_model, load_tokenizer
+from slimwise.plan import PrunePlan
+from slimwise.testbed import TARGET_DOMAIN, make_split
+
+VARIANTS = {"default": {}, "lr6e-3": {"lr": 6e-3}, "steps1800": {"steps": 1800}, "jsd": {"loss": "jsd"}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("--run", required=True, help="a bars output folder holding plan-RATIO.json")
+    p.add_argument("--ratio", default="0.5")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
+    plan = PrunePlan.load(Path(args.run) / f"plan-{args.ratio}.json")
+    prompts = [s.prompt for s in make_split("calib", 1000, domain=TARGET_DOMAIN)]
+    t0 = time.perf_counter()
+    teacher = build_teacher(model, prompts, tok, DistillConfig(progress=False))
+    print(f"teacher {time.perf_counter() - t0:.0f}s", flush=True)
+    samples = [make_split("test", 200, seed=s, domain=TARGET_DOMAIN) for s in (0, 1, 2)]
+    cfg = BarsConfig()
+    full = pool_runs([_evaluate(PhaseSplitEngine(model, tok), s, "full", cfg) for s in samples])
+    sw = pool_runs([_evaluate(PhaseSplitEngine(model, tok, plan=plan), s, "slimwise", cfg) for s in samples])
+    print(f"full {full['accuracy']:.1f} slimwise {sw['accuracy']:.1f}", flush=True)
+    out = {}
+    for label, extra in VARIANTS.items():
+        config = DistillConfig(**(asdict(DistillConfig(progress=False)) | extra))
+        delta = distill(model, plan, prompts, tok, config, teacher=teacher)
+        engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
+        d = pool_runs([_evaluate(engine, s, "distilled", cfg) for s in samples])
+        check = family_length_check(sw, d, full)
+        out[label] = {"accuracy": d["accuracy"], "train_seconds": delta.manifest["train_seconds"],
+                      "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),
+                      "family_halved": check["halved"], "new_drift": check["new_drift"]}
+        print(label, json.dumps(out[label]), flush=True)
+    path = Path(args.run) / f"recipes-{args.ratio}.json"
+    path.write_text(json.dumps({"full": full["accuracy"], "slimwise": sw["accuracy"], "variants": out}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
