@@ -85,9 +85,10 @@ def test_threshold_bars_and_roofline_comparison(tmp_path):
 
     class P:  # a StepPrediction stand-in
         batch, speedup, tokens_per_s_full, tokens_per_s_pruned, bound_full = 32, 1.3, 1.0, 1.3, "memory"
-        union_full, union_pruned, time_full_s = 40.0, 30.0, 0.1
+        bound_pruned, union_full, union_pruned, time_full_s = "compute", 40.0, 30.0, 0.1
 
     row = compare_roofline(s, [P()])[0]
+    assert row["bound"] == "memory/compute"  # the pruned step on the compute roof is what caps the speedup
     measured = s["slimwise"][32]["speedup"]["median"]
     assert row["predicted_over_measured_slimwise"] == pytest.approx(1.3 / measured)
     assert row["within_15pct_slimwise"] == (abs(1.3 / measured - 1) <= 0.15)

@@ -601,7 +601,9 @@ def compare_roofline(summary: dict, preds, tolerance: float = 0.15) -> list[dict
     rows = []
     for p in preds:
         row = {"batch": p.batch, "predicted_speedup": p.speedup, "predicted_tokens_per_s_full": p.tokens_per_s_full,
-               "predicted_tokens_per_s_pruned": p.tokens_per_s_pruned, "bound": p.bound_full,
+               "predicted_tokens_per_s_pruned": p.tokens_per_s_pruned,
+               # full/pruned when they differ: a pruned step that hits the compute roof caps the speedup
+               "bound": p.bound_full if p.bound_full == p.bound_pruned else f"{p.bound_full}/{p.bound_pruned}",
                "union_full": p.union_full, "union_pruned": p.union_pruned}
         full = summary["full"].get(p.batch)
         if full:
