@@ -20,9 +20,9 @@ import torch
 from slimwise.distill import (
     BarsConfig,
     DistillConfig,
-    _evaluate,
     build_teacher,
     distill,
+    evaluate_run,
     family_length_check,
     length_drift,
     pool_runs,
@@ -51,15 +51,15 @@ def main() -> None:
     print(f"teacher {time.perf_counter() - t0:.0f}s", flush=True)
     samples = [make_split("test", 200, seed=s, domain=TARGET_DOMAIN) for s in (0, 1, 2)]
     cfg = BarsConfig()
-    full = pool_runs([_evaluate(PhaseSplitEngine(model, tok), s, "full", cfg) for s in samples])
-    sw = pool_runs([_evaluate(PhaseSplitEngine(model, tok, plan=plan), s, "slimwise", cfg) for s in samples])
+    full = pool_runs([evaluate_run(PhaseSplitEngine(model, tok), s, "full", cfg) for s in samples])
+    sw = pool_runs([evaluate_run(PhaseSplitEngine(model, tok, plan=plan), s, "slimwise", cfg) for s in samples])
     print(f"full {full['accuracy']:.1f} slimwise {sw['accuracy']:.1f}", flush=True)
     out = {}
     for label, extra in VARIANTS.items():
         config = DistillConfig(**(asdict(DistillConfig(progress=False)) | extra))
         delta = distill(model, plan, prompts, tok, config, teacher=teacher)
         engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
-        d = pool_runs([_evaluate(engine, s, "distilled", cfg) for s in samples])
+        d = pool_runs([evaluate_run(engine, s, "distilled", cfg) for s in samples])
         check = family_length_check(sw, d, full)
         out[label] = {"accuracy": d["accuracy"], "train_seconds": delta.manifest["train_seconds"],
                       "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),

@@ -586,10 +586,8 @@ class TeacherData:
                                 "the file) or pass the one built for this run")
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        atomic_torch_save({"format": TEACHER_FORMAT, "key": self.key, "continuations": self.continuations,
-                            "logprobs": self.logprobs, "seconds": self.seconds}, path)
-        return path
+        return atomic_torch_save({"format": TEACHER_FORMAT, "key": self.key, "continuations": self.continuations,
+                                  "logprobs": self.logprobs, "seconds": self.seconds}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> TeacherData:
@@ -768,7 +766,7 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
             raise SlimWiseError("every continuation is a single token, so the decoder has nothing to learn: use "
                                 "longer max_new_tokens or other prompts")
         vocab = model.get_output_embeddings().weight.shape[0]
-        teacher_cache = teacher.logprobs if config.on_policy < 1.0 else None
+        teacher_cache = teacher.logprobs
         delta0 = Delta(state["tensors"], state["manifest"]) if state is not None else init_delta(model, plan, config)
         installed = InstalledDelta(model, delta0, engine.mask, plan, trainable=True)
         engine.delta = installed
@@ -897,7 +895,7 @@ def teacher_forced_fidelity(engine: PhaseSplitEngine, prompts: list[list[int]], 
     return {"kl": kl / count, "flip_pct": 100 * flips / count}
 
 
-def _evaluate(engine: PhaseSplitEngine, samples: list, mode: str, config: BarsConfig,
+def evaluate_run(engine: PhaseSplitEngine, samples: list, mode: str, config: BarsConfig,
               reference: list[list[int]] | None = None) -> dict:
     """Accuracy (testbed grader), generated lengths and (given the full model's tokens) fidelity of one mode."""
     from slimwise.testbed import grade
@@ -938,7 +936,7 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
               "heldout": make_split("heldout", config.heldout_per_family, domain=TARGET_DOMAIN)}
     report: dict = {"model": model_name, "config": asdict(config), "ratios": {}}
     engine = PhaseSplitEngine(model, tok)
-    report["full"] = {name: _evaluate(engine, s, "full", config) for name, s in splits.items()}
+    report["full"] = {name: evaluate_run(engine, s, "full", config) for name, s in splits.items()}
     engine.close()
     reference = {name: report["full"][name].pop("token_ids") for name in splits}
     # one teacher for every ratio and both modes: it depends on the model and prompts only
@@ -951,14 +949,14 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
         row: dict = {}
         engine = PhaseSplitEngine(model, tok, plan=plan)
         for mode in ("uniform", "slimwise"):
-            row[mode] = {name: _evaluate(engine, s, mode, config, reference[name]) for name, s in splits.items()}
+            row[mode] = {name: evaluate_run(engine, s, mode, config, reference[name]) for name, s in splits.items()}
         engine.close()
         for mode, label in (("slimwise", "distilled"), ("uniform", "uniform_distilled")):
             cfg = DistillConfig(**(asdict(config.distill) | {"mode": mode, "progress": False}))
             delta = distill(model, plan, distill_prompts, tok, cfg, teacher=teacher)
             delta.save(out / f"delta-{label}-{ratio}", force=True)
             engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
-            row[label] = {name: _evaluate(engine, s, "distilled", config, reference[name])
+            row[label] = {name: evaluate_run(engine, s, "distilled", config, reference[name])
                           for name, s in splits.items()}
             row[label]["distill"] = {k: delta.manifest[k] for k in ("seconds", "train_seconds", "steps", "teacher_shared",
                                                                     "trainable_params", "trainable_share",
@@ -1075,14 +1073,14 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
     out: dict = {"model": model_name, "run": str(run_dir), "per_family": per_family, "seeds": {}}
     for seed in tqdm(seeds, desc="seeds"):
         samples = make_split("test", per_family, seed=seed, domain=TARGET_DOMAIN)
-        full = _evaluate(PhaseSplitEngine(model, tok), samples, "full", config)
+        full = evaluate_run(PhaseSplitEngine(model, tok), samples, "full", config)
         full.pop("token_ids")
         entry: dict = {"full": full}
         for ratio in report["ratios"]:
             plan = PrunePlan.load(run_dir / f"plan-{ratio}.json")
             delta = Delta.load(run_dir / f"delta-distilled-{ratio}")
-            sw = _evaluate(PhaseSplitEngine(model, tok, plan=plan), samples, "slimwise", config)
-            d = _evaluate(PhaseSplitEngine(model, tok, plan=plan, delta=delta), samples, "distilled", config)
+            sw = evaluate_run(PhaseSplitEngine(model, tok, plan=plan), samples, "slimwise", config)
+            d = evaluate_run(PhaseSplitEngine(model, tok, plan=plan, delta=delta), samples, "distilled", config)
             entry[ratio] = {"slimwise": sw, "distilled": d}
         out["seeds"][str(seed)] = entry
     _atomic_write(run_dir / "replicate.json", json.dumps(out))
@@ -1095,11 +1093,9 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
 def replicate_table(report: dict, rep: dict) -> str:
     """Markdown of a replication: each sample's bars, then all samples pooled (the bars report's sample 0 and the
     fresh ones): accuracy, the literal length bar and the per-family drift."""
-    from slimwise.testbed import TARGET_DOMAIN, make_split
-
     for seed, entry in rep["seeds"].items():  # replications written before runs carried family labels
         if not entry["full"].get("families"):
-            fams = [x.family for x in make_split("test", rep["per_family"], seed=int(seed), domain=TARGET_DOMAIN)]
+            fams = split_families("test", rep["per_family"], int(seed))
             for run in [entry["full"], *(m for r in report["ratios"] for m in entry[r].values())]:
                 run["families"] = fams
     lines = [f"## {rep['model']}: fresh test samples ({rep['per_family']} per family)", "",
@@ -1148,16 +1144,21 @@ def replicate_table(report: dict, rep: dict) -> str:
     return "\n".join(lines)
 
 
+def split_families(split: str, per_family: int, seed: int = 0) -> list[str]:
+    """The family of each problem of a target-domain split, in order (splits are deterministic)."""
+    from slimwise.testbed import TARGET_DOMAIN, make_split
+
+    return [x.family for x in make_split(split, per_family, seed=seed, domain=TARGET_DOMAIN)]
+
+
 def backfill_families(report: dict) -> dict:
     """Family labels for reports written before runs carried them: the splits are deterministic, so they are
     regenerated from the run's settings (test: seed 0; held-out: seed 0) and checked against the run's size."""
-    from slimwise.testbed import TARGET_DOMAIN, make_split
-
     for split, key in (("test", "test_per_family"), ("heldout", "heldout_per_family")):
         full, per_family = report.get("full", {}).get(split), report.get("config", {}).get(key)
         if full is None or full.get("families") or not per_family:
             continue
-        fams = [x.family for x in make_split(split, per_family, domain=TARGET_DOMAIN)]
+        fams = split_families(split, per_family)
         if len(fams) == len(full["lengths"]):
             full["families"] = fams
     return report
@@ -1217,9 +1218,10 @@ def bars_table(report: dict) -> str:
     full = report["full"]["test"]
     fam_rows = [(f"{ratio} {mode}", row[mode]["test"]) for ratio, row in report["ratios"].items()
                 for mode in BARS_MODES[1:]]
-    if family_table(fam_rows, full):
+    table = family_table(fam_rows, full)
+    if table:
         lines += ["### Length drift per family (test split): paired mean difference from full, tokens (% of the "
-                  "family's length, z)", "", *family_table(fam_rows, full), ""]
+                  "family's length, z)", "", *table, ""]
         for ratio, row in report["ratios"].items():
             check = family_length_check(row["slimwise"]["test"], row["distilled"]["test"], full)
             lines.append(f"- {ratio}: {family_verdict(check)}")

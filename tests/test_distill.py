@@ -351,7 +351,7 @@ def test_family_length_check():
 def test_replicate_on_fresh_samples(tmp_path):
     """`python -m slimwise.distill replicate` re-tests a bars run's plan and delta on another seed's test problems:
     the rows are the engine's own greedy results on those problems, written atomically beside the report."""
-    from slimwise.distill import BarsConfig, _evaluate, replicate_bars
+    from slimwise.distill import BarsConfig, evaluate_run, replicate_bars
     from slimwise.tiny import save_tiny_model
 
     tok = build_tokenizer(tmp_path / "model")
@@ -369,7 +369,7 @@ def test_replicate_on_fresh_samples(tmp_path):
     out = replicate_bars(str(tmp_path / "model"), run, seeds=(1,), per_family=1, threads=1)
     fresh = make_split("test", 1, seed=1, domain="arithmetic")
     assert {s.prompt for s in fresh}.isdisjoint({s.prompt for s in make_split("test", 1, seed=0, domain="arithmetic")})
-    want = _evaluate(PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), fresh, "slimwise",
+    want = evaluate_run(PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), fresh, "slimwise",
                      BarsConfig())
     got = out["seeds"]["1"]["0.5"]["slimwise"]
     assert got["lengths"] == want["lengths"] and got["correct"] == want["correct"]
