@@ -9,6 +9,7 @@ completion. A missing instance answers 503 with the URL at fault, never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import time
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+DOWN_POLL_S = 0.25  # how often an in-flight request checks whether the supervisor saw an instance exit
 
 
 def kv_folder(kv_dir: str | Path, token_ids: list[int]) -> Path:
@@ -52,10 +54,18 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     stats = {"requests": 0, "first_tokens_from_prefill": 0}
 
     async def post(base: str, path: str, body: dict, role: str) -> dict:
+        # Raced against down(): when one instance dies, the supervisor stops the other, and a request caught in
+        # that shutdown would otherwise wait for the stopped instance's grace period (30 s) before failing.
+        call = asyncio.ensure_future(client.post(base + path, json=body))
         try:
-            r = await client.post(base + path, json=body)
+            while not (await asyncio.wait({call}, timeout=DOWN_POLL_S))[0]:
+                if reason := down():
+                    raise Unavailable(reason)
+            r = call.result()
         except httpx.HTTPError as exc:
             raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
+        finally:
+            call.cancel()
         if r.status_code != 200:
             raise Unavailable(f"{role} instance at {base} answered {r.status_code}: {r.text[:300]}")
         return r.json()
@@ -170,7 +180,9 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             dec, result = await complete(body, chat)
         except Unavailable as exc:
             reason = down()
-            return _error(503, f"{reason}; restart slimwise serve ({exc})" if reason else str(exc))
+            if not reason:
+                return _error(503, str(exc))
+            return _error(503, f"{reason}; restart slimwise serve" + ("" if str(exc) == reason else f" ({exc})"))
         if dec is None:
             return result
         prompt_ids, _, t1_text, rid, model = result
