@@ -2,9 +2,10 @@
 scored on the pooled test samples of seeds 0, 1 and 2 (3,000 target-domain problems), with the per-family
 length check. Uses the plan of a finished `python -m slimwise.distill bars` run.
 
-    python scripts/distill_recipes.py testbed-b --run runs/distill-bars6/testbed-b/testbed-b --ratio 0.5
+    python scripts/distill_recipes.py testbed-b --run runs/distill-bars6/testbed-b/testbed-b --ratio 0.5 \
+        --variants shared-down shared-mlp all-r4
 
-Writes RUN/recipes-RATIO.json. docs/results/distillation.md reports its output.
+Writes RUN/recipes-RATIO.json, keeping the variants of earlier runs. docs/results/distillation.md reports it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,20 @@ from slimwise.distill import (
     pool_runs,
 )
 from slimwise.generate import PhaseSplitEngine
+from slimwise.io import atomic_write_text
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.testbed import TARGET_DOMAIN, make_split
 
-VARIANTS = {"default": {}, "lr6e-3": {"lr": 6e-3}, "steps1800": {"steps": 1800}, "jsd": {"loss": "jsd"}}
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+VARIANTS = {
+    "default": {}, "lr6e-3": {"lr": 6e-3}, "steps1800": {"steps": 1800}, "jsd": {"loss": "jsd"},
+    # capacity beside the pruned experts: LoRA on the shared expert (Qwen2-MoE's gate/up/down), which every
+    # decode token runs, added to the attention LoRA or instead of it
+    "shared-down": {"lora_targets": (*ATTENTION, "down_proj")},
+    "shared-mlp": {"lora_targets": ("gate_proj", "up_proj", "down_proj")},
+    "all-r4": {"lora_targets": (*ATTENTION, "gate_proj", "up_proj", "down_proj"), "lora_rank": 4, "lora_alpha": 8.0},
+}
 
 
 def main() -> None:
@@ -41,6 +51,7 @@ def main() -> None:
     p.add_argument("--run", required=True, help="a bars output folder holding plan-RATIO.json")
     p.add_argument("--ratio", default="0.5")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["default", "lr6e-3", "steps1800", "jsd"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
@@ -55,18 +66,21 @@ def main() -> None:
     sw = pool_runs([evaluate_run(PhaseSplitEngine(model, tok, plan=plan), s, "slimwise", cfg) for s in samples])
     print(f"full {full['accuracy']:.1f} slimwise {sw['accuracy']:.1f}", flush=True)
     out = {}
-    for label, extra in VARIANTS.items():
+    for label in args.variants:
+        extra = VARIANTS[label]
         config = DistillConfig(**(asdict(DistillConfig(progress=False)) | extra))
         delta = distill(model, plan, prompts, tok, config, teacher=teacher)
         engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
         d = pool_runs([evaluate_run(engine, s, "distilled", cfg) for s in samples])
         check = family_length_check(sw, d, full)
-        out[label] = {"accuracy": d["accuracy"], "train_seconds": delta.manifest["train_seconds"],
+        out[label] = {"accuracy": d["accuracy"], "trainable_share": delta.manifest.get("trainable_share"), "train_seconds": delta.manifest["train_seconds"],
                       "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),
                       "family_halved": check["halved"], "new_drift": check["new_drift"]}
         print(label, json.dumps(out[label]), flush=True)
     path = Path(args.run) / f"recipes-{args.ratio}.json"
-    path.write_text(json.dumps({"full": full["accuracy"], "slimwise": sw["accuracy"], "variants": out}, indent=1))
+    earlier = json.loads(path.read_text())["variants"] if path.is_file() else {}  # runs of other variants stay
+    atomic_write_text(path, json.dumps({"full": full["accuracy"], "slimwise": sw["accuracy"],
+                                        "variants": earlier | out}, indent=1))
     print(f"wrote {path}")
 
 

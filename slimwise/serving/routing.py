@@ -40,10 +40,14 @@ DELTA_KEY = "slimwise_delta"  # path to a `slimwise distill` delta: decode-only 
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
 _NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
-#: transformers' attention projection -> (vLLM module name, block of its fused output): q/k/v are fused in
-#: vLLM's QKVParallelLinear (output blocks q, k, v), o_proj is one RowParallelLinear
+#: transformers' projection -> (vLLM module name, block of its fused output): q/k/v are fused in vLLM's
+#: QKVParallelLinear (output blocks q, k, v), o_proj is one RowParallelLinear; a dense MLP's -- the shared
+#: expert's (Qwen2-MoE, Qwen3-Next) or a dense layer's -- gate/up are fused in MergedColumnParallelLinear
+#: (blocks gate, up) and down_proj is one RowParallelLinear. Routed experts are fused 3-D weights in both
+#: libraries, never LoRA targets.
 _LORA_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "o_proj": ("o_proj", None)}
+                 "o_proj": ("o_proj", None),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 
 
 @dataclass
