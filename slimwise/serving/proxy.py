@@ -53,19 +53,23 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     client = httpx.AsyncClient(timeout=TIMEOUT)
     stats = {"requests": 0, "first_tokens_from_prefill": 0}
 
-    async def post(base: str, path: str, body: dict, role: str) -> dict:
-        # Raced against down(): when one instance dies, the supervisor stops the other, and a request caught in
-        # that shutdown would otherwise wait for the stopped instance's grace period (30 s) before failing.
-        call = asyncio.ensure_future(client.post(base + path, json=body))
+    async def guarded(awaitable):
+        """`awaitable`'s result, raced against down(): when one instance dies, the supervisor stops the other,
+        and a request caught in that shutdown would otherwise wait out the stopped instance's 30 s grace period."""
+        call = asyncio.ensure_future(awaitable)
         try:
             while not (await asyncio.wait({call}, timeout=DOWN_POLL_S))[0]:
                 if reason := down():
                     raise Unavailable(reason)
-            r = call.result()
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
+            return call.result()
         finally:
             call.cancel()
+
+    async def post(base: str, path: str, body: dict, role: str) -> dict:
+        try:
+            r = await guarded(client.post(base + path, json=body))
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
         if r.status_code != 200:
             raise Unavailable(f"{role} instance at {base} answered {r.status_code}: {r.text[:300]}")
         return r.json()
@@ -151,7 +155,12 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
                     body = (await r.aread()).decode()[:300]
                     yield f"data: {json.dumps({'error': {'message': f'decode instance answered {r.status_code}: {body}'}})}\n\n"
                     return
-                async for line in r.aiter_lines():
+                lines = r.aiter_lines()
+                while True:
+                    try:
+                        line = await guarded(lines.__anext__())
+                    except StopAsyncIteration:
+                        break
                     if not line.startswith("data: ") or line.strip() == "data: [DONE]":
                         continue
                     part = json.loads(line[6:])
@@ -160,6 +169,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         except httpx.HTTPError as exc:
             msg = f"decode instance at {decode_url} failed mid-stream ({type(exc).__name__})"
             yield f"data: {json.dumps({'error': {'message': msg}})}\n\n"
+        except Unavailable as exc:  # the supervisor saw an instance exit while the stream waited
+            yield f"data: {json.dumps({'error': {'message': f'{exc}; restart slimwise serve'}})}\n\n"
         finally:
             cleanup(prompt_ids)
         yield "data: [DONE]\n\n"
