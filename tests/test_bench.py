@@ -7,7 +7,6 @@ One vLLM test runs the whole benchmark on the tiny `smoke` preset (1-2 batch siz
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -152,7 +151,6 @@ def test_from_json_prints_tables_and_threshold(tmp_path, capsys):
     assert main(["bench", "--from-json", str(path), "--suggest-threshold", "1.2"]) == 0
     out = capsys.readouterr().out
     assert "measured smallest batch 32" in out and "--min-decode-batch 32" in out
-    assert argparse  # imported for parity with the roofline tests
 
 
 # ----- the counting hook of DecodeRouting on a stand-in model ---------------------------------------------------
