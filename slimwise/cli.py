@@ -255,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-samples", type=int, default=None)
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--lora-targets", type=_csv(str), default=("q_proj", "k_proj", "v_proj", "o_proj"),
-                   help="comma-separated Linear module names for LoRA (default: q_proj,k_proj,v_proj,o_proj)")
+    p.add_argument("--lora-targets", type=_csv(str), default=("auto",),
+                   help="comma-separated Linear module names for LoRA (default: auto = the shared expert's "
+                        "gate_proj,up_proj,down_proj where the model has one, else q_proj,k_proj,v_proj,o_proj)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=25, help="steps between resumable checkpoints "
                    "(OUT.ckpt.pt, removed once the delta is written)")

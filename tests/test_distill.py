@@ -15,7 +15,17 @@ from test_pipeline import cache_tensors
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
-from slimwise.distill import Delta, DistillConfig, TeacherData, build_teacher, distill, init_delta, plan_hash
+from slimwise.distill import (
+    ATTENTION_TARGETS,
+    DENSE_MLP_TARGETS,
+    Delta,
+    DistillConfig,
+    TeacherData,
+    build_teacher,
+    distill,
+    init_delta,
+    plan_hash,
+)
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
@@ -105,6 +115,23 @@ def test_trainable_share_reported(setup):
     assert m["trainable_params"] == routers + norms + lora
     assert m["model_params"] == total and m["trainable_share"] == pytest.approx((routers + norms + lora) / total)
     assert m["steps"] == 6 and m["seconds"] > 0 and m["peak_memory_mb"] > 0
+
+
+@pytest.mark.parametrize(("family", "want"), [("qwen2_moe", DENSE_MLP_TARGETS), ("deepseek_v3", DENSE_MLP_TARGETS),
+                                              ("qwen3_moe", ATTENTION_TARGETS)])
+def test_auto_lora_targets_pick_the_shared_expert_where_there_is_one(setup, family, want):
+    """The default LoRA goes on the shared expert's gate/up/down (every decode token runs it) where the model has
+    one, else on q/k/v/o; the manifest records what "auto" became; explicit targets pass through."""
+    model, plan = setup(family)
+    delta = init_delta(model, plan, DistillConfig())
+    names = list(delta.lora_pairs())
+    assert {n.rpartition(".")[2] for n in names} == set(want) and delta.manifest["lora"]["targets"] == list(want)
+    if want == DENSE_MLP_TARGETS:  # the shared expert's, and a dense layer's MLP where the model has one
+        assert any(".shared_expert" in n for n in names)
+        assert all(".shared_expert" in n or ".mlp." in n for n in names)
+    explicit = init_delta(model, plan, DistillConfig(lora_targets=("o_proj",)))
+    assert {n.rpartition(".")[2] for n in explicit.lora_pairs()} == {"o_proj"}
+    assert explicit.manifest["lora"]["targets"] == ["o_proj"]
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)

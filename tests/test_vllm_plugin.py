@@ -166,31 +166,34 @@ def test_compiled_equals_eager(family, setup):
         engine.close()
 
 
-@pytest.mark.parametrize(("family", "eager"), [("qwen3_moe", False), ("qwen2_moe", True)])
-def test_distilled_delta_in_vllm_equals_reference(family, eager, setup, tmp_path):
-    """Router + norm + LoRA (q/k/v/o; qwen2_moe's q/k/v carry a bias, and its shared expert's gate/up/down are
-    targets too) act on decode tokens only, in vLLM exactly as in the reference engine, compiled (qwen3_moe) and
-    eager (qwen2_moe); the first token stays the full model's."""
-    from slimwise.distill import DistillConfig, distill
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+SHARED_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize(("family", "eager", "targets"), [("qwen3_moe", False, ATTENTION),
+                                                          ("qwen2_moe", True, ATTENTION + SHARED_MLP),
+                                                          ("deepseek_v3", True, ("auto",))])
+def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup, tmp_path):
+    """Router + norm + LoRA act on decode tokens only, in vLLM exactly as in the reference engine, compiled
+    (qwen3_moe) and eager; the first token stays the full model's. LoRA targets: q/k/v/o (qwen2_moe's q/k/v carry
+    a bias), the shared expert's gate/up/down too (qwen2_moe), and the default "auto" on DeepSeek-V3 (its shared
+    experts' and its dense first layer's gate/up/down)."""
+    from slimwise.distill import Delta, DistillConfig, distill, resolve_lora_targets
 
     model_dir, plan, ref, _ = setup(family)
     model = load_model(model_dir)
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj", *(("gate_proj", "up_proj", "down_proj") if family == "qwen2_moe"
-                                                         else ()))
     delta = distill(model, plan, random_prompts(8, seed=9),
                     config=DistillConfig(params=("router", "norm", "lora"), steps=4, batch_size=4, max_new_tokens=8,
                                          lr=5e-2, lora_targets=targets, progress=False))
     assert delta.lora_pairs() and delta.routers() and delta.norms()
-    assert {name.rpartition(".")[2] for name in delta.lora_pairs()} == set(targets)
+    assert {name.rpartition(".")[2] for name in delta.lora_pairs()} == set(resolve_lora_targets(model, targets))
     delta.save(tmp_path / "delta")
     reference = PhaseSplitEngine(model, plan=plan, delta=tmp_path / "delta")
     want = [o.token_ids for o in reference.generate(PROMPTS, "distilled", CONFIG)]
     assert want != ref["slimwise"], "the delta changed nothing: the test could not tell"
     assert [t[0] for t in want] == [t[0] for t in ref["full"]]
-    if family == "qwen2_moe":  # the shared expert's LoRA alone moves tokens, so vLLM must apply it to match
-        from slimwise.distill import Delta
-
-        partial = Delta({k: v for k, v in delta.tensors.items() if ".shared_expert." not in k}, delta.manifest)
+    if family != "qwen3_moe":  # the shared expert's LoRA alone moves tokens, so vLLM must apply it to match
+        partial = Delta({k: v for k, v in delta.tensors.items() if ".shared_expert" not in k}, delta.manifest)
         without = PhaseSplitEngine(model, plan=plan, delta=partial).generate(PROMPTS, "distilled", CONFIG)
         assert [o.token_ids for o in without] != want
     engine = VllmEngine(model_dir, plan, delta=tmp_path / "delta", enforce_eager=eager, share_engine=True)
