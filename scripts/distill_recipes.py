@@ -2,7 +2,7 @@
 scored on the pooled test samples of seeds 0, 1 and 2 (3,000 target-domain problems), with the per-family
 length check. Uses the plan of a finished `python -m slimwise.distill bars` run.
 
-    python scripts/distill_recipes.py testbed-b --run runs/distill-bars6/testbed-b/testbed-b --ratio 0.5 \
+    python scripts/distill_recipes.py testbed-b --run runs/distill-bars7/testbed-b/testbed-b --ratio 0.5 \
         --variants shared-down shared-mlp all-r4
 
 Writes RUN/recipes-RATIO.json, keeping the variants of earlier runs. docs/results/distillation.md reports it.
@@ -36,7 +36,12 @@ from slimwise.testbed import TARGET_DOMAIN, make_split
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 VARIANTS = {
-    "default": {}, "lr6e-3": {"lr": 6e-3}, "steps1800": {"steps": 1800}, "jsd": {"loss": "jsd"},
+    "default": {},  # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp) since session 6
+    # session 5's probe, around its default (LoRA on attention)
+    "attention": {"lora_targets": ATTENTION},
+    "lr6e-3": {"lora_targets": ATTENTION, "lr": 6e-3},
+    "steps1800": {"lora_targets": ATTENTION, "steps": 1800},
+    "jsd": {"lora_targets": ATTENTION, "loss": "jsd"},
     # capacity beside the pruned experts: LoRA on the shared expert (Qwen2-MoE's gate/up/down), which every
     # decode token runs, added to the attention LoRA or instead of it
     "shared-down": {"lora_targets": (*ATTENTION, "down_proj")},
@@ -51,7 +56,7 @@ def main() -> None:
     p.add_argument("--run", required=True, help="a bars output folder holding plan-RATIO.json")
     p.add_argument("--ratio", default="0.5")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["default", "lr6e-3", "steps1800", "jsd"])
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["attention", "lr6e-3", "steps1800", "jsd"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
