@@ -457,7 +457,7 @@ def fold_delta(model: nn.Module, delta: Delta | str | Path, plan: PrunePlan) -> 
 class DistillConfig:
     """Knobs of `distill`. The defaults are the cheapest recipe that met the accuracy bar on both testbed backbones
     (router + norm alone, 0.26% of the parameters, recovered 9.0 of 20.7 and 4.6 of 14.7 points at 50%: not enough;
-    docs/results/distillation.md)."""
+    docs/results/distillation.md), with the LoRA where it recovers most: on the shared expert if there is one."""
 
     params: tuple[str, ...] = ("router", "norm", "lora")
     mode: str = "slimwise"  # "uniform": distil the uniform-pruned model (prefill pruned and trained too)
@@ -795,7 +795,9 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
             optimizer.load_state_dict(state["optimizer"])
         trainable = installed.trainable_count()
         total = sum(p.numel() for p in model.parameters())
-        say(f"distill: {trainable:,} trainable parameters ({'+'.join(config.params)}) = "
+        lora_on = (f" on {','.join(resolve_lora_targets(model, config.lora_targets))}" if "lora" in config.params
+                   else "")
+        say(f"distill: {trainable:,} trainable parameters ({'+'.join(config.params)}{lora_on}) = "
             f"{100 * trainable / total:.3f}% of {total:,}; {len(ids)} prompts, "
             f"{sum(len(c) for c in conts)} continuation tokens; mode {config.mode}")
         step = state["step"] if state is not None else 0
