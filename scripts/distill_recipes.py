@@ -46,6 +46,7 @@ VARIANTS = {
     # decode token runs, added to the attention LoRA or instead of it
     "shared-down": {"lora_targets": (*ATTENTION, "down_proj")},
     "shared-mlp": {"lora_targets": ("gate_proj", "up_proj", "down_proj")},
+    "shared-mlp-1800": {"lora_targets": ("gate_proj", "up_proj", "down_proj"), "steps": 1800},
     "all-r4": {"lora_targets": (*ATTENTION, "gate_proj", "up_proj", "down_proj"), "lora_rank": 4, "lora_alpha": 8.0},
 }
 
