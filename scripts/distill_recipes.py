@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from slimwise.distill import (
+    ATTENTION_TARGETS,
+    DENSE_MLP_TARGETS,
     BarsConfig,
     DistillConfig,
     build_teacher,
@@ -34,20 +36,19 @@ from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.testbed import TARGET_DOMAIN, make_split
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 VARIANTS = {
     "default": {},  # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp) since session 6
     # session 5's probe, around its default (LoRA on attention)
-    "attention": {"lora_targets": ATTENTION},
-    "lr6e-3": {"lora_targets": ATTENTION, "lr": 6e-3},
-    "steps1800": {"lora_targets": ATTENTION, "steps": 1800},
-    "jsd": {"lora_targets": ATTENTION, "loss": "jsd"},
+    "attention": {"lora_targets": ATTENTION_TARGETS},
+    "lr6e-3": {"lora_targets": ATTENTION_TARGETS, "lr": 6e-3},
+    "steps1800": {"lora_targets": ATTENTION_TARGETS, "steps": 1800},
+    "jsd": {"lora_targets": ATTENTION_TARGETS, "loss": "jsd"},
     # capacity beside the pruned experts: LoRA on the shared expert (Qwen2-MoE's gate/up/down), which every
     # decode token runs, added to the attention LoRA or instead of it
-    "shared-down": {"lora_targets": (*ATTENTION, "down_proj")},
-    "shared-mlp": {"lora_targets": ("gate_proj", "up_proj", "down_proj")},
-    "shared-mlp-1800": {"lora_targets": ("gate_proj", "up_proj", "down_proj"), "steps": 1800},
-    "all-r4": {"lora_targets": (*ATTENTION, "gate_proj", "up_proj", "down_proj"), "lora_rank": 4, "lora_alpha": 8.0},
+    "shared-down": {"lora_targets": (*ATTENTION_TARGETS, "down_proj")},
+    "shared-mlp": {"lora_targets": DENSE_MLP_TARGETS},
+    "shared-mlp-1800": {"lora_targets": DENSE_MLP_TARGETS, "steps": 1800},
+    "all-r4": {"lora_targets": (*ATTENTION_TARGETS, *DENSE_MLP_TARGETS), "lora_rank": 4, "lora_alpha": 8.0},
 }
 
 
@@ -79,8 +80,8 @@ def main() -> None:
         engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
         d = pool_runs([evaluate_run(engine, s, "distilled", cfg) for s in samples])
         check = family_length_check(sw, d, full)
-        out[label] = {"accuracy": d["accuracy"], "trainable_share": delta.manifest.get("trainable_share"), "train_seconds": delta.manifest["train_seconds"],
-                      "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),
+        out[label] = {"accuracy": d["accuracy"], "trainable_share": delta.manifest["trainable_share"],
+                      "train_seconds": delta.manifest["train_seconds"], "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),
                       "family_halved": check["halved"], "new_drift": check["new_drift"]}
         print(label, json.dumps(out[label]), flush=True)
     path = Path(args.run) / f"recipes-{args.ratio}.json"

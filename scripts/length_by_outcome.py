@@ -16,7 +16,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from slimwise.distill import pool_runs
+from slimwise.distill import pooled_run
 
 
 def outcome_drift(full: dict, run: dict, family: str) -> dict[str, tuple[int, float]]:
@@ -39,11 +39,10 @@ def main() -> None:
     for folder in map(Path, args.runs):
         report = json.loads((folder / "report.json").read_text())
         rep = json.loads((folder / "replicate.json").read_text())
-        seeds = [rep["seeds"][k] for k in sorted(rep["seeds"])]
-        full = pool_runs([report["full"]["test"]] + [s["full"] for s in seeds])
+        full = pooled_run(report, rep)
         for ratio in sorted(report["ratios"]):
             for mode in ("slimwise", "distilled"):
-                run = pool_runs([report["ratios"][ratio][mode]["test"]] + [s[ratio][mode] for s in seeds])
+                run = pooled_run(report, rep, ratio, mode)
                 split = outcome_drift(full, run, args.family)
                 n = sum(c for c, _ in split.values())
                 total = sum(c * m for c, m in split.values()) / n

@@ -515,14 +515,15 @@ def init_delta(model: nn.Module, plan: PrunePlan, config: DistillConfig) -> Delt
     lora = None
     if "lora" in config.params:
         gen = torch.Generator().manual_seed(config.seed)
-        modules = lora_modules(model, config.lora_targets)
+        targets = resolve_lora_targets(model, config.lora_targets)
+        modules = lora_modules(model, targets)
         for name, lin in sorted(modules.items()):
             bound = 1.0 / math.sqrt(lin.in_features)  # PEFT's default A init (kaiming-uniform, a=sqrt(5))
             a = (torch.rand(config.lora_rank, lin.in_features, generator=gen) * 2 - 1) * bound
             tensors[f"lora.{name}.lora_A.weight"] = a
             tensors[f"lora.{name}.lora_B.weight"] = torch.zeros(lin.out_features, config.lora_rank)
         lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "scale": config.lora_alpha / config.lora_rank,
-                "targets": list(resolve_lora_targets(model, config.lora_targets)), "modules": sorted(modules)}
+                "targets": list(targets), "modules": sorted(modules)}
     manifest = {"format": DELTA_FORMAT, "mode": config.mode, "params": list(config.params), "family": adapter.family,
                 "plan_hash": plan_hash(plan), "plan_fingerprint": plan.fingerprint,
                 "model_fingerprint": _fingerprint(model), "num_experts": plan.num_experts, "lora": lora}
@@ -795,8 +796,8 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
             optimizer.load_state_dict(state["optimizer"])
         trainable = installed.trainable_count()
         total = sum(p.numel() for p in model.parameters())
-        lora_on = (f" on {','.join(resolve_lora_targets(model, config.lora_targets))}" if "lora" in config.params
-                   else "")
+        lora = delta0.manifest.get("lora")
+        lora_on = f" on {','.join(lora['targets'])}" if lora else ""
         say(f"distill: {trainable:,} trainable parameters ({'+'.join(config.params)}{lora_on}) = "
             f"{100 * trainable / total:.3f}% of {total:,}; {len(ids)} prompts, "
             f"{sum(len(c) for c in conts)} continuation tokens; mode {config.mode}")
@@ -917,7 +918,7 @@ def teacher_forced_fidelity(engine: PhaseSplitEngine, prompts: list[list[int]], 
 
 
 def evaluate_run(engine: PhaseSplitEngine, samples: list, mode: str, config: BarsConfig,
-              reference: list[list[int]] | None = None) -> dict:
+                 reference: list[list[int]] | None = None) -> dict:
     """Accuracy (testbed grader), generated lengths and (given the full model's tokens) fidelity of one mode."""
     from slimwise.testbed import grade
 
@@ -1133,14 +1134,8 @@ def replicate_table(report: dict, rep: dict) -> str:
                          f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
                          f"{('met' if c['length_bar'] else 'not met') if c['applies'] else 'n/a (gap < 3)'} | "
                          f"{'yes' if c['never_worse'] else 'no'} |")
-    entries = [rep["seeds"][k] for k in rep["seeds"]]
     has_0 = "full" in report  # the bars run's own sample (seed 0) joins the pool when its report is complete
-
-    def pooled(ratio: str | None, mode: str) -> dict:
-        first = ([report["full"]["test"]] if ratio is None else [report["ratios"][ratio][mode]["test"]]) if has_0 else []
-        return pool_runs([*first, *(e["full"] if ratio is None else e[ratio][mode] for e in entries)])
-
-    full = pooled(None, "full")
+    full = pooled_run(report, rep)
     n = len(full["lengths"])
     label = ("sample 0 and seeds " if has_0 else "seeds ") + ", ".join(rep["seeds"])
     lines += ["", f"### Pooled: {label} ({n:,} problems)", "",
@@ -1148,7 +1143,7 @@ def replicate_table(report: dict, rep: dict) -> str:
               "distilled (± se) | mean-length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fam_rows, verdicts = [], []
     for ratio in report["ratios"]:
-        sw, d = pooled(ratio, "slimwise"), pooled(ratio, "distilled")
+        sw, d = pooled_run(report, rep, ratio, "slimwise"), pooled_run(report, rep, ratio, "distilled")
         c = cell_bars(sw, d, full)
         a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
         bar = (lambda ok: "met" if ok else "not met") if c["applies"] else (lambda ok: "n/a (gap < 3)")
@@ -1163,6 +1158,15 @@ def replicate_table(report: dict, rep: dict) -> str:
         lines += ["", "Length drift per family, pooled: paired mean difference from full, tokens (% of the family's "
                   "length, z)", "", *table, "", *verdicts]
     return "\n".join(lines)
+
+
+def pooled_run(report: dict, rep: dict, ratio: str | None = None, mode: str = "full") -> dict:
+    """One mode's test runs over every sample of a replication as one run: the bars report's own sample 0 (when
+    its report is complete) and the fresh seeds. ratio None: the full model."""
+    first = []
+    if "full" in report:
+        first = [report["full"]["test"] if ratio is None else report["ratios"][ratio][mode]["test"]]
+    return pool_runs([*first, *(e["full"] if ratio is None else e[ratio][mode] for e in rep["seeds"].values())])
 
 
 def split_families(split: str, per_family: int, seed: int = 0) -> list[str]:

@@ -15,6 +15,7 @@ from conftest import TINY_INIT, random_prompts
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
+from slimwise.distill import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.masking import ExpertMask
 from slimwise.models import load_model
@@ -166,12 +167,8 @@ def test_compiled_equals_eager(family, setup):
         engine.close()
 
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-SHARED_MLP = ("gate_proj", "up_proj", "down_proj")
-
-
-@pytest.mark.parametrize(("family", "eager", "targets"), [("qwen3_moe", False, ATTENTION),
-                                                          ("qwen2_moe", True, ATTENTION + SHARED_MLP),
+@pytest.mark.parametrize(("family", "eager", "targets"), [("qwen3_moe", False, ATTENTION_TARGETS),
+                                                          ("qwen2_moe", True, ATTENTION_TARGETS + DENSE_MLP_TARGETS),
                                                           ("deepseek_v3", True, ("auto",))])
 def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup, tmp_path):
     """Router + norm + LoRA act on decode tokens only, in vLLM exactly as in the reference engine, compiled
