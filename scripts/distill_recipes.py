@@ -23,6 +23,7 @@ from slimwise.distill import (
     DENSE_MLP_TARGETS,
     BarsConfig,
     DistillConfig,
+    TeacherData,
     build_teacher,
     distill,
     evaluate_run,
@@ -49,6 +50,10 @@ VARIANTS = {
     "shared-mlp": {"lora_targets": DENSE_MLP_TARGETS},
     "shared-mlp-1800": {"lora_targets": DENSE_MLP_TARGETS, "steps": 1800},
     "all-r4": {"lora_targets": (*ATTENTION_TARGETS, *DENSE_MLP_TARGETS), "lora_rank": 4, "lora_alpha": 8.0},
+    # greedy fidelity: + cross-entropy on the full model's own tokens widens the student's margin for the
+    # teacher's argmax where the teacher itself is unsure, which is where greedy outputs flip
+    "ce0.5": {"ce_weight": 0.5},
+    "ce1": {"ce_weight": 1.0},
 }
 
 
@@ -58,14 +63,21 @@ def main() -> None:
     p.add_argument("--run", required=True, help="a bars output folder holding plan-RATIO.json")
     p.add_argument("--ratio", default="0.5")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--per-family", type=int, default=1000, help="distillation prompts per task family")
+    p.add_argument("--teacher", help="teacher data file: loaded if it exists, else built and saved there")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["attention", "lr6e-3", "steps1800", "jsd"])
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
     plan = PrunePlan.load(Path(args.run) / f"plan-{args.ratio}.json")
-    prompts = [s.prompt for s in make_split("calib", 1000, domain=TARGET_DOMAIN)]
+    prompts = [s.prompt for s in make_split("calib", args.per_family, domain=TARGET_DOMAIN)]
     t0 = time.perf_counter()
-    teacher = build_teacher(model, prompts, tok, DistillConfig(progress=False))
+    if args.teacher and Path(args.teacher).is_file():
+        teacher = TeacherData.load(args.teacher)
+    else:
+        teacher = build_teacher(model, prompts, tok, DistillConfig(progress=False))
+        if args.teacher:
+            teacher.save(args.teacher)
     print(f"teacher {time.perf_counter() - t0:.0f}s", flush=True)
     samples = [make_split("test", 200, seed=s, domain=TARGET_DOMAIN) for s in (0, 1, 2)]
     cfg = BarsConfig()
@@ -73,8 +85,9 @@ def main() -> None:
     sw = pool_runs([evaluate_run(PhaseSplitEngine(model, tok, plan=plan), s, "slimwise", cfg) for s in samples])
     print(f"full {full['accuracy']:.1f} slimwise {sw['accuracy']:.1f}", flush=True)
     out = {}
-    for label in args.variants:
-        extra = VARIANTS[label]
+    for name in args.variants:
+        label = name if args.per_family == 1000 else f"{name}@{args.per_family}"
+        extra = VARIANTS[name]
         config = DistillConfig(**(asdict(DistillConfig(progress=False)) | extra))
         delta = distill(model, plan, prompts, tok, config, teacher=teacher)
         engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
@@ -82,7 +95,8 @@ def main() -> None:
         check = family_length_check(sw, d, full)
         out[label] = {"accuracy": d["accuracy"], "trainable_share": delta.manifest["trainable_share"],
                       "train_seconds": delta.manifest["train_seconds"], "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),
-                      "family_halved": check["halved"], "new_drift": check["new_drift"]}
+                      "family_halved": check["halved"], "new_drift": check["new_drift"],
+                      "family_drift": {f: round(x["distilled"]["mean_diff"], 3) for f, x in check["families"].items()}}
         print(label, json.dumps(out[label]), flush=True)
     path = Path(args.run) / f"recipes-{args.ratio}.json"
     earlier = json.loads(path.read_text())["variants"] if path.is_file() else {}  # runs of other variants stay

@@ -1127,13 +1127,7 @@ def replicate_table(report: dict, rep: dict) -> str:
         full = entry["full"]
         for ratio in report["ratios"]:
             sw, d = entry[ratio]["slimwise"], entry[ratio]["distilled"]
-            c = cell_bars(sw, d, full)
-            a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
-            lines.append(f"| {seed} | {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
-                         f"{c['recovered']:+.1f} / {c['gap']:.1f} | {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} → "
-                         f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
-                         f"{('met' if c['length_bar'] else 'not met') if c['applies'] else 'n/a (gap < 3)'} | "
-                         f"{'yes' if c['never_worse'] else 'no'} |")
+            lines.append(f"| {seed} " + _bars_row(ratio, sw, d, full, cell_bars(sw, d, full), pooled=False))
     has_0 = "full" in report  # the bars run's own sample (seed 0) joins the pool when its report is complete
     full = pooled_run(report, rep)
     n = len(full["lengths"])
@@ -1145,12 +1139,7 @@ def replicate_table(report: dict, rep: dict) -> str:
     for ratio in report["ratios"]:
         sw, d = pooled_run(report, rep, ratio, "slimwise"), pooled_run(report, rep, ratio, "distilled")
         c = cell_bars(sw, d, full)
-        a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
-        bar = (lambda ok: "met" if ok else "not met") if c["applies"] else (lambda ok: "n/a (gap < 3)")
-        lines.append(f"| {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
-                     f"{c['recovered']:+.1f} / {c['gap']:.1f} | {bar(c['recovery_bar'])} | {a['mean_diff']:+.3f} ± "
-                     f"{a['mean_diff_se']:.3f} → {b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | "
-                     f"{bar(c['length_bar'])} | {'yes' if c['never_worse'] else 'no'} |")
+        lines.append(_bars_row(ratio, sw, d, full, c, pooled=True))
         fam_rows += [(f"{ratio} slimwise", sw), (f"{ratio} distilled", d)]
         verdicts.append(f"- {ratio}: {family_verdict(c['family_length'])}")
     table = family_table(fam_rows, full)
@@ -1158,6 +1147,17 @@ def replicate_table(report: dict, rep: dict) -> str:
         lines += ["", "Length drift per family, pooled: paired mean difference from full, tokens (% of the family's "
                   "length, z)", "", *table, "", *verdicts]
     return "\n".join(lines)
+
+
+def _bars_row(ratio: str, sw: dict, d: dict, full: dict, c: dict, pooled: bool) -> str:
+    """One replication table row from `ratio` on; the pooled table adds the recovery bar's verdict."""
+    a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
+    verdict = (lambda ok: "met" if ok else "not met") if c["applies"] else (lambda ok: "n/a (gap < 3)")
+    recovery = f" {verdict(c['recovery_bar'])} |" if pooled else ""
+    return (f"| {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
+            f"{c['recovered']:+.1f} / {c['gap']:.1f} |{recovery} {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} → "
+            f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | {verdict(c['length_bar'])} | "
+            f"{'yes' if c['never_worse'] else 'no'} |")
 
 
 def pooled_run(report: dict, rep: dict, ratio: str | None = None, mode: str = "full") -> dict:
