@@ -36,6 +36,7 @@ from slimwise.io import atomic_write_text
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.testbed import TARGET_DOMAIN, make_split
+from slimwise.testbed.tasks import select_families
 
 VARIANTS = {
     "default": {},  # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp) since session 6
@@ -57,6 +58,24 @@ VARIANTS = {
 }
 
 
+def calib_prompts(per_family: int) -> list[str]:
+    """`per_family` calibration prompts of each target-domain family, or as many as the family has (base
+    conversions have about 1,400 distinct ones)."""
+    if per_family <= 1000:
+        return [s.prompt for s in make_split("calib", per_family, domain=TARGET_DOMAIN)]
+    prompts = []
+    for family in select_families(None, TARGET_DOMAIN):
+        n = per_family
+        while True:
+            try:
+                prompts += [s.prompt for s in make_split("calib", n, families=[family])]
+                break
+            except RuntimeError:  # the family has fewer distinct problems
+                n -= 100
+        print(f"{family}: {n} prompts", flush=True)
+    return prompts
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -70,7 +89,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
     plan = PrunePlan.load(Path(args.run) / f"plan-{args.ratio}.json")
-    prompts = [s.prompt for s in make_split("calib", args.per_family, domain=TARGET_DOMAIN)]
+    prompts = calib_prompts(args.per_family)
     t0 = time.perf_counter()
     if args.teacher and Path(args.teacher).is_file():
         teacher = TeacherData.load(args.teacher)

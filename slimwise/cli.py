@@ -134,7 +134,7 @@ def cmd_distill(args) -> None:
     checkpoint = out.with_name(out.name + ".ckpt.pt")
     config = DistillConfig(
         params=args.params, mode=args.mode, steps=args.steps, max_minutes=args.minutes, batch_size=args.batch_size,
-        lr=args.lr, lora_lr=args.lora_lr, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy,
+        teacher_batch_size=args.teacher_batch_size, lr=args.lr, lora_lr=args.lora_lr, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy,
         max_new_tokens=args.max_new_tokens, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, seed=args.seed, checkpoint=str(checkpoint),
         checkpoint_every=args.checkpoint_every, resume=args.resume)
@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--minutes", type=float, default=None, help="wall-clock cap on training (keeps the steps done)")
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--teacher-batch-size", type=int, default=64,
+                   help="batch of the full model's continuations and log-probs (the teacher data)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lora-lr", type=float, default=None, help="LoRA learning rate (default: --lr)")
     p.add_argument("--loss", default="fkl", choices=["fkl", "rkl", "jsd"], help="fkl = KL(full || student)")

@@ -43,10 +43,10 @@ class AllExpertsObserver(ExpertObserver):
         for e, n in enumerate(counts):
             y_all = self.adapter.expert_forward(experts, e, hidden_states)  # every token, routed or not
             if rows is not None:
-                self.all_norm_sum[row, e] += y_all[rows].double().norm(dim=-1).sum()
+                self.all_norm_sum[row, e] += torch.linalg.vector_norm(y_all[rows], dim=-1, dtype=torch.float64).sum()
             y[start:start + n] = y_all[token_of[start:start + n]]
             start += n
-        return y, y.double().norm(dim=-1)
+        return y, torch.linalg.vector_norm(y, dim=-1, dtype=torch.float64)  # no float64 copy of y
 
 
 class ReapHookObserver(AllExpertsObserver):

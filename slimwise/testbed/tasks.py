@@ -404,11 +404,14 @@ def make_split(
     families: Iterable[str] | None = None,
     domain: str | None = None,
     difficulty: str | None = None,
+    allow_fewer: bool = False,
 ) -> list[Sample]:
     """Deterministic, deduplicated samples of one split, grouped by family (shuffle them for training).
 
     Problems are re-drawn until their prompt hashes into the split's buckets, so splits never share a
     problem. `difficulty` is "train" or "heldout" (default: "heldout" for the heldout split, else "train").
+    `allow_fewer`: a family with fewer distinct problems in the split gives all it has instead of an error
+    (base conversions have about 1,400 calibration problems).
     """
     if split not in SPLIT_BUCKETS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -426,6 +429,8 @@ def make_split(
         while len(seen) < n_per_family:
             attempts += 1
             if attempts > max_attempts:
+                if allow_fewer:
+                    break
                 raise RuntimeError(
                     f"{name}: only {len(seen)} distinct {split} problems after {max_attempts} draws"
                 )
