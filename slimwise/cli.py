@@ -246,8 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--minutes", type=float, default=None, help="wall-clock cap on training (keeps the steps done)")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--teacher-batch-size", type=int, default=64,
-                   help="batch of the full model's continuations and log-probs (the teacher data)")
+    p.add_argument("--teacher-batch-size", type=int, default=16,
+                   help="batch of the full model's continuations and log-probs (the teacher data); 64 builds it "
+                   "about 1.9x faster on CPU")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lora-lr", type=float, default=None, help="LoRA learning rate (default: --lr)")
     p.add_argument("--loss", default="fkl", choices=["fkl", "rkl", "jsd"], help="fkl = KL(full || student)")

@@ -301,6 +301,8 @@ def test_cli_distill(setup, tmp_path, capsys):
     assert Delta.load(out).manifest["teacher_shared"] and first.manifest["teacher_shared"]
     assert cli_main([*shared[:-1], "--max-new-tokens", "9", "--force"]) == 2
     assert "teacher data was built for a different --max-new-tokens" in capsys.readouterr().err
+    assert cli_main([*shared[:-1], "--teacher-batch-size", "3", "--force"]) == 2  # the data depends on it
+    assert "teacher data was built for a different --teacher-batch-size" in capsys.readouterr().err
 
 
 def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):

@@ -272,6 +272,16 @@ def test_make_split_selects_families_and_domains():
         make_split("train", 1, difficulty="extreme")
 
 
+def test_make_split_allow_fewer_gives_what_a_family_has():
+    """Base conversions have about 1,400 distinct calibration problems: asking for 2,000 is an error unless
+    allow_fewer, which returns every one found, starting with the same problems as a smaller request."""
+    with pytest.raises(RuntimeError, match="base: only"):
+        make_split("calib", 2000, families=["base"])
+    some = make_split("calib", 2000, families=["base"], allow_fewer=True)
+    assert 1000 < len(some) < 2000 and len({s.prompt for s in some}) == len(some)
+    assert [s.prompt for s in some[:50]] == [s.prompt for s in make_split("calib", 50, families=["base"])]
+
+
 def test_splits_disjoint_and_deduplicated(samples):
     assert check_disjoint(*samples.values())
     for split, ss in samples.items():
