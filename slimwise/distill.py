@@ -620,7 +620,10 @@ class TeacherData:
             raise SlimWiseError(f"teacher data {path} is unreadable ({type(exc).__name__}): delete it to rebuild") from exc
         if not isinstance(state, dict) or state.get("format") != TEACHER_FORMAT:
             raise SlimWiseError(f"{path} is not SlimWise teacher data ({TEACHER_FORMAT}): delete it to rebuild")
-        return cls(state["key"], state["continuations"], state["logprobs"], state["seconds"])
+        key = dict(state["key"])
+        if "batch_size" in key:  # written before session 7, when the training batch built the teacher data too
+            key["teacher_batch_size"] = key.pop("batch_size")
+        return cls(key, state["continuations"], state["logprobs"], state["seconds"])
 
 
 def _teacher_key(model: nn.Module, ids: list[list[int]], config: DistillConfig) -> dict:

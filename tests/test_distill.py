@@ -432,6 +432,12 @@ def test_shared_teacher_gives_the_same_delta(setup, tmp_path):
         distill(model, plan, random_prompts(8, seed=3), config=cfg, teacher=teacher)
     with pytest.raises(SlimWiseError, match="different --max-new-tokens"):
         distill(model, plan, prompts, config=DistillConfig(**(FAST | {"max_new_tokens": 9})), teacher=teacher)
+    # a file written before the teacher had a batch of its own (key "batch_size") still serves the same settings
+    old = TeacherData({k: v for k, v in teacher.key.items() if k != "teacher_batch_size"}
+                      | {"batch_size": cfg.teacher_batch_size}, teacher.continuations, teacher.logprobs, 0.0)
+    TeacherData.load(old.save(tmp_path / "old.pt")).check(teacher.key)
+    with pytest.raises(SlimWiseError, match="different --teacher-batch-size"):
+        distill(model, plan, prompts, config=DistillConfig(**(FAST | {"teacher_batch_size": 3})), teacher=teacher)
     (tmp_path / "bad.pt").write_bytes(b"not a teacher")
     with pytest.raises(SlimWiseError, match="unreadable"):
         TeacherData.load(tmp_path / "bad.pt")
