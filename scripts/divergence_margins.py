@@ -71,8 +71,9 @@ def main() -> None:
     top2 = [lp.topk(2, dim=-1).values for lp in logprobs]
     base = torch.cat([t[:, 0] - t[:, 1] for t in top2]).numpy()  # the base rate of near-ties, every position
     header = " | ".join(f"< {e:g}" for e in EDGES)
-    print(f"| ratio | mode | problems whose output changes | first divergences where the full model's gap is {header} |")
-    print("|---|---|---|" + "---|" * len(EDGES))
+    print(f"| ratio | mode | outputs that change | first divergences where the full model's gap is {header} nats "
+          f"| of them at a gap >= {EDGES[-1]:g} |")
+    print("|---|---|---|" + "---|" * (len(EDGES) + 1))
     for ratio in args.ratios:
         plan = PrunePlan.load(Path(args.run) / f"plan-{ratio}.json")
         delta = Delta.load(Path(args.run) / f"delta-distilled-{ratio}")
@@ -85,9 +86,9 @@ def main() -> None:
             # the full model's preference for its own token over the student's at the first divergence
             gaps = np.asarray([float(lp[j, r[j]] - lp[j, t]) for lp, r, (j, t) in zip(logprobs, reference, div,
                                                                                         strict=True) if j >= 0])
-            print(f"| {ratio} | {mode} | {changed} ({len(gaps)} diverge inside the full output) | {shares(gaps)} |",
-                  flush=True)
-    print(f"| all positions | full model's top-1 minus top-2 gap ({len(base):,} positions) | | {shares(base)} |")
+            clear = int((gaps >= EDGES[-1]).sum())
+            print(f"| {ratio} | {mode} | {changed} | {shares(gaps)} | {clear} |", flush=True)
+    print(f"| all positions | full model's top-1 minus top-2 gap ({len(base):,} positions) | | {shares(base)} | |")
 
 
 if __name__ == "__main__":

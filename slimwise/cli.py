@@ -134,7 +134,8 @@ def cmd_distill(args) -> None:
     checkpoint = out.with_name(out.name + ".ckpt.pt")
     config = DistillConfig(
         params=args.params, mode=args.mode, steps=args.steps, max_minutes=args.minutes, batch_size=args.batch_size,
-        teacher_batch_size=args.teacher_batch_size, lr=args.lr, lora_lr=args.lora_lr, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy,
+        teacher_batch_size=args.teacher_batch_size, lr=args.lr, lora_lr=args.lora_lr, loss=args.loss,
+        ce_weight=args.ce_weight, on_policy=args.on_policy,
         max_new_tokens=args.max_new_tokens, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
         lora_targets=args.lora_targets, seed=args.seed, checkpoint=str(checkpoint),
         checkpoint_every=args.checkpoint_every, resume=args.resume)
