@@ -101,7 +101,8 @@ def main() -> None:
     samples = [make_split("test", 200, seed=s, domain=TARGET_DOMAIN) for s in (0, 1, 2)]
     cfg = BarsConfig()
     full = pool_runs([evaluate_run(PhaseSplitEngine(model, tok), s, "full", cfg) for s in samples])
-    sw = pool_runs([evaluate_run(PhaseSplitEngine(model, tok, plan=plan), s, "slimwise", cfg) for s in samples])
+    with PhaseSplitEngine(model, tok, plan=plan) as engine:  # masks and deltas stack on the model: one at a time
+        sw = pool_runs([evaluate_run(engine, s, "slimwise", cfg) for s in samples])
     print(f"full {full['accuracy']:.1f} slimwise {sw['accuracy']:.1f}", flush=True)
     out = {}
     for name in args.variants:
@@ -109,12 +110,12 @@ def main() -> None:
         extra = VARIANTS[name]
         config = DistillConfig(**(asdict(DistillConfig(progress=False)) | extra))
         delta = distill(model, plan, prompts, tok, config, teacher=teacher)
-        engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
-        d = pool_runs([evaluate_run(engine, s, "distilled", cfg) for s in samples])
+        with PhaseSplitEngine(model, tok, plan=plan, delta=delta) as engine:
+            d = pool_runs([evaluate_run(engine, s, "distilled", cfg) for s in samples])
         check = family_length_check(sw, d, full)
         out[label] = {"accuracy": d["accuracy"], "trainable_share": delta.manifest["trainable_share"],
-                      "train_seconds": delta.manifest["train_seconds"], "loss_last": delta.manifest["loss_history"][-1], "drift": length_drift(d, full),
-                      "family_halved": check["halved"], "new_drift": check["new_drift"],
+                      "train_seconds": delta.manifest["train_seconds"], "loss_last": delta.manifest["loss_history"][-1],
+                      "drift": length_drift(d, full), "family_halved": check["halved"], "new_drift": check["new_drift"],
                       "family_drift": {f: round(x["distilled"]["mean_diff"], 3) for f, x in check["families"].items()}}
         print(label, json.dumps(out[label]), flush=True)
     path = Path(args.run) / f"recipes-{args.ratio}.json"

@@ -18,25 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slimwise.distill import BarsConfig, Delta, teacher_logprobs
+from slimwise.distill import BarsConfig, Delta, logprobs_along
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.testbed import TARGET_DOMAIN, make_split
 
 EDGES = (0.1, 0.5, 1.0, 2.0)  # nats
-
-
-@torch.no_grad()
-def full_logprobs(engine: PhaseSplitEngine, ids: list[list[int]], reference: list[list[int]],
-                  batch_size: int) -> list[torch.Tensor]:
-    """The full model's log-probs [len, V] along each of its own greedy continuations."""
-    out = []
-    for start in range(0, len(ids), batch_size):
-        c = reference[start:start + batch_size]
-        lp = teacher_logprobs(engine, ids[start:start + batch_size], c)
-        out += [lp[row, :len(cont)].clone() for row, cont in enumerate(c)]
-    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> tuple[int, int]:
@@ -67,7 +55,7 @@ def main() -> None:
     engine = PhaseSplitEngine(model, tok)
     ids = engine._encode([s.prompt for s in samples])
     reference = [g.token_ids for g in engine.generate(ids, mode="full", config=gen)]
-    logprobs = full_logprobs(engine, ids, reference, cfg.batch_size)
+    logprobs = logprobs_along(engine, ids, reference, cfg.batch_size)  # the full model's, along its own tokens
     top2 = [lp.topk(2, dim=-1).values for lp in logprobs]
     base = torch.cat([t[:, 0] - t[:, 1] for t in top2]).numpy()  # the base rate of near-ties, every position
     header = " | ".join(f"< {e:g}" for e in EDGES)
@@ -77,10 +65,9 @@ def main() -> None:
     for ratio in args.ratios:
         plan = PrunePlan.load(Path(args.run) / f"plan-{ratio}.json")
         delta = Delta.load(Path(args.run) / f"delta-distilled-{ratio}")
-        for mode, eng in (("slimwise", PhaseSplitEngine(model, tok, plan=plan)),
-                          ("distilled", PhaseSplitEngine(model, tok, plan=plan, delta=delta))):
-            outs = [g.token_ids for g in eng.generate(ids, mode=mode, config=gen)]
-            eng.close()
+        for mode, with_delta in (("slimwise", None), ("distilled", delta)):
+            with PhaseSplitEngine(model, tok, plan=plan, delta=with_delta) as eng:  # one mask on the model at a time
+                outs = [g.token_ids for g in eng.generate(ids, mode=mode, config=gen)]
             div = [first_divergence(r, o) for r, o in zip(reference, outs, strict=True)]
             changed = sum(r != o for r, o in zip(reference, outs, strict=True))
             # the full model's preference for its own token over the student's at the first divergence

@@ -47,7 +47,7 @@ from slimwise.adapters import MoEAdapter, get_adapter
 from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_torch_save, atomic_write_text
-from slimwise.masking import ExpertMask
+from slimwise.masking import ExpertMask, check_on_top
 from slimwise.plan import PrunePlan, model_fingerprint
 
 DELTA_FORMAT = "slimwise-delta/1"
@@ -373,12 +373,12 @@ class InstalledDelta:
         return forward
 
     def remove(self) -> None:
-        for module, previous, ours in reversed(self._wrapped):
-            if module.__dict__.get("forward") is ours:
-                if previous is None:
-                    del module.forward
-                else:
-                    module.forward = previous
+        check_on_top(self._wrapped, "delta")
+        for module, previous, _ in reversed(self._wrapped):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
         self._wrapped.clear()
 
     # ----- training support ----------------------------------------------------------------------------------
@@ -570,6 +570,18 @@ def teacher_logprobs(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
     return torch.log_softmax(torch.cat(parts, dim=1), dim=-1)
 
 
+@torch.no_grad()
+def logprobs_along(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
+                   continuations: Sequence[Sequence[int]], batch_size: int) -> list[torch.Tensor]:
+    """The full model's log-probs [len, V] along each continuation, computed `batch_size` prompts at a time."""
+    out: list[torch.Tensor] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = continuations[start:start + batch_size]
+        lp = teacher_logprobs(engine, prompts[start:start + batch_size], chunk)
+        out += [lp[i, :len(c)].clone() for i, c in enumerate(chunk)]
+    return out
+
+
 def divergence(teacher_lp: torch.Tensor, student_logits: torch.Tensor, kind: str = "fkl") -> torch.Tensor:
     """Per-position divergence [..., T] between the teacher's log-probs and the student's logits."""
     s = torch.log_softmax(student_logits, dim=-1)
@@ -603,7 +615,7 @@ class TeacherData:
     def check(self, key: dict) -> None:
         if self.key != key:
             labels = {"model_fingerprint": "model", "data": "prompt set", "max_new_tokens": "--max-new-tokens",
-                      "teacher_batch_size": "--teacher-batch-size", "batch_size": "--batch-size"}
+                      "teacher_batch_size": "--teacher-batch-size"}
             diff = [labels.get(k, k) for k in sorted(set(self.key) | set(key)) if self.key.get(k) != key.get(k)]
             raise SlimWiseError(f"teacher data was built for a different {' and '.join(diff)}: rebuild it (delete "
                                 "the file) or pass the one built for this run")
@@ -641,12 +653,7 @@ def _build_teacher(engine: PhaseSplitEngine, ids: list[list[int]], config: Disti
     vocab = engine.model.get_output_embeddings().weight.shape[0]
     logprobs: list[torch.Tensor] | None = None
     if sum(len(c) for c in continuations) * vocab * 4 <= config.teacher_cache_mb * 2**20 and config.on_policy < 1.0:
-        logprobs = []
-        step = config.teacher_batch_size
-        for start in range(0, len(ids), step):
-            chunk = continuations[start:start + step]
-            lp = teacher_logprobs(engine, ids[start:start + step], chunk)
-            logprobs += [lp[i, :len(c)].clone() for i, c in enumerate(chunk)]
+        logprobs = logprobs_along(engine, ids, continuations, config.teacher_batch_size)
     return TeacherData(_teacher_key(engine.model, ids, config), continuations, logprobs,
                        round(time.perf_counter() - t0, 2))
 
@@ -1111,8 +1118,10 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
         for ratio in report["ratios"]:
             plan = PrunePlan.load(run_dir / f"plan-{ratio}.json")
             delta = Delta.load(run_dir / f"delta-distilled-{ratio}")
-            sw = evaluate_run(PhaseSplitEngine(model, tok, plan=plan), samples, "slimwise", config)
-            d = evaluate_run(PhaseSplitEngine(model, tok, plan=plan, delta=delta), samples, "distilled", config)
+            with PhaseSplitEngine(model, tok, plan=plan) as engine:
+                sw = evaluate_run(engine, samples, "slimwise", config)
+            with PhaseSplitEngine(model, tok, plan=plan, delta=delta) as engine:
+                d = evaluate_run(engine, samples, "distilled", config)
             entry[ratio] = {"slimwise": sw, "distilled": d}
         out["seeds"][str(seed)] = entry
     _atomic_write(run_dir / "replicate.json", json.dumps(out))

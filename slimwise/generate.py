@@ -155,7 +155,14 @@ class PhaseSplitEngine:
                 self.mask.remove()  # a refused delta leaves the model as it was
                 raise
 
+    def __enter__(self) -> PhaseSplitEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Take the delta and the mask off the model (engines sharing one model close in reverse order)."""
         if self.delta is not None:
             self.delta.remove()  # before the mask: the delta wraps the mask's routers
             self.delta = None

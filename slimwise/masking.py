@@ -14,7 +14,15 @@ import torch
 from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
+from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan
+
+
+def check_on_top(wrapped: list[tuple[nn.Module, object, object]], what: str) -> None:
+    """Refuse to unwrap (module, previous, ours) entries whose wrapper is no longer the module's outermost."""
+    if any(module.__dict__.get("forward") is not ours for module, _, ours in wrapped):
+        raise SlimWiseError(f"cannot remove this {what}: another mask or delta was installed on the same model after "
+                            "it; close engines in the reverse order of creation")
 
 
 class ExpertMask:
@@ -25,7 +33,7 @@ class ExpertMask:
         self.adapter = adapter or get_adapter(model.config)
         self.active = False
         self.token_mask: torch.Tensor | None = None  # bool [num_tokens]: rows to prune (None = all rows)
-        self._originals: list[tuple[nn.Module, object]] = []
+        self._originals: list[tuple[nn.Module, object, object]] = []  # (router, its own forward attr, our wrapper)
         num_experts = self.adapter.num_experts(model.config)
         plan.check_model(model, self.adapter)
         for layer in self.adapter.moe_layers(model):
@@ -49,8 +57,8 @@ class ExpertMask:
             masked = adapter.route(router, hidden_states, pruned)
             return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))
 
+        self._originals.append((router, router.__dict__.get("forward"), forward))
         router.forward = forward
-        self._originals.append((router, original))
 
     @contextmanager
     def pruned(self, active: bool = True, token_mask: torch.Tensor | None = None):
@@ -63,9 +71,14 @@ class ExpertMask:
             self.active, self.token_mask = previous
 
     def remove(self) -> None:
-        for router, _ in self._originals:
-            if "forward" in router.__dict__:
+        """Restore each router's forward. Wrappers stack (another engine's mask, a delta), so they must come off
+        in reverse order: removing one from under another would silently drop the one on top."""
+        check_on_top(self._originals, "expert mask")
+        for router, previous, _ in self._originals:
+            if previous is None:
                 del router.forward
+            else:
+                router.forward = previous
         self._originals.clear()
 
     def __enter__(self) -> ExpertMask:

@@ -172,6 +172,26 @@ def test_uniform_delta_acts_in_both_phases(setup):
     assert trained.mode == "uniform" and trained.manifest["loss_history"][-1] < trained.manifest["loss_history"][0]
 
 
+def test_engines_on_one_model_close_in_reverse_order(setup):
+    """Masks and deltas stack their wrappers on the shared model. Closing a SlimWise engine while a distilled one
+    built after it is alive used to drop the distilled engine's wrappers silently (a script measured the wrong
+    decoder that way); now it is refused, nothing is unwrapped, and closing in reverse order restores the model."""
+    model, plan = setup()
+    prompts = random_prompts(4, seed=5)
+    full = tokens(PhaseSplitEngine(model), prompts, "full")
+    with PhaseSplitEngine(model, plan=plan, delta=perturbed_delta(model, plan)) as alone:
+        want = tokens(alone, prompts, "distilled")
+    first = PhaseSplitEngine(model, plan=plan)
+    second = PhaseSplitEngine(model, plan=plan, delta=perturbed_delta(model, plan))
+    with pytest.raises(SlimWiseError, match="reverse order"):
+        first.close()
+    assert tokens(second, prompts, "distilled") == want  # still whole
+    second.close()
+    first.close()
+    assert tokens(PhaseSplitEngine(model), prompts, "full") == full
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
 def test_delta_save_load_round_trip(setup, tmp_path):
     model, plan = setup()
     delta = perturbed_delta(model, plan)
