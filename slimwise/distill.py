@@ -706,6 +706,26 @@ def _atomic_write(path: Path, text: str) -> None:
     atomic_write_text(path, text if text.endswith("\n") else text + "\n")
 
 
+def trainable_cache(cache):
+    """Make a prefill cache safe to backpropagate through: transformers writes each linear-attention layer's new
+    recurrent state into the previous state tensor in place (`copy_`, to keep a static address for CUDA graphs), but
+    that tensor was the layer's initial state, saved for the backward pass of the same forward (Qwen3-Next,
+    Qwen3.5/3.6-MoE: "modified by an inplace operation"). On this cache only, the new state is assigned instead; the
+    values are the same. Attention-only caches are returned unchanged."""
+    for layer in getattr(cache, "layers", []):
+        if not hasattr(layer, "update_recurrent_state"):
+            continue
+
+        def update(recurrent_states, state_idx=0, _layer=layer, **kwargs):
+            if not _layer.is_recurrent_states_initialized[state_idx]:
+                _layer.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
+            _layer.recurrent_states[state_idx] = recurrent_states
+            return recurrent_states
+
+        layer.update_recurrent_state = update
+    return cache
+
+
 def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: list[list[int]],
                conts: list[list[int]], teacher: torch.Tensor | None, config: DistillConfig) -> torch.Tensor | None:
     """One batch: student logits on the full model's prefill cache vs the teacher's log-probs (None: nothing
@@ -724,14 +744,14 @@ def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: lis
             teacher = torch.log_softmax(logits, dim=-1)
         else:
             teacher = teacher[:, 1:]
-        student = continue_on_cache(engine, "distilled", cache, attention, positions, conts, width)
+        student = continue_on_cache(engine, "distilled", trainable_cache(cache), attention, positions, conts, width)
         first = 1  # position 0 is the full prefill's token: never trained
     else:
         if teacher is None:
             teacher = teacher_logprobs(engine, prompts, conts)
         cache, last, attention, positions = engine.prefill(prompts, "distilled")
-        student = torch.cat([last[:, None, :], continue_on_cache(engine, "distilled", cache, attention, positions,
-                                                                conts, width)], dim=1)
+        student = torch.cat([last[:, None, :], continue_on_cache(engine, "distilled", trainable_cache(cache),
+                                                                attention, positions, conts, width)], dim=1)
         first = 0
     span = torch.arange(first, width)
     valid = (span[None, :] < lengths[:, None]).to(student.device)

@@ -1,32 +1,38 @@
-"""`SlimWiseConnector`: PD-disaggregated KV handoff where the prompt KV and the first token are the full model's.
+"""`SlimWiseConnector`: PD-disaggregated handoff where the prompt state and the first token are the full model's.
 
 Stock PD (ExampleConnector, NIXL) makes the decode instance recompute the tail of the prompt and sample the
 first output token with its own weights; with a pruned decoder that breaks SlimWise's guarantee. Here the
 proxy passes the prefill's first token t1 on, so the decode instance receives prompt P + [t1], and:
 
-* producer (full model, prefill instance): stores the KV of *every* prompt token of P (not block-aligned),
-  keyed by the hash of P;
-* consumer (pruned checkpoint, decode instance): finds the KV stored for P = its prompt minus the last token,
-  loads all len(P) positions, and computes only t1 itself — exactly what colocated SlimWise does (t1 is fed
-  back through the pruned decoder).
+* producer (full model, prefill instance): stores the state of *every* prompt token of P, keyed by the hash of P:
+  the KV blocks of each attention layer and, for hybrid models (Qwen3-Next, Qwen3.5/3.6-MoE), each linear-attention
+  (Gated DeltaNet / Mamba) layer's conv state and recurrent state after the last token of P;
+* consumer (pruned checkpoint, decode instance): finds the state stored for P = its prompt minus the last token,
+  loads all of it, and computes only t1 itself -- exactly what colocated SlimWise does (t1 is fed back through the
+  pruned decoder, whose linear-attention layers continue from the full model's state).
 
-Storage is ExampleConnector's shared directory (safetensors per layer per prompt). The prefill instance must
-run a prompt in one step (`--no-enable-chunked-prefill`, which `slimwise serve --disaggregated` passes).
+Storage is ExampleConnector's shared directory (safetensors per layer per prompt). Hybrid models need vLLM's hybrid
+KV-cache manager, which a connector unlocks by implementing `SupportsHMA`: each KV-cache group (the attention
+layers; groups of linear-attention layers) has its own block table, so requests carry one block list per group.
+A linear-attention layer's cache is a (conv_state, ssm_state) pair indexed by the request's state block: the first
+block of its group in Mamba cache mode "none" (prefix caching off), which both instances must use. The prefill
+instance must run a prompt in one step (`--no-enable-chunked-prefill`); `slimwise serve --disaggregated` passes
+both flags.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
-    ExampleConnector,
-    ExampleConnectorMetadata,
-    ReqMeta,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
 from vllm.logger import init_logger
+
+from slimwise.errors import SlimWiseError
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -36,44 +42,112 @@ if TYPE_CHECKING:
 logger = init_logger("vllm.slimwise.connector")  # under "vllm" so vLLM's log config shows it
 
 
-def _meta(token_ids: list[int], block_ids: list[int], block_size: int, is_store: bool, mm_hashes: list[str]):
-    """ReqMeta for exactly len(token_ids) positions (ExampleConnector rounds down to whole blocks)."""
-    n = len(token_ids)
-    blocks = torch.tensor(block_ids)
-    slots = (torch.arange(block_size)[None, :] + blocks[:, None] * block_size).flatten()[:n]
-    return ReqMeta(token_ids=torch.tensor(token_ids), slot_mapping=slots, is_store=is_store, mm_hashes=mm_hashes)
+@dataclass
+class PromptState:
+    """One request's transfer: the first `len(token_ids)` positions, their blocks per KV-cache group."""
+
+    token_ids: list[int]
+    block_ids: tuple[list[int], ...]
+    is_store: bool
+    mm_hashes: list[str]
 
 
-class SlimWiseConnector(ExampleConnector):
-    """ExampleConnector with whole-prompt storage on the producer and whole-prompt loading on the consumer."""
+@dataclass
+class SlimWiseConnectorMetadata(KVConnectorMetadata):
+    requests: list[PromptState] = field(default_factory=list)
+
+
+def _group_block_ids(block_ids) -> tuple[list[int], ...]:
+    """vLLM passes one block list per KV-cache group (a tuple); older single-group code paths pass one list."""
+    if block_ids and isinstance(block_ids[0], int):
+        return (list(block_ids),)
+    return tuple(list(b) for b in block_ids)
+
+
+class SlimWiseConnector(ExampleConnector, SupportsHMA):
+    """Whole-prompt storage on the producer, whole-prompt loading on the consumer: attention KV blocks and the
+    linear-attention conv/recurrent state."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        # layer name -> (group index, tokens per block, is a linear-attention state layer)
+        self._layers: dict[str, tuple[int, int, bool]] = {}
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        for index, group in enumerate(groups):
+            spec = group.kv_cache_spec
+            state = type(spec).__name__ == "MambaSpec"
+            for name in group.layer_names:
+                self._layers[name] = (index, int(spec.block_size), state)
+        if any(state for _, _, state in self._layers.values()):
+            mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
+            if mode != "none":
+                raise SlimWiseError(f"SlimWiseConnector hands over linear-attention state in Mamba cache mode 'none' only "
+                                    f"(this instance runs {mode!r}, set by prefix caching): start both instances with "
+                                    "--no-enable-prefix-caching")
 
     # ----- worker side ---------------------------------------------------------------------------------
     # Whole blocks are copied, never individual token rows: the in-block layout is the attention backend's
     # business (CPU_ATTN keeps K transposed, [head_size, block_size], beside V as [block_size, head_size], which
     # ExampleConnector's row indexing scrambles). Both instances share block size, KV dtype and backend, and
     # slots past the prompt in the last block are rewritten by the decoder after the load.
-    def _blocks(self, slot_mapping: torch.Tensor, device) -> torch.Tensor:
-        return torch.unique_consecutive(slot_mapping // self._block_size).to(device)
+    def _where(self, layer_name: str, request: PromptState) -> tuple[list[int], bool]:
+        """(blocks of this layer that hold the request's first len(token_ids) positions, is a state layer)."""
+        group, block_size, state = self._layers.get(layer_name, (0, self._block_size, False))
+        blocks = request.block_ids[group]
+        if state:  # Mamba cache mode "none": one state block per request, the first of its group
+            return blocks[:1], True
+        return blocks[: -(-len(request.token_ids) // block_size)], False
+
+    @staticmethod
+    def _cache_layers(forward_context: ForwardContext) -> dict[str, Any]:
+        out = {}
+        for name, layer in forward_context.no_compile_layers.items():
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, torch.Tensor) and kv.dim() >= 2:
+                out[name] = kv
+            elif isinstance(kv, (list, tuple)) and kv and all(isinstance(t, torch.Tensor) for t in kv):
+                out[name] = tuple(kv)  # linear attention: (conv_state, ssm_state), first dim = state block
+        return out
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
-        for request in self._get_connector_metadata().requests:
-            if request.is_store:
-                kv = kv_layer[self._blocks(request.slot_mapping, kv_layer.device)].detach().cpu().contiguous()
-                path = self._generate_filename_debug(layer_name, request.token_ids, request.mm_hashes)
-                safetensors.torch.save_file({"kv_cache": kv}, path + ".tmp")
+        """Nothing per layer: `wait_for_save` stores every layer once the forward is done, so linear-attention
+        layers (which never call this hook) are saved with their final state too."""
+
+    def wait_for_save(self) -> None:
+        from vllm.forward_context import get_forward_context
+
+        stores = [r for r in self._get_connector_metadata().requests if r.is_store]
+        if not stores:
+            return
+        layers = self._cache_layers(get_forward_context())
+        for request in stores:
+            for layer_name, kv in layers.items():
+                blocks, state = self._where(layer_name, request)
+                if state:
+                    index = torch.tensor(blocks, device=kv[0].device)
+                    tensors = {f"state_{i}": t[index].detach().cpu().contiguous() for i, t in enumerate(kv)}
+                else:
+                    tensors = {"kv_cache": kv[torch.tensor(blocks, device=kv.device)].detach().cpu().contiguous()}
+                path = self._generate_filename_debug(layer_name, torch.tensor(request.token_ids), request.mm_hashes)
+                safetensors.torch.save_file(tensors, path + ".tmp")
                 os.replace(path + ".tmp", path)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs) -> None:
-        for request in self._get_connector_metadata().requests:
-            if request.is_store:
-                continue
-            for layer_name, layer in forward_context.no_compile_layers.items():
-                kv_layer = getattr(layer, "kv_cache", None)
-                if not isinstance(kv_layer, torch.Tensor) or kv_layer.dim() < 2:
-                    continue
-                path = self._generate_filename_debug(layer_name, request.token_ids, request.mm_hashes)
-                src = safetensors.torch.load_file(path)["kv_cache"]
-                kv_layer[self._blocks(request.slot_mapping, kv_layer.device)] = src.to(kv_layer.device)
+        loads = [r for r in self._get_connector_metadata().requests if not r.is_store]
+        if not loads:
+            return
+        layers = self._cache_layers(forward_context)
+        for request in loads:
+            for layer_name, kv in layers.items():
+                blocks, state = self._where(layer_name, request)
+                path = self._generate_filename_debug(layer_name, torch.tensor(request.token_ids), request.mm_hashes)
+                src = safetensors.torch.load_file(path)
+                if state:
+                    index = torch.tensor(blocks, device=kv[0].device)
+                    for i, t in enumerate(kv):
+                        t[index] = src[f"state_{i}"].to(t.device)
+                else:
+                    kv[torch.tensor(blocks, device=kv.device)] = src["kv_cache"].to(kv.device)
 
     def _stored(self, token_ids: list[int], mm_hashes: list[str]) -> bool:
         folder = self._generate_foldername_debug(torch.tensor(token_ids), mm_hashes, create_folder=False)
@@ -86,21 +160,27 @@ class SlimWiseConnector(ExampleConnector):
         prompt = list(request.prompt_token_ids or [])
         if len(prompt) < 2 or not self._stored(prompt[:-1], [f.identifier for f in request.mm_features]):
             return 0, False
-        logger.info("SlimWise: loading full-model KV for %d prompt tokens", len(prompt) - 1)
+        logger.info("SlimWise: loading the full model's state for %d prompt tokens", len(prompt) - 1)
         return max(len(prompt) - 1 - num_computed_tokens, 0), False
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
-        meta = ExampleConnectorMetadata()
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SlimWiseConnectorMetadata:
+        meta = SlimWiseConnectorMetadata()
         producer = self._kv_transfer_config.is_kv_producer
         for new_req in scheduler_output.scheduled_new_reqs:
             token_ids = list(new_req.prompt_token_ids or [])
             mm_hashes = [f.identifier for f in new_req.mm_features]
+            blocks = _group_block_ids(new_req.block_ids)
             if new_req.req_id in self._requests_need_load:
-                meta.requests.append(_meta(token_ids[:-1], new_req.block_ids[0], self._block_size, False, mm_hashes))
+                meta.requests.append(PromptState(token_ids[:-1], blocks, False, mm_hashes))
             elif producer and not self._stored(token_ids, mm_hashes):
-                meta.requests.append(_meta(token_ids, new_req.block_ids[0], self._block_size, True, mm_hashes))
+                meta.requests.append(PromptState(token_ids, blocks, True, mm_hashes))
         self._requests_need_load.clear()
         return meta
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """Saves are synchronous (`wait_for_save`), so blocks are free to go when a request finishes."""
+        return False, None
 
     def _found_match_for_request(self, request: Request) -> bool:  # used by the base class's helpers
         prompt = list(request.prompt_token_ids or [])

