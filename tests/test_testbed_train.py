@@ -20,8 +20,11 @@ from slimwise.testbed.train import (
     load_balancing_loss,
     lr_at,
     make_batch,
+    make_batches,
     pack,
+    pack_rows,
     prepare_tokenizer,
+    step_losses,
     train,
     training_losses,
 )
@@ -31,6 +34,10 @@ TINY = {
     "a": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
     "b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2),
+    "c": dict(hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+              num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=1,
+              linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
               moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2),
 }
 
@@ -52,14 +59,22 @@ def test_backbone_presets_meet_the_issue(tok):
     assert a.model_type == "qwen3_moe" and a.num_experts >= 64 and a.num_experts_per_tok == 8 and a.norm_topk_prob
     b = backbone_config("b", tok)
     assert b.model_type == "qwen2_moe" and b.num_experts >= 32 and b.shared_expert_intermediate_size > 0
-    for cfg in (a, b):
+    c = backbone_config("c", tok)  # Qwen3.6-35B-A3B's design at small scale
+    assert c.model_type == "qwen3_5_moe_text" and c.num_experts >= 64 and c.num_experts_per_tok == 8
+    assert c.shared_expert_intermediate_size > 0 and c.shared_expert_intermediate_size % 32 == 0
+    assert c.num_hidden_layers % 4 == 0  # 3 Gated-DeltaNet layers, then one full-attention layer
+    assert c.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * (c.num_hidden_layers // 4)
+    assert c.linear_key_head_dim == c.linear_value_head_dim == 64  # vLLM's CPU GDN kernel rejects 32
+    assert c.linear_num_value_heads == 2 * c.linear_num_key_heads  # the reference's 32 : 16
+    assert c.rope_parameters["partial_rotary_factor"] == 0.25  # transformers' default for the family, as published
+    for cfg in (a, b, c):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         assert cfg.vocab_size == len(tok) and cfg.max_position_embeddings == 512
         assert cfg.hidden_size % 32 == 0 and cfg.moe_intermediate_size % 32 == 0 and head_dim >= 32
         assert cfg.eos_token_id == tok.eos_token_id and cfg.pad_token_id == tok.pad_token_id
 
 
-@pytest.mark.parametrize("backbone", ["a", "b"])
+@pytest.mark.parametrize("backbone", ["a", "b", "c"])
 def test_fast_experts_match_stock_eager_forward_and_backward(tmp_path, tok, backbone):
     cfg = tiny_config(tmp_path, backbone, model_overrides=TINY[backbone] | {"initializer_range": 0.2})
     model = build_model(cfg, tok)
@@ -145,6 +160,55 @@ def test_packing_masks_prompts_and_isolates_samples(tmp_path, tok):
             torch.testing.assert_close(packed[:, start:start + ids.shape[1]], alone, rtol=1e-4, atol=1e-4)
 
 
+def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path, tok):
+    """transformers' CPU Gated-DeltaNet path (torch chunked kernel, causal conv) ignores packed-sample boundaries:
+    the second sample of a packed row differs from the same sample alone. One sample per row (`pack_rows`, the
+    default for hybrids) is exact, in any number of length-sorted micro-batches (at most `groups`), and the micro-batch losses add
+    up to the one-batch loss."""
+    from slimwise.testbed.tokenizer import encode_sample
+    from slimwise.testbed.train import is_hybrid, packing_of
+
+    cfg = tiny_config(tmp_path, "c")
+    model = build_model(cfg, tok).eval()
+    assert is_hybrid(model.config) and packing_of(cfg, model.config) == "rows"
+    assert packing_of(tiny_config(tmp_path), build_model(tiny_config(tmp_path), tok).config) == "packed"
+    enc = [encode_sample(tok, s) for s in make_split("train", 1, seed=3, families=["add", "sort", "qa", "upper"])]
+    alone = {}
+    with torch.no_grad():
+        for p, t in enc:
+            alone[len(p) + len(t), p[0]] = model(input_ids=torch.tensor([p + t]), use_cache=False).logits[0]
+        batch = pack(enc, 256, tok.pad_token_id)
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
+        order = sorted(enc, key=lambda x: -(len(x[0]) + len(x[1])))
+        second = order[1]
+        n = len(second[0]) + len(second[1])
+        leak = (packed[0, starts[1]:starts[1] + n] - alone[n, second[0][0]]).abs().max().item()
+        assert leak > 1e-3, leak  # the state of sample 1 reaches sample 2
+        for groups in (1, 2, 4):
+            for b in pack_rows(enc, tok.pad_token_id, groups=groups):
+                logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+                for row in range(b["input_ids"].shape[0]):
+                    n = int(b["valid"][row].sum())
+                    key = (n, int(b["input_ids"][row, 0]))
+                    torch.testing.assert_close(logits[row, :n], alone[key], rtol=1e-4, atol=1e-4)
+    model.train()
+    capture = RouterCapture(model)
+    one = pack_rows(enc, tok.pad_token_id, groups=1)
+    three = pack_rows(enc, tok.pad_token_id, groups=3)  # at most `groups`: ceil(4 / 3) = 2 samples each
+    assert len(three) == 2 and sum(int(b["valid"].sum()) for b in three) == int(one[0]["valid"].sum())
+    with torch.no_grad():
+        ce_one = training_losses(model, capture, one[0], 0.0)[1]
+    model.zero_grad()
+    loss, ce, aux = step_losses(model, capture, three, 0.02)
+    torch.testing.assert_close(ce, ce_one, rtol=1e-5, atol=1e-6)
+    assert math.isclose(loss.item(), ce.item() + 0.02 * aux.item(), rel_tol=1e-5) and 0.9 < aux.item() < 2.0
+    assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n)
+    steps = make_batches(cfg, tok, 0, "rows")
+    assert len(steps) == cfg.row_groups and all(int(b["valid"][:, 0].sum()) == b["valid"].shape[0] for b in steps)
+    capture.remove()
+
+
 def test_batches_cover_all_families_and_are_deterministic(tmp_path, tok):
     cfg = tiny_config(tmp_path, samples_per_family=2)
     from slimwise.testbed.train import step_samples
@@ -211,6 +275,17 @@ def test_a_few_steps_lower_the_loss(tmp_path, tok):
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert next(loaded.parameters()).dtype == torch.bfloat16
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == tok.eos_token_id
+
+
+def test_hybrid_backbone_trains_unpacked_and_exports_a_stock_checkpoint(tmp_path, tok):
+    out = train(tiny_config(tmp_path, "c", max_steps=3))
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["packing"] == "rows" and summary["steps"] == 3 and 0 < summary["tokens"] < summary["positions"]
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "Qwen3_5MoeForCausalLM" and loaded.config.model_type == "qwen3_5_moe_text"
+    assert json.loads((out / "config.json").read_text())["num_experts"] == TINY["c"]["num_experts"]
 
 
 def test_resume_continues_the_same_run(tmp_path, tok):

@@ -212,14 +212,34 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
     model, _ = load_model(out)
     params = count_parameters(model)
     shared = cfg.get("shared_expert_intermediate_size")
+    layer_types = cfg.get("layer_types") or []
+    hybrid = "linear_attention" in layer_types
+    rope = cfg.get("rope_parameters") or {}
     arch_rows = [
         ("architecture", cfg["architectures"][0]), ("model_type", cfg["model_type"]),
         ("layers", cfg["num_hidden_layers"]), ("hidden size", cfg["hidden_size"]),
-        ("attention heads / KV heads", f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']}"),
+    ]
+    if hybrid:
+        n_lin = layer_types.count("linear_attention")
+        arch_rows += [
+            ("layer types", f"{', '.join('linear' if t == 'linear_attention' else 'full' for t in layer_types)} "
+                            f"({n_lin} Gated-DeltaNet : {len(layer_types) - n_lin} full attention)"),
+            ("Gated-DeltaNet key / value heads, head dim",
+             f"{cfg['linear_num_key_heads']} / {cfg['linear_num_value_heads']}, {cfg['linear_key_head_dim']} / "
+             f"{cfg['linear_value_head_dim']}; causal conv kernel {cfg['linear_conv_kernel_dim']}"),
+        ]
+    arch_rows += [
+        ("attention heads / KV heads" + (" (full attention, output-gated)" if hybrid else ""),
+         f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']}"),
         ("head dim", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
+    ]
+    if rope.get("partial_rotary_factor") not in (None, 1.0):
+        arch_rows.append(("partial rotary factor", rope["partial_rotary_factor"]))
+    arch_rows += [
         ("routed experts / top-k", f"{cfg['num_experts']} / {cfg['num_experts_per_tok']}"),
         ("expert intermediate size", cfg["moe_intermediate_size"]),
-        ("norm_topk_prob", cfg.get("norm_topk_prob")),
+        # Qwen3.5/3.6-MoE's router always renormalises its top-k weights (no config field)
+        ("norm_topk_prob", cfg.get("norm_topk_prob", True if hybrid else None)),
         ("shared expert", f"intermediate {shared}, sigmoid gate" if shared else "none"),
         ("vocab size", cfg["vocab_size"]), ("max positions", cfg["max_position_embeddings"]),
         ("parameters (total / routed experts / active per token)",
@@ -235,8 +255,14 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         "exactly gradable answers. It is not a general language model.", "",
         "## Architecture", "", "| field | value |", "| --- | --- |",
         *[f"| {k} | {v} |" for k, v in arch_rows], "",
-        "Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert), so",
-        "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, 178 tokens: characters, digits and",
+        *(["Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert), so",
+            "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, 178 tokens: characters, digits and"]
+          if not hybrid else [
+            "Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert): it",
+            "loads in stock transformers (`AutoModelForCausalLM`). vLLM loading arrives with the hybrid-serving issue",
+            "(#13: vLLM's `Qwen3_5MoeForCausalLM` cannot be inspected on this CPU build yet); until then SlimWise runs",
+            "it with the reference engine only. The tokenizer"]),
+        "(`build_tokenizer`, 178 tokens: characters, digits and" if hybrid else None,
         "frequent template words) is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
         "## Training", "",
         f"- command: `{command}`",
@@ -252,8 +278,18 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         f"({tc['samples_per_family']} samples per family per step"
         + (f", weights {tc['family_weights']}" if tc["family_weights"] else "") + "), shuffled, at the train "
         "difficulty; the train split never shares a prompt with calib/test/heldout (hash buckets)",
-        f"- batches: samples packed first-fit-decreasing into rows of {tc['seq_len']} tokens; position ids restart "
-        "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)",
+        (f"- batches: samples packed first-fit-decreasing into rows of {tc['seq_len']} tokens; position ids restart "
+         "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)")
+        if summary.get("packing", "packed") == "packed" else
+        (f"- batches: one sample per row, right-padded, in {tc.get('row_groups', 3)} length-sorted micro-batches per "
+         "step (gradients accumulated; the losses add up to the step's). Not packed: transformers' CPU Gated-DeltaNet "
+         "path (the torch chunked kernel and causal conv) ignores sample boundaries, so state would carry from one "
+         f"packed sample into the next; {summary['tokens'] / max(1, summary.get('positions', 0)):.0%} of the "
+         "processed positions were real tokens" if summary.get("positions") else
+         f"- batches: one sample per row, right-padded, in {tc.get('row_groups', 3)} length-sorted micro-batches per "
+         "step (gradients accumulated; the losses add up to the step's). Not packed: transformers' CPU Gated-DeltaNet "
+         "path (the torch chunked kernel and causal conv) ignores sample boundaries, so state would carry from one "
+         "packed sample into the next"),
         "- loss: cross-entropy on the target tokens only (worked solution + EOS; the prompt is masked"
         + (f", prompt weight {tc['prompt_loss_weight']}" if tc["prompt_loss_weight"] else "")
         + f") + {tc['aux_loss_coef']} x Switch load-balancing loss E * sum_j f_j * P_j (per MoE layer, mean over "
@@ -266,7 +302,10 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
            "rows (qa passages spell them with a leading space, worked-solution lines without)"
            if tc.get("pair_init") else ""),
         "- fp32 training with a sorted-by-expert grouped experts implementation (`slimwise_sorted`, registered in "
-        "transformers' ExpertsInterface); exported in bfloat16", "",
+        "transformers' ExpertsInterface)"
+        + ("; Gated-DeltaNet through transformers' torch chunked kernel (flash-linear-attention and causal-conv1d "
+           "are CUDA/Triton kernels, not installed on this CPU; the per-token recurrent fallback is 2-5x slower)"
+           if hybrid else "") + "; exported in bfloat16", "",
         "## Evaluation", "",
         f"Greedy decoding with `PhaseSplitEngine` (mode `full`), {test['dtype']} weights, graded by exact match of "
         f"the `####` line. Test split: {test['n_per_family']} prompts per family (train difficulty, unseen prompts)"

@@ -4,15 +4,26 @@ Two backbones, each a stock transformers architecture so that transformers and v
 
   a  Qwen3MoeForCausalLM, fine-grained like Qwen3-30B-A3B: 64 routed experts, top-8, normalised top-k weights.
   b  Qwen2MoeForCausalLM, like Qwen1.5-MoE: 32 routed experts, top-4, plus a shared expert behind a sigmoid gate.
+  c  Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text), a hybrid like Qwen3.6-35B-A3B: Gated-DeltaNet (linear
+     attention) and gated full-attention layers at 3:1, 64 routed experts, top-8, plus a shared expert behind a
+     sigmoid gate.
 
 Recipe: data freshly generated from every task family of every domain (`make_split("train", ...)`, a new seed per
 step, so batch `i` is a pure function of (seed, i)); samples packed first-fit-decreasing into rows with position
 ids restarting at every sample (transformers turns that into a block-diagonal causal mask, so packed samples
-never see each other); cross-entropy on the target tokens only (worked solution + EOS; the prompt is masked,
-it is random numbers and words); a Switch-style load-balancing loss E * sum_j f_j * P_j per MoE layer computed
-from the router logits captured by forward hooks; AdamW with linear warmup then cosine decay. `--minutes` is a
-hard wall-clock budget and the cosine runs on progress = max(step / max_steps, elapsed / budget), so a run
-always finishes its schedule inside the budget however busy the machine is.
+never see each other). Hybrid backbones are not packed: the torch Gated-DeltaNet kernels transformers runs on a CPU
+ignore sample boundaries (the causal conv and the recurrent state carry from one packed sample into the next), so
+every sample gets its own right-padded row, in a few length-sorted micro-batches (`pack_rows`). Cross-entropy on
+the target tokens only (worked solution + EOS; the prompt is masked, it is random numbers and words); a
+Switch-style load-balancing loss E * sum_j f_j * P_j per MoE layer computed from the router logits captured by
+forward hooks; AdamW with linear warmup then cosine decay. `--minutes` is a hard wall-clock budget and the cosine
+runs on progress = max(step / max_steps, elapsed / budget), so a run always finishes its schedule inside the
+budget however busy the machine is.
+
+Gated-DeltaNet on a CPU: flash-linear-attention and causal-conv1d (the fast kernels transformers looks for) are
+CUDA/Triton packages, so transformers runs its torch fallbacks. For training it takes the chunked kernel
+(`torch_chunk_gated_delta_rule`, chunk 64), which was 2-5x faster here than the per-token recurrent one
+(fwd + bwd of one 4-head layer, 5,616 positions: 278 ms chunked, 1,299 ms recurrent, outputs equal to 2e-7).
 
 Training uses a fast CPU experts implementation (`slimwise_sorted`, registered in transformers'
 ExpertsInterface): assignments sorted by expert, one matmul per expert on a contiguous slice, and a hand-written
@@ -159,10 +170,24 @@ BACKBONES: dict[str, dict] = {
         intermediate_size=256, moe_intermediate_size=96, shared_expert_intermediate_size=256,
         num_experts=32, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
     ),
+    # Qwen3.6-35B-A3B's text config scaled down: 3 Gated-DeltaNet layers per gated full-attention layer, 64 routed
+    # experts top-8 (the router always renormalises its top-k) plus a sigmoid-gated shared expert; partial rotary
+    # (0.25), the attention output gate and the zero-centred norms are transformers' defaults for the family.
+    # Linear heads keep the reference's 2 value heads per key head at head dim 64 (vLLM's CPU GDN kernel rejects
+    # 32). 4 layers, not 8: on this CPU 8 layers train at about 1,200 tokens/s, too few tokens for an hour.
+    "c": dict(
+        model_type="qwen3_5_moe_text",
+        hidden_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=64, num_experts_per_tok=8,
+    ),
 }
 _COMMON = dict(max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.02, rms_norm_eps=1e-6,
                hidden_act="silu", use_cache=True, output_router_logits=False)
-CARD_NAMES = {"a": "testbed-a", "b": "testbed-b"}
+CARD_NAMES = {"a": "testbed-a", "b": "testbed-b", "c": "testbed-c"}
 #: Difficulty sampling: more draws of the families that need the most steps (one-shot multi-digit division in
 #: gcd and base, the fact lookups of qa), fewer of those learnt first (the
 #: letter-by-letter text families, list copying). Every family is in every batch (weights >= 1/3 of 3 samples).
@@ -180,6 +205,11 @@ def backbone_config(backbone: str, tokenizer, **overrides) -> PretrainedConfig:
     args.update(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                 bos_token_id=tokenizer.bos_token_id)
     return AutoConfig.for_model(model_type, **args)
+
+
+def is_hybrid(config) -> bool:
+    """True for models with linear-attention (Gated-DeltaNet) layers, whose state ignores packed-sample boundaries."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
 
 
 def moe_blocks(model: nn.Module) -> list[nn.Module]:
@@ -213,6 +243,8 @@ class TrainConfig:
     samples_per_family: int = 3  # per step and family, freshly generated; ~2k tokens per step at the defaults
     family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS))  # x samples_per_family
     seq_len: int = 256  # packed row length
+    packing: str = "auto"  # "packed" (rows of seq_len) | "rows" (one sample per row) | "auto": rows for hybrids
+    row_groups: int = 3  # "rows": length-sorted micro-batches per step, each padded to its own longest sample
     prompt_loss_weight: float = 0.0  # the prompt is masked; >0 trains on it with this weight
     pair_init: bool = True  # start " Bob" and "Bob" (same word with/without a leading space) from equal rows
     # optimisation
@@ -310,6 +342,41 @@ def make_batch(config: TrainConfig, tokenizer, step: int) -> dict[str, torch.Ten
     return pack(encoded, config.seq_len, tokenizer.pad_token_id, config.prompt_loss_weight)
 
 
+def pack_rows(encoded: Sequence[tuple[list[int], list[int]]], pad_id: int, prompt_weight: float = 0.0,
+              groups: int = 3) -> list[dict[str, torch.Tensor]]:
+    """One sample per row, right-padded, in at most `groups` micro-batches of ceil(n / groups) samples sorted by
+    length (longest first).
+
+    Each micro-batch is as wide as its longest sample. Nothing of one sample reaches another, whatever the token
+    mixer: the rows are separate sequences and the padding comes after the real tokens.
+    """
+    order = sorted(encoded, key=lambda e: -(len(e[0]) + len(e[1])))
+    size = max(1, math.ceil(len(order) / max(1, groups)))
+    out = []
+    for start in range(0, len(order), size):
+        chunk = order[start:start + size]
+        width = len(chunk[0][0]) + len(chunk[0][1])
+        rows = [pack([e], width, pad_id, prompt_weight) for e in chunk]
+        out.append({k: torch.cat([r[k] for r in rows]) for k in rows[0]})
+    return out
+
+
+def packing_of(config: TrainConfig, model_config=None) -> str:
+    if config.packing != "auto":
+        if config.packing not in ("packed", "rows"):
+            raise ValueError(f"packing must be auto, packed or rows, not {config.packing!r}")
+        return config.packing
+    return "rows" if model_config is not None and is_hybrid(model_config) else "packed"
+
+
+def make_batches(config: TrainConfig, tokenizer, step: int, packing: str = "packed") -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of one step: one packed batch, or `row_groups` batches of one sample per row."""
+    if packing == "packed":
+        return [make_batch(config, tokenizer, step)]
+    encoded = [encode_sample(tokenizer, s) for s in step_samples(config, step)]
+    return pack_rows(encoded, tokenizer.pad_token_id, config.prompt_loss_weight, config.row_groups)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Losses
 
@@ -352,8 +419,14 @@ def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor, 
 
 
 def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, torch.Tensor],
-                    aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(total loss, weighted cross-entropy, mean aux loss over MoE layers) of one packed batch."""
+                    aux_loss_coef: float, weight_total: float | None = None,
+                    valid_total: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(total loss, weighted cross-entropy, mean aux loss over MoE layers) of one packed batch.
+
+    For one micro-batch of several: `weight_total` (the step's total loss weight) divides the cross-entropy sum
+    and the aux loss is scaled by this batch's share of `valid_total` real tokens, so the micro-batches' losses
+    add up to the step's loss.
+    """
     capture.clear()
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
                 use_cache=False)
@@ -361,11 +434,30 @@ def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, t
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100,
                          reduction="none")
     w = batch["weights"].reshape(-1)
-    ce = (ce * w).sum() / w.sum().clamp_min(1e-9)
+    ce = (ce * w).sum() / (w.sum().clamp_min(1e-9) if weight_total is None else max(weight_total, 1e-9))
     num_experts = model.config.num_experts
     aux = torch.stack([load_balancing_loss(lg, idx, num_experts, batch["valid"]) for lg, idx in capture.records])
     aux = aux.mean()
+    if valid_total is not None:
+        aux = aux * (int(batch["valid"].sum()) / max(1, valid_total))
     return ce + aux_loss_coef * aux, ce, aux
+
+
+def step_losses(model: nn.Module, capture: RouterCapture, batches: Sequence[dict[str, torch.Tensor]],
+                aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward and backward over a step's micro-batches (gradients accumulate); the step's detached losses."""
+    if len(batches) == 1:
+        loss, ce, aux = training_losses(model, capture, batches[0], aux_loss_coef)
+        loss.backward()
+        return loss.detach(), ce.detach(), aux.detach()
+    weight_total = float(sum(b["weights"].sum() for b in batches))
+    valid_total = int(sum(b["valid"].sum() for b in batches))
+    totals = torch.zeros(3)
+    for b in batches:
+        loss, ce, aux = training_losses(model, capture, b, aux_loss_coef, weight_total, valid_total)
+        loss.backward()
+        totals += torch.stack([loss.detach(), ce.detach(), aux.detach()])
+    return totals[0], totals[1], totals[2]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -573,6 +665,7 @@ def train(config: TrainConfig) -> Path:
     (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
     model.train()
+    packing = packing_of(config, model.config)
     capture = RouterCapture(model)
     log = open(out / LOG_FILE, "a")  # noqa: SIM115
     bar = tqdm(desc=f"train[{config.backbone}]", total=100, unit="%", disable=not config.progress,
@@ -580,6 +673,7 @@ def train(config: TrainConfig) -> Path:
     t_start = time.perf_counter() - elapsed
     last_ckpt = time.perf_counter()
     seg_tokens, seg_start = 0, time.perf_counter()
+    positions = 0  # token positions processed, padding included (this session only: not kept across resumes)
     try:
         while progress_of(config, step, elapsed) < 1.0:
             if config.stop_at_step is not None and step >= config.stop_at_step:
@@ -591,14 +685,14 @@ def train(config: TrainConfig) -> Path:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             t_step = time.perf_counter()
-            batch = make_batch(config, tokenizer, step)
-            loss, ce, aux = training_losses(model, capture, batch, config.aux_loss_coef)
+            batches = make_batches(config, tokenizer, step, packing)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, ce, aux = step_losses(model, capture, batches, config.aux_loss_coef)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             step += 1
-            n_tok = int(batch["valid"].sum())
+            n_tok = sum(int(b["valid"].sum()) for b in batches)
+            positions += sum(b["input_ids"].numel() for b in batches)
             if tuner:
                 tuner.record(threads, (time.perf_counter() - t_step) / max(1, n_tok))
             tokens += n_tok
@@ -629,6 +723,7 @@ def train(config: TrainConfig) -> Path:
     if config.stop_at_step is not None and step >= config.stop_at_step and progress_of(config, step, elapsed) < 1:
         return out  # interrupted on purpose: no final export
     summary = {"steps": step, "wall_seconds": elapsed, "tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9),
+               "packing": packing, "positions": positions if not config.resume else None,
                "final_loss": final_loss(history)}
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     model.eval()
@@ -668,6 +763,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--samples-per-family", type=int, default=TrainConfig.samples_per_family)
+    p.add_argument("--packing", choices=("auto", "packed", "rows"), default="auto",
+                   help="auto: one sample per row for hybrid (linear-attention) models, packed rows otherwise")
     p.add_argument("--family-weights", default=None, help="e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)")
     p.add_argument("--override", action="append", default=[], help="model config field=value (JSON value)")
     p.add_argument("--experts-impl", default=FAST_EXPERTS, help=f"{FAST_EXPERTS} | grouped_mm | eager | ...")
@@ -688,7 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          seed=args.seed, resume=args.resume, lr=args.lr, samples_per_family=args.samples_per_family,
                          family_weights=weights, model_overrides=overrides, experts_implementation=args.experts_impl,
                          threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
-                         progress=not args.no_progress, pair_init=not args.no_pair_init)
+                         progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing)
     out = train(config)
     if not args.no_eval:
         from slimwise.testbed.evaluate import evaluate_and_write_card
