@@ -38,7 +38,6 @@ N_PROMPT = sum(len(p) for p in PROMPTS)
 #: the promised routing, and the least mean gap the other routing must show (measured: 0.012-0.053 vs 0.89-0.93)
 MEAN_GAP = 0.15
 WRONG_GAP = 0.5
-TEXT_ONLY = {"limit_mm_per_prompt": {"image": 0, "video": 0}}  # the multimodal class with text prompts only
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +142,7 @@ def test_multimodal_class_compiled(hybrid):
     kernel schedule flips near-ties (measured: 95 of 96 tokens equal, the last token of one prompt differs)."""
     assert json.loads((hybrid["multimodal"] / "config.json").read_text())["architectures"] == [
         "Qwen3_5MoeForConditionalGeneration"]
-    engine = VllmEngine(hybrid["multimodal"], hybrid["plan"], dtype="bfloat16", enforce_eager=False,
-                        engine_kwargs=TEXT_ONLY)
+    engine = VllmEngine(hybrid["multimodal"], hybrid["plan"], dtype="bfloat16", enforce_eager=False)
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         assert totals(engine) == (sum(len(t) - 1 for t in got), N_PROMPT)
@@ -167,8 +165,7 @@ def test_distilled_delta_on_hybrid(hybrid, tmp_path):
     assert delta.lora_pairs() and all(".shared_expert." in name for name in delta.lora_pairs())
     delta.save(tmp_path / "delta")
     reference = PhaseSplitEngine(model, plan=plan, delta=tmp_path / "delta")
-    engine = VllmEngine(hybrid["multimodal"], plan, dtype="bfloat16", delta=tmp_path / "delta", share_engine=True,
-                        engine_kwargs=TEXT_ONLY)
+    engine = VllmEngine(hybrid["multimodal"], plan, dtype="bfloat16", delta=tmp_path / "delta", share_engine=True)
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "distilled", CONFIG)]
         assert totals(engine) == (sum(len(t) - 1 for t in got), N_PROMPT)

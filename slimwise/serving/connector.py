@@ -185,3 +185,46 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
     def _found_match_for_request(self, request: Request) -> bool:  # used by the base class's helpers
         prompt = list(request.prompt_token_ids or [])
         return self._stored(prompt[:-1], [f.identifier for f in request.mm_features])
+
+
+def _nixl_connector():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+    return NixlPullConnector
+
+
+def make_nixl_connector() -> type:
+    """`SlimWiseNixlConnector`: vLLM's NixlConnector (pull) whose prefill side computes the *whole* prompt.
+
+    For hybrid models (Mamba / Gated DeltaNet layers) stock NIXL makes the prefill instance drop the last prompt token
+    (`_truncate_request_for_prefill`, `_prefill_backoff() == 1`): it hands over h(N-1) and the decode instance
+    recomputes the last prompt token and samples the first output token with its own -- here pruned -- weights. The
+    decode side already loads every prompt token but the last; SlimWise's proxy sends it `P + [t1]`, so that is all of
+    P, *if* the prefill instance computed all of P. This subclass keeps the prefill request whole, so the transferred
+    state is the full model's h(N) after P and t1 is the full model's token, as with `SlimWiseConnector` on CPU.
+    Attention-only models are unaffected (their backoff is 0). Designed from vLLM 0.32's NIXL code; not run here
+    (NIXL needs CUDA): see docs/serving.md for what a GPU run must check.
+    """
+    base = _nixl_connector()
+
+    class SlimWiseNixlConnector(base):
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            super().__init__(vllm_config, role, kv_cache_config)
+            scheduler = getattr(self, "connector_scheduler", None)
+            if scheduler is not None:
+                scheduler._truncate_request_for_prefill = _keep_whole_prompt
+
+    SlimWiseNixlConnector.__module__ = __name__
+    return SlimWiseNixlConnector
+
+
+def _keep_whole_prompt(request) -> None:
+    """Replaces NIXL's P-side truncation of hybrid prompts: the prefill instance computes every prompt token."""
+
+
+def __getattr__(name: str):
+    if name == "SlimWiseNixlConnector":
+        cls = make_nixl_connector()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

@@ -66,6 +66,9 @@ class VllmEngine:
                            **(engine_kwargs or {}))
         if max_model_len is not None:
             self.kwargs["max_model_len"] = max_model_len
+        if "vision_config" in json.loads((Path(model_dir) / "config.json").read_text()):
+            # a multimodal checkpoint (Qwen3.5/3.6-MoE's published class) fed text only: vLLM skips the vision tower
+            self.kwargs.setdefault("limit_mm_per_prompt", {"image": 0, "video": 0})
         self.min_decode_batch = min_decode_batch
         self.delta = delta  # applied in mode "distilled" (= slimwise + decode-only delta)
         self.share_engine = share_engine and plan is not None
