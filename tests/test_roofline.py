@@ -319,3 +319,59 @@ def test_cli_preset_names_match_and_parser_is_light():
 def test_measure_cpu_is_quick_and_positive():
     hw = measure_cpu(budget_s=1.0, bandwidth_mb=32, matmul_shapes=((16, 256, 256),))
     assert hw.bandwidth > 1e8 and hw.peak_flops > 1e7 and "measured" in hw.note
+
+
+# ----- sensitivity of the prediction -------------------------------------------------------------------
+
+def test_sensitivity_rows_recompute_from_the_curves(rc36):
+    from slimwise.perf.sensitivity import (
+        Scenario,
+        batch_floor,
+        budget,
+        other_bytes,
+        run_sensitivity,
+        scaled,
+    )
+
+    h200 = HARDWARE["h200"]
+    scenarios = [Scenario("base", "base"), Scenario("bf16", "bf16", lambda r: scaled(r, state_bytes=2.0)),
+                 Scenario("no-cache", "none", lambda r: scaled(r, state_bytes=0.0, kv_bytes=0.0))]
+    rows, curves = run_sensitivity(rc36, h200, 0.5, 1.81, 1024, scenarios, max_batch=512)
+    base, bf16, none = rows
+    # the row's peak is the curve's, and the same curve as roofline.batch_reaching's
+    reach = batch_reaching(rc36, h200, 0.5, 1.81, 1024, max_batch=512)
+    assert (base.peak_speedup, base.peak_batch) == (reach.peak_speedup, reach.peak_batch)
+    assert base.first_batch is None and base.reaches == "no"
+    # a bf16 state halves the recurrent-state bytes: the peak moves up, but not to the target
+    assert base.peak_speedup < bf16.peak_speedup < 1.81
+    assert none.first_batch is not None and none.reaches.startswith("yes")
+    # the memory-bound speedup written with the unchanged bytes X equals the roofline's (router rows of the
+    # pruned experts aside), so "X <= budget" is the condition for the target
+    b = base.peak_batch
+    pred = curves["base"][b - 1]
+    e = rc36.moe_layers * rc36.expert_params * rc36.weight_bytes
+    x = other_bytes(rc36, b, 1024)
+    assert (x + e * pred.union_full) / (x + e * pred.union_pruned) == pytest.approx(pred.speedup, rel=2e-3)
+    assert x > budget(rc36, 0.5, 1.81, b)
+    # below the floor not even zero other bytes reach the target; at the floor the expert unions alone do
+    floor = batch_floor(rc36, 0.5, 1.81)
+    assert budget(rc36, 0.5, 1.81, floor - 1) < 0 <= budget(rc36, 0.5, 1.81, floor)
+    assert expected_union(256, 8, floor) >= 1.81 * expected_union(128, 8, floor)
+    # scaled() removes exactly the named bytes
+    assert scaled(rc36, shared=0.0).total_params == rc36.total_params - rc36.shared_params
+    assert scaled(rc36, mixers=0.5).dense_params == rc36.dense_params - round(0.5 * rc36.mixer_params)
+    assert 0 < rc36.mixer_params <= rc36.dense_params
+
+
+def test_cli_sensitivity_writes_table_and_plot(tmp_path, capsys):
+    cfg = tiny_config("qwen3_5_moe").to_dict()
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    _run(["roofline", "--config", str(tmp_path / "c.json"), "--hardware", "h200", "--reference", "1.3",
+          "--sensitivity", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "batch floor" in out and "| recurrent state bf16 |" in out
+    data = json.loads((tmp_path / "sensitivity_c.json").read_text())
+    assert data["target"] == 1.3 and {r["key"] for r in data["rows"]} >= {"base", "state-bf16", "no-cache"}
+    assert (tmp_path / "sensitivity_c.png").stat().st_size > 1000
+    with pytest.raises(SlimWiseError):
+        _run(["roofline", "--config", str(tmp_path / "c.json"), "--sensitivity"])

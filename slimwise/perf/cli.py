@@ -108,6 +108,9 @@ def cmd_roofline(args) -> None:
     ref = None if args.reference is not None else _reference_for(args.preset, rc, args.ratio)
     target = args.reference if args.reference is not None else (ref.speedup if ref else None)
 
+    if args.sensitivity:
+        _sensitivity(args, rc, name, target, ref)
+        return
     limit = weights_only_limit(rc, args.ratio)
     print(f"{name}: {rc.total_params / 1e9:.2f}B params ({rc.total_params * rc.weight_bytes / 1e9:.1f} GB "
           f"{args.dtype}), {rc.moe_layers} MoE layers x {rc.num_experts} experts top-{rc.top_k}, "
@@ -168,6 +171,37 @@ def cmd_roofline(args) -> None:
         print(f"\nwrote {png}" + (f" and {out}/roofline_{name}.json/.md" if out else ""))
 
 
+def _sensitivity(args, rc, name: str, target: float | None, ref) -> None:
+    """`--sensitivity`: one table row and one plotted curve per assumption (first --hardware only)."""
+    from slimwise.perf.roofline import get_hardware
+    from slimwise.perf.sensitivity import batch_floor, format_sensitivity, plot_sensitivity, run_sensitivity
+
+    if target is None:
+        raise SlimWiseError("--sensitivity needs a target speedup: --reference X (or a preset with a paper figure)")
+    hw = get_hardware(args.hardware[0], dtype=args.dtype, overhead_s=args.overhead_us * 1e-6)
+    rows, curves = run_sensitivity(rc, hw, args.ratio, target, args.context)
+    floor = batch_floor(rc, args.ratio, target)
+    print(f"{name} on {hw.name}, {int(round(args.ratio * 100))}% pruned, target {target:.2f}x"
+          f"{' (paper)' if ref else ''}; same-batch curves over batch 1..2048, uniform routing")
+    print(f"batch floor: below B={floor} the expected expert unions alone give < {target:.2f}x, whatever else "
+          f"the step reads" if floor else f"no batch: the experts-only ratio never reaches {target:.2f}x")
+    table = format_sensitivity(rows, target)
+    print(table)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        data = {"model": name, "hardware": hw.name, "ratio": args.ratio, "target": target, "batch_floor": floor,
+                "rows": [{**r.__dict__, "reaches": r.reaches} for r in rows]}
+        (out / f"sensitivity_{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+        (out / f"sensitivity_{name}.md").write_text(table + "\n")
+    if out or args.plot:
+        png = Path(args.plot) if args.plot else out / f"sensitivity_{name}.png"
+        plot_sensitivity(rc, curves, rows, args.ratio, target, png, context_len=args.context,
+                         title=f"{name} on {hw.name}: {int(round(args.ratio * 100))}% experts pruned, what reaches "
+                               f"{target:.2f}x")
+        print(f"wrote {png}" + (f" and {out}/sensitivity_{name}.json/.md" if out else ""))
+
+
 # kept literal so that building the parser imports neither torch nor transformers (checked by a test)
 PRESET_NAMES = ("cpu", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
 
@@ -193,6 +227,9 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--overhead-us", type=float, default=0.0, help="fixed per-step overhead in microseconds")
     p.add_argument("--reference", type=float, default=None,
                    help="speedup to find the batch for (default: the paper's figure where one applies)")
+    p.add_argument("--sensitivity", action="store_true",
+                   help="which assumptions (state dtype, context, shared-expert / attention / cache bytes, PD max "
+                        "batch, overhead) reach the reference speedup: table + plot, first --hardware only")
     p.add_argument("--out", help="directory for roofline_<model>.json/.md/.png")
     p.add_argument("--plot", help="PNG path for the speedup plot (default: inside --out)")
     p.set_defaults(func=cmd_roofline)

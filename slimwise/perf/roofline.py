@@ -73,6 +73,7 @@ class RooflineConfig:
     weight_bytes: float = 2.0
     kv_bytes: float = 2.0
     state_bytes: float = 2.0  # recurrent state element (fp32 where the config says mamba_ssm_dtype float32)
+    mixer_params: int = 0  # the part of dense_params in attention and linear-attention mixers (all layers)
 
     # ----- sizes -----
     @property
@@ -121,6 +122,18 @@ class RooflineConfig:
         new_token = attn_layers * self.kv_elems_per_token_layer * self.kv_bytes
         return batch * (self.kv_bytes_per_seq(context_len) + new_token + 2 * self.state_bytes_per_seq())
 
+    def bytes_split(self, batch: int, context_len: int, union: float, kept: int | None = None) -> dict[str, float]:
+        """One decode step's bytes by what they are: routed expert weights, other weights (mixers, norms, shared
+        experts, router rows, lm_head, embedding rows), KV cache (read + the new token's write) and the
+        linear-attention conv + recurrent state (read and written). The four sum to weight + cache bytes."""
+        attn_layers = self.full_attention_layers + self.sliding_attention_layers
+        new_token = attn_layers * self.kv_elems_per_token_layer * self.kv_bytes
+        weights = self.weight_bytes_step(batch, union, kept)
+        experts = self.moe_layers * union * self.expert_params * self.weight_bytes
+        return {"expert_weights": experts, "other_weights": weights - experts,
+                "kv": batch * (self.kv_bytes_per_seq(context_len) + new_token),
+                "state": batch * 2 * self.state_bytes_per_seq()}
+
     def flops_step(self, batch: int, context_len: int, kept: int | None = None) -> float:
         window = min(context_len, self.sliding_window) if self.sliding_window else context_len
         attn = self.attn_flops_per_ctx_layer * (self.full_attention_layers * context_len
@@ -143,6 +156,10 @@ class RooflineConfig:
             vocab_size=int(text.vocab_size), **counts, **cache, weight_bytes=weight_bytes,
             kv_bytes=DTYPE_BYTES[kv_dtype or dtype], state_bytes=DTYPE_BYTES[str(ssm).removeprefix("torch.")],
         )
+
+
+#: module names of token mixers (softmax attention, Gated DeltaNet / linear attention) across the families
+MIXER_NAMES = ("self_attn", "linear_attn", "attention")
 
 
 def param_census(config) -> dict:
@@ -186,13 +203,15 @@ def param_census(config) -> dict:
     head = model.get_output_embeddings()
     embed = numel(take([embed_w]))
     lm_head = 0 if head is None or head.weight is embed_w else numel(take(head.parameters()))
-    dense = numel(take(model.parameters()))
+    mixers = numel(take([p for name, module in model.named_modules() if name.rsplit(".", 1)[-1] in MIXER_NAMES
+                         for p in module.parameters()]))
+    dense = mixers + numel(take(model.parameters()))
     n_moe, per = len(layers), num_experts * len(layers)
     if routed % per or router % per:
         raise SlimWiseError("expert tensors do not split evenly over experts: non-uniform layers unsupported")
     return dict(moe_layers=n_moe, num_experts=num_experts, top_k=adapter.top_k(config),
                 expert_params=routed // per, router_params_per_expert=router // per, shared_params=shared,
-                dense_params=dense, embed_params=embed, lm_head_params=lm_head)
+                dense_params=dense, embed_params=embed, lm_head_params=lm_head, mixer_params=mixers)
 
 
 def _cache_shapes(text) -> dict:
