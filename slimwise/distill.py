@@ -627,7 +627,7 @@ class TeacherData:
     @classmethod
     def load(cls, path: str | Path) -> TeacherData:
         try:
-            state = torch.load(Path(path), map_location="cpu", weights_only=False)
+            state = torch.load(Path(path), map_location="cpu", weights_only=True)  # no code from shared files
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
             raise SlimWiseError(f"teacher data {path} is unreadable ({type(exc).__name__}): delete it to rebuild") from exc
         if not isinstance(state, dict) or state.get("format") != TEACHER_FORMAT:
@@ -802,7 +802,11 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
         key = _run_key(config, plan, fingerprint, data_hash)
         state = None
         if config.resume and ckpt is not None and ckpt.is_file():
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)
+            try:
+                state = torch.load(ckpt, map_location="cpu", weights_only=True)  # no code from user files
+            except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+                raise SlimWiseError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}): delete it or run "
+                                    "without --resume") from exc
             if state.get("format") != CHECKPOINT_FORMAT or state.get("key") != key:
                 raise SlimWiseError(f"checkpoint {ckpt} belongs to another run (model, plan, data or settings "
                                     "differ): delete it or run without --resume")

@@ -485,3 +485,30 @@ def test_distill_trains_through_a_hybrid_cache(setup, family, mode):
             outs.append(continue_on_cache(engine, "slimwise", wrap(cache), attention, positions, conts, 6))
     engine.close()
     assert torch.equal(outs[0], outs[1])
+
+
+class _Payload:
+    """A pickle that would write a marker file when unpickled (what a crafted teacher/checkpoint file can carry)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_teacher_and_checkpoint_files_never_run_code(setup, tmp_path):
+    """`--teacher` files are meant to be shared, and `--resume` reads a file from disk: both load with
+    `weights_only=True`, so a crafted pickle is refused with one line and executes nothing."""
+    model, plan = setup()
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "teacher.pt"
+    torch.save({"format": "x", "evil": _Payload(marker)}, crafted)
+    with pytest.raises(SlimWiseError, match="unreadable"):
+        TeacherData.load(crafted)
+    ckpt = tmp_path / "delta.ckpt"
+    torch.save({"format": "x", "evil": _Payload(marker)}, ckpt)
+    with pytest.raises(SlimWiseError, match="unreadable"):
+        distill(model, plan, random_prompts(4, seed=9),
+                config=DistillConfig(checkpoint=str(ckpt), resume=True, **(FAST | {"steps": 1})))
+    assert not marker.exists()
