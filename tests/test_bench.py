@@ -312,3 +312,61 @@ def test_partial_results_resume_only_with_the_same_settings(tmp_path):
     assert runs == {"full": {1: [_m(10.0, 0)]}} and starts == {"full": [3.0]}
     other = _signature(BenchConfig(synthetic="smoke", output_len=64), variants, {"dtype": "bfloat16"})
     assert _load_partial(config, other, log=lambda s: None) == ({}, {})
+
+
+# ----- the hybrid (Qwen3.6-style) preset ---------------------------------------------------------------------
+
+def test_cpu_hybrid_preset_structure_and_byte_split(tmp_path):
+    """The cpu-hybrid preset built tiny: Qwen3_5MoeForCausalLM with 3:1 Gated-DeltaNet / full attention, top-8
+    routed experts plus a gated shared expert; its byte split per decode step carries the recurrent state."""
+    from transformers import AutoModelForCausalLM
+
+    from slimwise.adapters import get_adapter
+    from slimwise.perf.bench import _state_bytes_per_layer, bytes_split_table, engine_kwargs
+    from slimwise.perf.presets import get_preset, preset_config
+    from slimwise.perf.roofline import RooflineConfig
+
+    full = preset_config("cpu-hybrid")
+    assert full.model_type == "qwen3_5_moe_text" and get_preset("cpu-hybrid").real_layers == 8
+    assert full.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + \
+        ["full_attention"]
+    assert (full.num_experts, full.num_experts_per_tok, full.linear_key_head_dim, full.linear_value_head_dim) == \
+        (64, 8, 64, 64)
+    assert all(v % 32 == 0 for v in (full.hidden_size, full.moe_intermediate_size,
+                                     full.shared_expert_intermediate_size))
+    rc_full = RooflineConfig.from_hf(full)
+    assert rc_full.state_bytes == 4.0  # mamba_ssm_dtype float32, as Qwen3.6 (vLLM adopts it)
+
+    tiny = preset_config("cpu-hybrid", layers=4, hidden_size=64, num_attention_heads=2, head_dim=32,
+                         moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=16,
+                         linear_num_key_heads=1, linear_num_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny).eval()
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    layers = model.model.layers
+    assert [hasattr(layer, "linear_attn") for layer in layers] == [True, True, True, False]
+    assert hasattr(layers[3], "self_attn")
+    adapter = get_adapter(tiny)
+    moe = adapter.moe_layers(model)
+    assert len(moe) == 4 and adapter.num_experts(tiny) == 16 and adapter.top_k(tiny) == 8
+    assert all(hasattr(m.block, "shared_expert") and hasattr(m.block, "shared_expert_gate") for m in moe)
+
+    rc = RooflineConfig.from_hf(tiny)
+    assert (rc.linear_attention_layers, rc.full_attention_layers) == (3, 1) and rc.shared_params > 0
+    split = rc.bytes_split(8, 40, 10.0)
+    assert set(split) == {"expert_weights", "other_weights", "kv", "state"} and split["state"] > 0
+    assert sum(split.values()) == pytest.approx(rc.weight_bytes_step(8, 10.0) + rc.cache_bytes_step(8, 40))
+    # state read + written per sequence: every linear layer's recurrent (fp32: 2 value heads of 64 x 64) and conv
+    # (bf16: q, k of 1 key head and v of 2 value heads, 64 wide, kernel 4 - 1) state, twice
+    per_layer = 2 * 64 * 64 * 4 + (2 * 64 + 2 * 64) * 3 * 2
+    assert split["state"] == 8 * 2 * 3 * per_layer
+
+    tiny.save_pretrained(tmp_path)
+    assert _state_bytes_per_layer(str(tmp_path)) == per_layer
+    kw = engine_kwargs(BenchConfig(synthetic="cpu-hybrid", batches=(8,), prompt_len=8, output_len=8), str(tmp_path))
+    assert kw["kv_cache_memory_bytes"] >= 2 * 8 * 4 * per_layer  # room for the state pages
+    traffic = {"full": {"batches": {8: {"touched_mean": 12.0}}}, "slimwise": {"batches": {8: {"touched_mean": 7.5}}}}
+    table = bytes_split_table(rc, 8, 16, traffic, [8, 16], 40, 8)
+    assert table["batches"][8]["pruned"]["union"] == 7.5 and table["batches"][8]["full"]["union_source"] == "counters"
+    assert table["batches"][16]["full"]["union_source"] == "uniform expectation"
+    assert table["batches"][8]["full"]["state"] == table["batches"][8]["pruned"]["state"] == split["state"]

@@ -307,6 +307,18 @@ def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
 
 
+def _state_bytes_per_layer(model_dir: str) -> int:
+    """Conv + recurrent state of one linear-attention layer for one sequence (0 without such layers)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    if "linear_attention" not in (text.get("layer_types") or []):
+        return 0
+    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    ssm = 4 if str(text.get("mamba_ssm_dtype", "")).removeprefix("torch.") == "float32" else 2
+    return nv * dk * dv * ssm + (2 * nk * dk + nv * dv) * (text.get("linear_conv_kernel_dim", 4) - 1) * 2
+
+
 def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
     """The settings every variant's engine gets (identical across variants)."""
     max_len = config.prompt_len + max(config.output_len, config.count_output_len, config.warmup_tokens)
@@ -315,6 +327,11 @@ def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
     if kv is None:
         blocks = math.ceil(max_len / 128) * 128  # generous block rounding
         kv = int(1.25 * max_batch * blocks * _kv_bytes_per_token(model_dir, config.dtype)) + (64 << 20)
+        state = _state_bytes_per_layer(model_dir)
+        if state:  # hybrids: vLLM pages every layer at the (larger) state page size; twice that, plus slack
+            layers = json.loads((Path(model_dir) / "config.json").read_text())
+            layers = layers.get("text_config", layers)["num_hidden_layers"]
+            kv += 2 * max_batch * layers * state + (256 << 20)
     return dict(dtype=config.dtype, enforce_eager=config.enforce_eager, max_model_len=max_len,
                 max_num_seqs=max_batch,
                 max_num_batched_tokens=config.max_num_batched_tokens or max(max_batch * config.prompt_len, max_len),
@@ -620,6 +637,29 @@ def compare_roofline(summary: dict, preds, tolerance: float = 0.15) -> list[dict
     return rows
 
 
+def bytes_split_table(rc, top_k: int, num_experts: int, traffic: dict | None, batches, context_len: int,
+                      kept: int | None) -> dict:
+    """Bytes per decode step by kind (routed expert weights, other weights, KV, linear-attention state) for the
+    full model and the pruned decoder, from the roofline's accounting at `context_len`. The experts touched per
+    layer come from the traffic counters where they ran (full; slimwise, else pruned), else from the uniform
+    expectation."""
+    from slimwise.perf.roofline import expected_union
+
+    kept = kept or num_experts // 2
+    out = {}
+    for b in batches:
+        row = {}
+        for side, names, avail in (("full", ("full",), num_experts), ("pruned", ("slimwise", "pruned"), kept)):
+            measured = next((_entry(traffic[n]["batches"], b) for n in names if traffic and n in traffic
+                             and _entry(traffic[n]["batches"], b)), None)
+            union = measured["touched_mean"] if measured else expected_union(avail, top_k, b)
+            split = rc.bytes_split(b, context_len, union, None if side == "full" else avail)
+            row[side] = {**split, "union": union, "union_source": "counters" if measured else "uniform expectation",
+                         "total": sum(split.values())}
+        out[b] = row
+    return {"context_len": context_len, "batches": out}
+
+
 # ----- thresholds and bars -----------------------------------------------------------------------------------
 
 def suggest_threshold(summary: dict, min_speedup: float, variant: str = "slimwise") -> int | None:
@@ -707,6 +747,21 @@ def format_tables(result: dict) -> str:
         out += _table(result, "Distinct experts per MoE layer per decode step: measured / uniform expectation "
                       "E'(1-(1-k/E')^B)", tn, touched)
         out += _table(result, "Expert weights read per decode step, MB (all MoE layers)", tn, mb)
+    split = result.get("bytes_split")
+    if split:
+        out += [f"### Bytes per decode step, MB (roofline accounting at context {split['context_len']}; experts "
+                "touched from the counters)", "",
+                "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + write) "
+                "| total full → pruned | state share of the full step |", "|---|---|---|---|---|---|---|"]
+        for b in result["config"]["batches"]:
+            e = _entry(split["batches"], b)
+            if not e:
+                continue
+            f, p = e["full"], e["pruned"]
+            out.append(f"| {b} | {f['expert_weights'] / 1e6:.1f} → {p['expert_weights'] / 1e6:.1f} | "
+                       f"{f['other_weights'] / 1e6:.1f} | {f['kv'] / 1e6:.2f} | {f['state'] / 1e6:.1f} | "
+                       f"{f['total'] / 1e6:.1f} → {p['total'] / 1e6:.1f} | {100 * f['state'] / f['total']:.1f}% |")
+        out.append("")
     roof = result.get("roofline")
     if roof:
         out += [f"### Roofline ({roof['hardware']}, context {roof['context_len']}) vs measured", "",
@@ -844,6 +899,10 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
         result["roofline"] = {"hardware": hw.name, "note": hw.note, "bandwidth": hw.bandwidth,
                               "peak_flops": hw.peak_flops, "context_len": ctx,
                               "comparison": compare_roofline(summary, preds)}
+    if rc is not None:
+        result["bytes_split"] = bytes_split_table(rc, plan.top_k, plan.num_experts, result.get("traffic"),
+                                                  config.batches, ctx or config.prompt_len + config.output_len // 2,
+                                                  plan.num_kept if plan.is_uniform else None)
     result["bars"] = check_bars(summary, config.synthetic)
     if config.suggest_threshold is not None:
         result["threshold"] = threshold_report(result, config.suggest_threshold, rc, hw, ctx, plan.ratio)

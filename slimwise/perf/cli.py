@@ -203,7 +203,7 @@ def _sensitivity(args, rc, name: str, target: float | None, ref) -> None:
 
 
 # kept literal so that building the parser imports neither torch nor transformers (checked by a test)
-PRESET_NAMES = ("cpu", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
+PRESET_NAMES = ("cpu", "cpu-hybrid", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
 
 
 def add_roofline_parser(subparsers) -> argparse.ArgumentParser:

@@ -19,6 +19,10 @@ Sources (checked for this file):
   The vision tower and the MTP head are not modelled: text decode without speculation runs neither.
 - cpu: the random Qwen3-MoE measured in shared/notes/vllm.md (8 layers, hidden 1024, 64 experts of 512, top-4,
   bf16, ~1.6 GB): expert weights far exceed the CPU caches, so decode on 2 cores is weight-traffic bound.
+- cpu-hybrid: Qwen3.6-35B-A3B's layout at half width for the CPU bench (text-only Qwen3_5MoeForCausalLM, 8 layers:
+  6 Gated-DeltaNet + 2 gated full attention, hidden 1024, 64 experts of 512 top-8 + a gated shared expert of
+  512, fp32 recurrent state, linear heads of 64 as vLLM's CPU kernel needs): the state traffic per sequence is
+  the same share of the expert pool as in the real model.
 - smoke: a tiny Qwen3-MoE for tests of the build path (seconds).
 """
 
@@ -74,6 +78,20 @@ _CPU = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
 )
 
+# Qwen3.6-35B-A3B's design at half width for this CPU (a Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text):
+# 3 Gated-DeltaNet layers per gated full-attention layer, routed experts top-8 + a gated shared expert of the
+# same width, fp32 recurrent state (mamba_ssm_dtype, which vLLM adopts). Linear head dims are 64, not the real
+# 128: vLLM's CPU Gated-DeltaNet kernel takes 64 (and rejects 32); sizes are multiples of 32 (CPU MoE kernel).
+# Per sequence, the fp32 state read + written each step (6 layers x 16 heads x 64 x 64 x 4 B x 2 = 3.1 MB) is
+# 0.19% of all expert weights (1.61 GB), as in the real model (129 MB of 64.4 GB = 0.20%).
+_CPU_HYBRID = dict(
+    vocab_size=4096, hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+    linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=8,
+    linear_num_value_heads=16, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    num_experts=64, num_experts_per_tok=8, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    attn_output_gate=True, mamba_ssm_dtype="float32", tie_word_embeddings=False,
+)
+
 _SMOKE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
     head_dim=32, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
@@ -90,6 +108,10 @@ PRESETS: dict[str, Preset] = {
                _QWEN36_35B, layer_multiple=4, bytes_note="1.61 GB of experts per layer in bf16"),
         Preset("cpu", "qwen3_moe", 8, 8, "shared/notes/vllm.md measured model", _CPU,
                bytes_note="about 1.6 GB in bf16"),
+        Preset("cpu-hybrid", "qwen3_5_moe_text", 8, 8,
+               "Qwen3.6-35B-A3B's layout (3:1 Gated-DeltaNet / full attention, top-8 + shared expert, fp32 "
+               "state) at half width, 64 experts", _CPU_HYBRID, layer_multiple=4,
+               bytes_note="about 1.8 GB in bf16"),
         Preset("smoke", "qwen3_moe", 2, 2, "tiny test model", _SMOKE),
     )
 }
@@ -116,10 +138,12 @@ def preset_config(name: str, layers: int | None = None, **overrides) -> Pretrain
     preset = get_preset(name)
     n = _layer_count(preset, layers)
     text = dict(preset.text, num_hidden_layers=n, **overrides)
-    if preset.model_type == "qwen3_5_moe":
+    if preset.model_type in ("qwen3_5_moe", "qwen3_5_moe_text"):
         interval = preset.layer_multiple
         text.setdefault("layer_types", ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                         for i in range(n)])
+        if preset.model_type == "qwen3_5_moe_text":  # text-only: saved as Qwen3_5MoeForCausalLM
+            return AutoConfig.for_model(preset.model_type, **text)
         # the vision tower is never run by text decode; a minimal one keeps the config valid and small
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1,
                       out_hidden_size=text["hidden_size"], num_position_embeddings=64)
