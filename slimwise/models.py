@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from slimwise.adapters import get_adapter
 from slimwise.errors import SlimWiseError
@@ -51,8 +51,20 @@ def load_tokenizer(path: str | Path):
     """The tokenizer saved next to a model, or None when there is none (token-id prompts still work)."""
     model_dir = resolve_model_dir(path)
     try:
+        if _saved_tokenizer_class(model_dir) == "PreTrainedTokenizerFast":
+            # as saved: next to some configs (qwen3_5_moe_text) AutoTokenizer swaps in the family's own class,
+            # whose pre-tokenizer differs from the saved one (the testbed tokenizer of testbed-c)
+            return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError):
+        return None
+
+
+def _saved_tokenizer_class(model_dir: str | Path) -> str | None:
+    f = Path(model_dir) / "tokenizer_config.json"
+    try:
+        return json.loads(f.read_text()).get("tokenizer_class") if f.is_file() else None
+    except (OSError, ValueError):
         return None
 
 

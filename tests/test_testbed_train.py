@@ -286,6 +286,19 @@ def test_hybrid_backbone_trains_unpacked_and_exports_a_stock_checkpoint(tmp_path
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded).__name__ == "Qwen3_5MoeForCausalLM" and loaded.config.model_type == "qwen3_5_moe_text"
     assert json.loads((out / "config.json").read_text())["num_experts"] == TINY["c"]["num_experts"]
+    # next to a qwen3_5_moe_text config AutoTokenizer swaps in Qwen3.5's tokenizer class, which spells the template
+    # words out; SlimWise's loaders read the tokenizer as saved
+    from transformers import AutoTokenizer
+
+    from slimwise.models import load_tokenizer as model_tokenizer
+    from slimwise.testbed.tokenizer import load_tokenizer
+
+    text = "add 457+68\n"
+    want = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(want[:1]) == "add"
+    for loaded in (load_tokenizer(out), model_tokenizer(out)):
+        assert loaded.encode(text, add_special_tokens=False) == want
+    assert AutoTokenizer.from_pretrained(out).encode(text, add_special_tokens=False) != want
 
 
 def test_resume_continues_the_same_run(tmp_path, tok):

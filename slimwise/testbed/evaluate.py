@@ -383,11 +383,16 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
     from slimwise.embedded import EMBEDDED
 
     where = f"slimwise/testbed/checkpoints/{EMBEDDED[name]}" if name in EMBEDDED else str(out)
-    lines += ["", "## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+    tok_class = "PreTrainedTokenizerFast" if hybrid else "AutoTokenizer"
+    lines += ["", "## Use", "", "```python", f"from transformers import AutoModelForCausalLM, {tok_class}",
               f"model = AutoModelForCausalLM.from_pretrained(\"{where}\")",
-              f"tok = AutoTokenizer.from_pretrained(\"{where}\")",
+              f"tok = {tok_class}.from_pretrained(\"{where}\")",
               "ids = tok(\"add 457+68\\n\", return_tensors=\"pt\").input_ids",
               "print(tok.decode(model.generate(ids, max_new_tokens=64)[0, ids.shape[1]:]))", "```",
+              *(["", "Load the tokenizer with `PreTrainedTokenizerFast`, not `AutoTokenizer`: next to a "
+                 "`qwen3_5_moe_text` config AutoTokenizer substitutes Qwen3.5's own tokenizer class, whose "
+                 "pre-tokenizer splits the testbed's template words into characters. SlimWise's loaders do this."]
+                if hybrid else []),
               "", "In SlimWise it is addressable as `" + name + "` wherever a model directory is expected.", ""]
     return "\n".join(line for line in lines if line is not None)
 

@@ -5,7 +5,10 @@ out letter by letter; only words that recur in the task templates ("add", " has"
 whole-word tokens, learned by counting a generated corpus. Every printable ASCII character, newline and tab
 is in the vocabulary and decoding just concatenates tokens, so any ASCII text round-trips exactly. It is
 saved as a plain `tokenizer.json` + `tokenizer_config.json` + `special_tokens_map.json`, which
-`transformers.AutoTokenizer` (and therefore vLLM) loads as a PreTrainedTokenizerFast.
+`transformers.AutoTokenizer` (and therefore vLLM) loads as a PreTrainedTokenizerFast, except next to a
+Qwen3.5/3.6-MoE config (testbed-c): there AutoTokenizer substitutes the family's Qwen3_5Tokenizer, whose own
+pre-tokenizer splits the template words into characters. `PreTrainedTokenizerFast.from_pretrained` loads it as
+saved everywhere (`load_tokenizer`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from statistics import mean
 
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from slimwise.testbed.tasks import ANSWER_MARKER, EOS_TOKEN, Sample, make_split
 
@@ -114,7 +117,13 @@ def build_tokenizer(
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
-    return AutoTokenizer.from_pretrained(str(path))
+    """The saved testbed tokenizer, as saved.
+
+    Not AutoTokenizer: next to a model config of some families (qwen3_5_moe_text among them) AutoTokenizer replaces
+    the saved PreTrainedTokenizerFast with the family's own class, which rebuilds the pre-tokenizer and normaliser
+    and splits the testbed's template words into characters.
+    """
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def encode_sample(tokenizer: PreTrainedTokenizerFast, sample: Sample) -> tuple[list[int], list[int]]:
