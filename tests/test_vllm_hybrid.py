@@ -63,8 +63,8 @@ def mean_gap(engine: PhaseSplitEngine, mode: str, outputs: list[list[int]], prom
     return sum(g) / len(g)
 
 
-def check_routing(engine: PhaseSplitEngine, mode: str, other: str, outputs: list[list[int]]) -> None:
-    right, wrong = mean_gap(engine, mode, outputs), mean_gap(engine, other, outputs)
+def check_routing(engine: PhaseSplitEngine, mode: str, other: str, outputs: list[list[int]], prompts=PROMPTS) -> None:
+    right, wrong = mean_gap(engine, mode, outputs, prompts), mean_gap(engine, other, outputs, prompts)
     assert right <= MEAN_GAP, f"{mode}: mean gap {right:.3f} nats under its own routing"
     assert wrong >= WRONG_GAP, f"{mode}: mean gap {wrong:.3f} under {other}'s routing: the check cannot tell them apart"
 
@@ -254,3 +254,54 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
     finally:
         _shutdown(decode)
         reference.close()
+
+
+def test_slimwise_serve_disaggregated_hybrid(tmp_path):
+    """`slimwise serve --disaggregated` on a hybrid checkpoint, over HTTP: the supervisor starts the prefill instance
+    without prefix caching (the connector refuses the 'align' Mamba cache mode), exports the pruned Qwen3.5 decode
+    checkpoint, and the completions follow pruned decoding from the full model's handed-over state."""
+    import subprocess
+    import sys
+
+    from openai import OpenAI
+    from test_vllm_serve import free_port, start, stop
+
+    from slimwise.testbed import build_tokenizer, make_split
+
+    tok = build_tokenizer(tmp_path / "model")
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_moe", initializer_range=TINY_INIT, vocab_size=len(tok),
+                                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                                     ).save_pretrained(tmp_path / "model")
+    model = load_model(tmp_path / "model")
+    prompts = [s.prompt for s in make_split("test", 1)][:3]
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    stats = calibrate(model, ids, config=CalibrationConfig(max_new_tokens=8), progress=False)
+    plan = plan_from_stats(stats, "reap", 0.5)
+    plan.save(tmp_path / "plan.json")
+    port = free_port()
+    log = open(tmp_path / "pd.log", "w")  # noqa: SIM115
+    proc = start([str(tmp_path / "model"), "--plan", str(tmp_path / "plan.json"), "--disaggregated", "--dtype",
+                  "bfloat16"], port, log, vllm_args=["--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)])
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        # token-id prompts: next to a Qwen3.5 config vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for the testbed
+        # tokenizer (see slimwise.models.load_tokenizer), which would feed the server other ids than the reference
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=CONFIG.max_new_tokens, temperature=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True}
+                                         ).choices[0].model_extra["token_ids"] for p in ids]
+    finally:
+        stop(proc)
+    text = (tmp_path / "pd.log").read_text()
+    assert "SlimWise: loading the full model's state" in text
+    prefill_cmd = next(line for line in text.splitlines() if line.startswith("starting prefill:"))
+    assert "--no-enable-prefix-caching" in prefill_cmd
+    with PhaseSplitEngine(model, plan=plan) as reference:
+        check_routing(reference, "slimwise", "full", got, ids)
+    # a hybrid with prefix caching on the prefill side is refused before any engine starts
+    refused = subprocess.run([sys.executable, "-m", "slimwise.cli", "serve", str(tmp_path / "model"), "--plan",
+                              str(tmp_path / "plan.json"), "--disaggregated", "--enable-prefix-caching"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "drop --enable-prefix-caching" in refused.stderr

@@ -56,9 +56,9 @@ def served(tmp_path_factory):
     return root, prompts, ref
 
 
-def start(args: list[str], port: int, log) -> subprocess.Popen:
+def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port),
-                             "--served-model-name", "tiny", *VLLM_ARGS], stdout=log, stderr=subprocess.STDOUT,
+                             "--served-model-name", "tiny", *vllm_args], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -120,7 +120,7 @@ def test_disaggregated_serve(served):
         kv_dirs = set(glob.glob("/tmp/slimwise-kv-*")) - before
         assert len(kv_dirs) == 1 and not os.listdir(kv_dirs.pop())  # per pair, emptied after each request
         deadline = time.monotonic() + 30  # the decode engine process's log line may reach the file late
-        while "SlimWise: loading full-model KV" not in (text := (root / "pd.log").read_text()):
+        while "SlimWise: loading the full model's state" not in (text := (root / "pd.log").read_text()):
             assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
             time.sleep(0.5)
         # one instance gone: the client gets a clear 503 naming it, quickly
