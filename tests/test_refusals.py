@@ -137,3 +137,22 @@ def test_bad_data_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SlimWiseError, match="no records"):
         load_prompts(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("case", ["missing", "not-a-model", "other-weights"])
+def test_serve_refuses_before_any_engine_starts(setup, case, tmp_path, capsys):
+    """`slimwise serve` checks the model directory and the plan before it starts vLLM: one line, exit 2, at once
+    (a plan made for other weights used to be refused only inside the engine, under its start-up log)."""
+    from slimwise.cli import main
+
+    root, src, stats = setup
+    plan = plan_from_stats(stats, "reap", 0.5)
+    plan.save(tmp_path / "plan.json")
+    other = save_tiny_model("qwen3_moe", tmp_path / "other", initializer_range=0.15, num_experts=8)
+    model = {"missing": str(tmp_path / "nope"), "not-a-model": str(tmp_path), "other-weights": str(other)}[case]
+    capsys.readouterr()  # the checkpoint writer's progress bar
+    assert main(["serve", model, "--plan", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert {"missing": "does not exist", "not-a-model": "no config.json", "other-weights": "plan is for 16 experts"}[
+        case] in err

@@ -157,16 +157,7 @@ class DecodeRouting(nn.Module):
         self._install_counting(model, text_config)
 
     def _check_plan(self, hf_config, text_config) -> None:
-        experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None) \
-            or getattr(text_config, "n_routed_experts", None)
-        if experts != self.plan.num_experts:
-            raise SlimWiseError(f"plan is for {self.plan.num_experts} experts but the served model has {experts}: "
-                                "serve the plan's source model")
-        want = (self.plan.fingerprint or {}).get("config_sha256")
-        have = {config_fingerprint(c.to_dict()) for c in (hf_config, text_config)}
-        if want and want not in have:
-            raise SlimWiseError("plan was made for a model with another configuration (config fingerprint "
-                                f"{want} not in {sorted(have)}): serve the plan's source model")
+        check_plan_config(self.plan, hf_config)
 
     def _load_delta(self, value) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Router and norm overrides of a distilled delta (decode tokens only); its LoRA pairs go to `self._lora`
@@ -394,6 +385,22 @@ class DecodeRouting(nn.Module):
         if self.log_every and c.steps % self.log_every == 0:
             logger.info("SlimWise step %d: %d tokens pruned-routed, %d full-routed (totals %d / %d)",
                         c.steps, n_decode, n - n_decode, c.pruned_tokens, c.full_tokens)
+
+
+def check_plan_config(plan: PrunePlan, hf_config) -> None:
+    """Refuse a plan made for another model from its config alone (expert count, config fingerprint): cheap enough to
+    run before any engine starts (`slimwise serve`) and again inside every worker."""
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None) \
+        or getattr(text_config, "n_routed_experts", None)
+    if experts != plan.num_experts:
+        raise SlimWiseError(f"plan is for {plan.num_experts} experts but the served model has {experts}: "
+                            "serve the plan's source model")
+    want = (plan.fingerprint or {}).get("config_sha256")
+    have = {config_fingerprint(c.to_dict()) for c in (hf_config, text_config)}
+    if want and want not in have:
+        raise SlimWiseError("plan was made for a model with another configuration (config fingerprint "
+                            f"{want} not in {sorted(have)}): serve the plan's source model")
 
 
 def _vllm_name(modules: dict[str, nn.Module], name: str) -> str:

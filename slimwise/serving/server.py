@@ -127,7 +127,9 @@ class Supervisor:
         # unbuffered: instance logs (e.g. the connector's KV loads) reach a redirected log file as they happen
         # own process group: stopping an instance also stops its EngineCore/worker processes, which outlive an
         # API server that crashed or was killed (they are re-parented to init and keep their memory)
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        # offline: SlimWise serves local checkpoints only, and a model hub lookup would stall start-up for a minute
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 
@@ -161,8 +163,24 @@ class Supervisor:
             time.sleep(0.5)
 
 
-def serve(cfg: ServeConfig) -> int:
+def preflight(cfg: ServeConfig) -> PrunePlan | None:
+    """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names resolve
+    to theirs; nothing is looked up on a hub) and the plan was made for it."""
+    from transformers import AutoConfig
+
+    from slimwise.models import resolve_model_dir
+    from slimwise.serving.routing import check_plan_config
+
+    if not (cfg.prefill_url and cfg.decode_url):
+        cfg.model = str(resolve_model_dir(cfg.model))
     plan = PrunePlan.load(cfg.plan) if cfg.plan else None
+    if plan is not None and Path(cfg.model, "config.json").is_file():
+        check_plan_config(plan, AutoConfig.from_pretrained(cfg.model, local_files_only=True))
+    return plan
+
+
+def serve(cfg: ServeConfig) -> int:
+    plan = preflight(cfg)
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
