@@ -175,6 +175,8 @@ BACKBONES: dict[str, dict] = {
     # (0.25), the attention output gate and the zero-centred norms are transformers' defaults for the family.
     # Linear heads keep the reference's 2 value heads per key head at head dim 64 (vLLM's CPU GDN kernel rejects
     # 32). 4 layers, not 8: on this CPU 8 layers train at about 1,200 tokens/s, too few tokens for an hour.
+    # Not shipped yet (below the bars): 55 min, 4.85M tokens (1,470 tok/s, machine shared): arithmetic 72.2%,
+    # weakest family qa 32.0%; resumed to 95 min, 7.84M tokens: 81.8% and qa 49.0% (testbed-a/b saw ~18M tokens).
     "c": dict(
         model_type="qwen3_5_moe_text",
         hidden_size=128, num_hidden_layers=4,
