@@ -293,6 +293,10 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     assert t["pruned"]["batches"]["4"]["available_experts"] == kept
     assert t["slimwise-min4"]["batches"]["4"]["available_experts"] == kept  # 4 decode tokens >= threshold 4
     assert r["threshold"]["measured_batch"] == 1  # every speedup >= 0
+    # bytes per step by kind: expert bytes from the counters, no state in an attention-only model
+    split = r["bytes_split"]["batches"]["4"]
+    assert split["full"]["expert_weights"] == pytest.approx(t["full"]["batches"]["4"]["expert_bytes_per_step"])
+    assert split["full"]["state"] == 0 and split["full"]["kv"] > 0 and split["pruned"]["union"] <= kept
     # a timing bar: its structure is checked, its outcome only reported
     for b, bar in r["bars"]["colocated_reaches_95pct_of_pruned"].items():
         assert b in ("1", "4") and bar["ratio"] == pytest.approx(bar["slimwise"] / bar["pruned"])
