@@ -820,12 +820,9 @@ def plot_bench(result: dict, path: str | Path) -> Path:
     c = result["config"]
     fig.suptitle(f"{result['model_name']}: {int(round(result['plan']['ratio'] * 100))}% experts pruned, "
                  f"prompt {c['prompt_len']}, output {c['output_len']}, {c['repetitions']} rounds", fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    from slimwise.perf.roofline import save_figure
+
+    return save_figure(fig, path)
 
 
 def _jsonable(x):

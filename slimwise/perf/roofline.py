@@ -529,6 +529,18 @@ def format_table(preds: list[StepPrediction]) -> str:
     return "\n".join(lines)
 
 
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write (parents created) and close a matplotlib figure: the one ending of every SlimWise plot."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_speedup(curves: dict[str, list[StepPrediction]], path: str | Path, title: str = "",
                  reference: float | None = None, reference_label: str = "paper",
                  ceiling: float | None = None) -> Path:
@@ -562,9 +574,4 @@ def plot_speedup(curves: dict[str, list[StepPrediction]], path: str | Path, titl
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

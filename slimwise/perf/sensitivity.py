@@ -30,6 +30,7 @@ from slimwise.perf.roofline import (
     expected_union,
     kept_experts,
     predict,
+    save_figure,
     weights_only_limit,
 )
 
@@ -263,12 +264,7 @@ def plot_sensitivity(rc: RooflineConfig, curves: dict[str, list], rows: list[Sen
     bx.grid(alpha=0.3, which="both")
     bx.legend(fontsize=6.5, loc="upper left")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 __all__ = ["Scenario", "SensitivityRow", "batch_floor", "budget", "default_scenarios", "format_sensitivity",
