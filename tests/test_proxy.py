@@ -1,19 +1,26 @@
-"""The disaggregated proxy's failure path, without engines: a real socket stands in for an instance mid-shutdown.
+"""The disaggregated proxy without engines: real localhost listeners stand in for the vLLM instances.
 
-The end-to-end checks (real vLLM instances, one killed) live in test_vllm_serve.py; this one pins the race
-that made them slow: a request already waiting on the surviving instance when the other one dies.
+The end-to-end checks (real vLLM instances, one killed, the load test) live in test_vllm_serve.py; these pin the
+proxy's own behaviour: the race that made them slow (a request already waiting on the surviving instance when the
+other one dies), malformed input refused with a 400 JSON error before anything is forwarded, instances' 4xx
+answers passed through unchanged, the KV folder deleted on every path, connection retries and back-pressure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import socket
+import time
+from pathlib import Path
 
 import httpx
+import pytest
 
-from slimwise.serving.proxy import build_app
+from slimwise.serving import proxy
+from slimwise.serving.proxy import KVFolders, build_app, kv_folder
 
 
 def test_proxy_fails_fast_when_an_instance_exits_mid_request():
@@ -97,3 +104,363 @@ def test_proxy_stream_ends_when_an_instance_exits_mid_stream():
               if line.startswith("data: ") and line != "data: [DONE]"]
     assert [e["choices"][0]["text"] for e in events[:2]] == ["A", "B"]  # the full model's token, then the decoder's
     assert events[2] == {"error": {"message": "prefill instance exited with code -9; restart slimwise serve"}}
+
+
+# ----- fake instances that record what the proxy forwards --------------------------------------------------------
+PROMPT_IDS = [5, 6]
+PREFILL_OK = {"model": "m", "prompt_token_ids": PROMPT_IDS,
+              "choices": [{"text": "A", "token_ids": [7], "finish_reason": "length"}]}
+DECODE_OK = {"model": "m", "choices": [{"text": "BC", "token_ids": [8, 9], "finish_reason": "length"}],
+             "usage": {"completion_tokens": 2}}
+DECODE_EVENTS = [{"choices": [{"text": "B", "finish_reason": None}]}, {"choices": [{"text": "C", "finish_reason": "length"}]}]
+
+
+class Instance:
+    """A real HTTP/1.1 listener on localhost for one vLLM instance: records (path, JSON body) of every request and
+    answers `await respond(path, body)` -> (status, payload): a dict is sent as JSON, a list as SSE events, bytes
+    as they are. One request per connection (`connection: close`)."""
+
+    def __init__(self, respond=None) -> None:
+        self.respond = respond or (lambda path, body: None)
+        self.requests: list[tuple[str, dict]] = []
+        self.active = self.peak = 0
+
+    async def start(self, port: int = 0) -> Instance:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", port)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            body = json.loads(await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1))))
+            path = head.split(b" ")[1].decode()
+            self.requests.append((path, body))
+            self.active += 1
+            self.peak = max(self.peak, self.active)
+            try:
+                status, payload = await self.respond(path, body)
+            finally:
+                self.active -= 1
+            if isinstance(payload, list):
+                kind, data = b"text/event-stream", b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in payload)
+                data += b"data: [DONE]\n\n"
+            else:
+                kind, data = b"application/json", payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+                         % (status, kind, len(data), data))
+            await writer.drain()
+        finally:
+            writer.close()
+
+
+def prefill_storing(kv_dir: Path | None, payload: dict = PREFILL_OK, status: int = 200, store_from: int = 1):
+    """A prefill instance that answers `payload`; from its `store_from`-th request on, its 'connector' writes the
+    prompt's KV folder as SlimWiseConnector does."""
+    calls = []
+
+    async def respond(path, body):
+        calls.append(body)
+        if kv_dir is not None and status == 200 and len(calls) >= store_from:
+            folder = kv_folder(kv_dir, PROMPT_IDS)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "model.layers.0.self_attn.attn.safetensors").write_bytes(b"k" * 1000)
+        return status, payload
+
+    return respond
+
+
+def decode_answering(status: int = 200, payload=DECODE_OK, delay: float = 0.0):
+    async def respond(path, body):
+        await asyncio.sleep(delay)
+        if body.get("stream") and status == 200:
+            return status, DECODE_EVENTS
+        return status, payload
+
+    return respond
+
+
+def run_proxy(prefill_respond, decode_respond, calls, kv_dir=None, **kwargs):
+    """Start both instances and the proxy app; `await calls(client, prefill, decode)`'s result."""
+
+    async def main():
+        prefill = await Instance(prefill_respond).start()
+        decode = await Instance(decode_respond).start()
+        app = build_app(prefill.url, decode.url, str(kv_dir) if kv_dir else None, **kwargs)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy",
+                                         timeout=60) as client:
+                return await calls(client, prefill, decode)
+        finally:
+            prefill.server.close()
+            decode.server.close()
+
+    return asyncio.run(main())
+
+
+def sse(text: str) -> list:
+    lines = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ----- malformed input: 400 with a JSON error, nothing forwarded ----------------------------------------------------
+MALFORMED = [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", b'"a string"'),
+    ("/v1/completions", b"null"),
+    ("/v1/completions", b""),
+    ("/v1/completions", b"   "),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 1e400}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "abc"}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": -5}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 2.5}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0, "stream": true}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}'),
+    ("/v1/completions", b'{"prompt": "x", "temperature": Infinity}'),
+    ("/v1/completions", b'{"prompt": "x", "top_p": -1e999}'),
+    ("/v1/completions", b'{"prompt": "x", "n": "x"}'),
+    ("/v1/completions", b'{"prompt": "x", "n": 2}'),
+    ("/v1/completions", b'{"prompt": "\xff\xfe x"}'),
+    ("/v1/completions", b'{"prompt": "\\ud800"}'),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}'),
+    ("/v1/completions", b'{"prompt": ["a", "b"]}'),
+    ("/v1/completions", b'{"prompt": [1, -2]}'),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 9' + b"9" * 5000 + b"}"),
+    ("/v1/completions", b"[" * 100_000),
+    ("/v1/chat/completions", b'{"messages": "hi"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "abc"}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
+]
+
+
+@pytest.mark.parametrize(("path", "raw"), MALFORMED, ids=[f"{i}-{raw[:40]!r}" for i, (_, raw) in enumerate(MALFORMED)])
+def test_malformed_input_gets_400_json_and_is_not_forwarded(path, raw):
+    async def calls(client, prefill, decode):
+        r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+        return r, prefill.requests + decode.requests
+
+    r, forwarded = run_proxy(prefill_storing(None), decode_answering(), calls)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == 400 and error["type"] == "invalid_request_error" and error["message"], error
+    assert forwarded == []
+
+
+def test_max_tokens_semantics_follow_vllm():
+    """vLLM's server: max_tokens must be an integer >= 1 (messages name the field); "5" is an integer to it."""
+
+    async def calls(client, prefill, decode):
+        out = {}
+        for value in (-5, 0, 2.5, "5", 3):
+            out[repr(value)] = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": value})
+        return out, decode.requests
+
+    out, decoded = run_proxy(prefill_storing(None), decode_answering(), calls)
+    assert out["-5"].json()["error"]["message"] == "max_tokens must be at least 1, got -5."
+    assert out["0"].json()["error"]["message"] == "max_tokens must be at least 1, got 0."
+    assert out["2.5"].status_code == 400 and "max_tokens" in out["2.5"].json()["error"]["message"]
+    assert out["'5'"].status_code == 200 and out["3"].status_code == 200
+    assert [body["max_tokens"] for _, body in decoded] == [4, 2]  # t1 came from the prefill instance
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_ending_at_the_first_token_is_still_sse(chat):
+    """stream: true with max_tokens 1 is answered as a stream (vLLM does), not as one JSON object."""
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                  if chat else ("/v1/completions", {"prompt": "x", "max_tokens": 1}))
+    payload = PREFILL_OK
+    if chat:
+        payload = {**PREFILL_OK, "choices": [{"message": {"role": "assistant", "content": "A"}, "token_ids": [7],
+                                              "finish_reason": "length"}]}
+
+    async def calls(client, prefill, decode):
+        return await client.post(path, json={**body, "stream": True}), decode.requests
+
+    r, decoded = run_proxy(prefill_storing(None, payload), decode_answering(), calls)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r.text)
+    if chat:
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "A"}
+    else:
+        assert events[0]["choices"][0]["text"] == "A"
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and decoded == []
+
+
+# ----- upstream answers and the KV folder -----------------------------------------------------------------------------
+VLLM_400 = {"error": {"message": "This model's maximum context length is 128 tokens.", "type": "BadRequestError",
+                      "param": "max_tokens", "code": 400}}
+VLLM_404 = {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model",
+                      "code": 404}}
+
+
+@pytest.mark.parametrize("status,answer", [(400, VLLM_400), (404, VLLM_404)])
+def test_prefill_4xx_passes_through_unchanged(status, answer):
+    async def calls(client, prefill, decode):
+        return await client.post("/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 4}), decode.requests
+
+    r, decoded = run_proxy(prefill_storing(None, answer, status), decode_answering(), calls)
+    assert (r.status_code, r.json()) == (status, answer) and decoded == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_4xx_passes_through_and_the_kv_folder_goes(tmp_path, stream):
+    """Prefill stored the prompt's KV, then the decode instance refused the request: the client gets the decode
+    instance's answer unchanged and the folder is deleted (it leaked 908 KB a request)."""
+
+    async def calls(client, prefill, decode):
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": stream})
+
+    r = run_proxy(prefill_storing(tmp_path), decode_answering(400, VLLM_400), calls, kv_dir=tmp_path)
+    assert (r.status_code, r.json()) == (400, VLLM_400)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_kv_folder_goes_after_success_and_when_decode_is_unreachable(tmp_path, monkeypatch, stream):
+    monkeypatch.setattr(proxy, "RETRY_BACKOFF_S", 0.01)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def calls(client, prefill, decode):
+        body = {"prompt": "x", "max_tokens": 3, "stream": stream}
+        ok = await client.post("/v1/completions", json=body)
+        left_after_ok = os.listdir(tmp_path)
+        app = build_app(prefill.url, dead, str(tmp_path))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as other:
+            failed = await other.post("/v1/completions", json=body)
+        return ok, left_after_ok, failed
+
+    ok, left_after_ok, failed = run_proxy(prefill_storing(tmp_path), decode_answering(), calls, kv_dir=tmp_path)
+    assert ok.status_code == 200 and left_after_ok == []
+    text = "".join(e["choices"][0]["text"] for e in sse(ok.text)) if stream else ok.json()["choices"][0]["text"]
+    assert text == "ABC"
+    assert failed.status_code == 503 and "decode instance" in failed.json()["error"]["message"]
+    assert os.listdir(tmp_path) == []  # the request never reached the decode instance: deleted at once
+
+
+def test_prefill_again_when_the_folder_was_deleted_under_it(tmp_path):
+    """Same prompt in flight twice: a prefill that found the folder stored wrote nothing, and the other request
+    deleted it before this one held it. The proxy sees it missing and prefills again (which stores it)."""
+
+    async def calls(client, prefill, decode):
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}), len(prefill.requests)
+
+    r, prefills = run_proxy(prefill_storing(tmp_path, store_from=2), decode_answering(), calls, kv_dir=tmp_path)
+    assert r.status_code == 200 and prefills == 2 and os.listdir(tmp_path) == []
+
+
+def test_client_cannot_steer_the_connector():
+    steering = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]},
+                "ec_transfer_params": {"x": 1}, "request_id": "mine",
+                "vllm_xargs": {"kv_transfer_params": "do_remote_decode", "mine": 1}}
+
+    async def calls(client, prefill, decode):
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, **steering})
+        return r, prefill.requests + decode.requests
+
+    r, forwarded = run_proxy(prefill_storing(None), decode_answering(), calls)
+    assert r.status_code == 200 and len(forwarded) == 2
+    for _, body in forwarded:
+        assert not {"kv_transfer_params", "ec_transfer_params", "request_id"} & set(body)
+    assert forwarded[0][1]["vllm_xargs"] == {"mine": 1}
+
+
+# ----- load: retries and back-pressure ------------------------------------------------------------------------------
+def test_connection_refused_at_first_is_retried(monkeypatch):
+    """An instance that cannot take the connection yet (here: not listening for 0.5 s) gets the request on a retry;
+    a connection never made carries no request, so the retry cannot run it twice."""
+    monkeypatch.setattr(proxy, "RETRY_BACKOFF_S", 0.2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        prefill = await Instance(prefill_storing(None)).start()
+        app = build_app(prefill.url, f"http://127.0.0.1:{port}")
+        late = Instance(decode_answering())
+
+        async def listen_late():
+            await asyncio.sleep(0.5)
+            await late.start(port)
+
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                _, r = await asyncio.gather(listen_late(), client.post("/v1/completions",
+                                                                       json={"prompt": "x", "max_tokens": 3}))
+                return r, len(late.requests)
+        finally:
+            prefill.server.close()
+            if hasattr(late, "server"):
+                late.server.close()
+
+    r, decoded = asyncio.run(main())
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ABC" and decoded == 1
+
+
+def test_requests_beyond_the_upstream_limit_wait_in_the_proxy():
+    """64 concurrent requests, at most 4 in flight to each instance: none fails, none is lost."""
+
+    async def calls(client, prefill, decode):
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+                                    for _ in range(64)))
+        return rs, prefill.peak, decode.peak
+
+    async def slow_prefill(path, body):
+        await asyncio.sleep(0.02)
+        return 200, PREFILL_OK
+
+    rs, prefill_peak, decode_peak = run_proxy(slow_prefill, decode_answering(delay=0.05), calls, upstream_concurrency=4)
+    assert [r.status_code for r in rs] == [200] * 64
+    assert 1 < prefill_peak <= 4 and 1 < decode_peak <= 4
+
+
+# ----- the KV directory's bookkeeping ---------------------------------------------------------------------------------
+def _store(kv_dir: Path, ids: list[int], size: int = 1000) -> Path:
+    folder = kv_folder(kv_dir, ids)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "layer.safetensors").write_bytes(b"k" * size)
+    return folder
+
+
+def test_kv_folders_are_reference_counted_swept_and_capped(tmp_path):
+    kv = KVFolders(tmp_path, max_bytes=1500, stale_s=600)
+    assert not kv.acquire([1, 2])  # nothing stored: the caller prefills again
+    kv.release([1, 2])
+    a = _store(tmp_path, [1, 2])
+    assert kv.acquire([1, 2]) and kv.acquire([1, 2])  # two requests with the same prompt
+    kv.release([1, 2])
+    assert a.is_dir()  # the other one still decodes from it
+    kv.release([1, 2], now=False)  # an abandoned request: the folder waits out the grace period
+    assert a.is_dir() and kv.deferred
+    kv.deferred[a] = 0.0
+    kv.sweep()
+    assert not a.exists()
+    b, c = _store(tmp_path, [3]), _store(tmp_path, [4])
+    assert kv.acquire([4])
+    assert "over its cap" in kv.over_cap()  # 2000 bytes > 1500
+    past = time.time() - 3600
+    os.utime(b, (past, past))
+    os.utime(c, (past, past))
+    kv.measured = float("-inf")
+    assert kv.over_cap() is None  # b was stale and unheld: swept; c is held
+    assert not b.exists() and c.is_dir()
+    kv.discard([4])
+    assert c.is_dir()  # held: discard leaves it to the holder
+    kv.release([4])
+    assert os.listdir(tmp_path) == []
+
+
+def test_kv_directory_over_its_cap_refuses_new_requests(tmp_path):
+    _store(tmp_path, [9, 9], size=5000)
+
+    async def calls(client, prefill, decode):
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}), prefill.requests
+
+    r, forwarded = run_proxy(prefill_storing(tmp_path), decode_answering(), calls, kv_dir=tmp_path, kv_dir_max_bytes=4096)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1" and forwarded == []
+    assert "over its cap" in r.json()["error"]["message"]

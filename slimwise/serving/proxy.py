@@ -5,53 +5,337 @@ the full model's first token t1 (vLLM's `return_token_ids`); its connector store
 token; (2) the decode instance gets prompt P + [t1] as token ids and max_tokens-1: its connector loads the
 full model's KV for P, it computes t1 with the pruned weights and generates the rest. The client sees one
 completion. A missing instance answers 503 with the URL at fault, never a hang.
+
+Client input is checked before anything is forwarded, with vLLM's own request models (the same types and
+limits as vLLM's server) plus strict JSON: a malformed request gets a 400 with an OpenAI-style JSON error, and
+an instance's own 4xx answer reaches the client unchanged. Fields that steer the KV connector
+(`kv_transfer_params`, ...) are the proxy's business and are dropped from client requests. Each prompt's KV
+folder in the shared directory is reference-counted and deleted on every path (see `KVFolders`), and the
+directory has a size cap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import math
+import os
 import shutil
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+# connect: an instance under load (hundreds of connections at once on 2 cores) can take seconds to accept;
+# 5 s lost a request at concurrency 256 while the instance was healthy. pool: waiting for a connection is
+# bounded by the per-instance semaphore instead. keepalive_expiry stays below uvicorn's 5 s keep-alive, so the
+# proxy never sends a request on a connection the instance is closing (that failure is not safe to retry).
+TIMEOUT = httpx.Timeout(600.0, connect=30.0, pool=None)
+KEEPALIVE_S = 3.0
+CONNECT_RETRIES = 4  # connection never made: the request was not sent, so retrying is safe
+RETRY_BACKOFF_S = 0.25  # doubles per retry: 0.25 + 0.5 + 1 + 2 s at most
+UPSTREAM_CONCURRENCY = 128  # requests in flight to each instance; more wait in the proxy (back-pressure)
 DOWN_POLL_S = 0.25  # how often an in-flight request checks whether the supervisor saw an instance exit
+MAX_BODY_BYTES = 32 << 20  # a larger request body gets 413 before it is read into memory
+KV_DIR_MAX_BYTES = 4 << 30  # default cap of the shared KV directory (slimwise serve --kv-dir-max-gb)
+KV_STALE_S = 1800.0  # an unreferenced folder this old belongs to no request the proxy still waits on
+KV_GRACE_S = 30.0  # after an abnormal end: time for the decode instance to drop the aborted request
+KV_SCAN_S = 1.0  # the directory's size is measured at most this often
+# connector-steering fields: set by the proxy only (NIXL transfer params), never taken from a client
+STRIPPED = ("kv_transfer_params", "ec_transfer_params", "request_id")
 
 
 def kv_folder(kv_dir: str | Path, token_ids: list[int]) -> Path:
     """Where ExampleConnector-style storage keeps a prompt's KV (same hash as the connector)."""
     from vllm.utils.hashing import safe_hash
 
-    digest = safe_hash(torch.tensor(token_ids).numpy().tobytes(), usedforsecurity=False).hexdigest()
+    digest = safe_hash(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes(), usedforsecurity=False).hexdigest()
     return Path(kv_dir) / digest
 
 
-def _error(status: int, message: str, kind: str = "service_unavailable") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def _error(status: int, message: str, kind: str = "service_unavailable", param: str | None = None,
+           headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
+                        status_code=status, headers=headers)
 
 
 class Unavailable(Exception):
-    pass
+    """An instance that cannot answer: 503. `sent` False: the request never reached it (no connection)."""
+
+    def __init__(self, message: str, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
 
 
+class BadRequest(Exception):
+    """A client error found by the proxy itself: 400 with an OpenAI-style JSON body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+    def response(self) -> JSONResponse:
+        return _error(self.status, str(self), "invalid_request_error" if self.status == 400 else "request_too_large",
+                      self.param)
+
+
+class Upstream(Exception):
+    """An instance's own 4xx answer (prompt too long, unknown model, ...): passed to the client unchanged."""
+
+    def __init__(self, response: httpx.Response, content: bytes) -> None:
+        super().__init__(f"{response.status_code}")
+        self.status, self.content = response.status_code, content
+        self.media_type = response.headers.get("content-type", "application/json")
+
+    def response(self) -> Response:
+        return Response(self.content, status_code=self.status, media_type=self.media_type)
+
+
+# ----- request checks ------------------------------------------------------------------------------------------
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def _check_text(value, path: str = "body") -> None:
+    """Every string must be encodable: a lone surrogate ("\\ud800") parses but cannot be forwarded."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(f"{path} holds an unpaired surrogate (\\u{ord(value[exc.start]):04x}); send valid "
+                             "Unicode", path.removeprefix("body.")) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_text(item, f"{path}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or BadRequest: strict JSON (no NaN/Infinity, no number that overflows to
+    infinity such as 1e400), UTF-8, no lone surrogates."""
+    if not raw.strip():
+        raise BadRequest("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
+    try:
+        body = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except (ValueError, RecursionError) as exc:  # _finite/_no_constant, an over-long integer, nesting too deep
+        raise BadRequest(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(body), "null")
+        raise BadRequest(f"the request body must be a JSON object, not a JSON {kind}")
+    try:
+        _check_text(body)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    return body
+
+
+def _validation_message(exc: Exception) -> tuple[str, str | None]:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        found = errors(include_url=False)
+        if found:
+            first = found[0]
+            loc = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith(("function-", "list[", "str")))
+            more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+            return f"{loc or 'body'}: {first.get('msg', 'invalid')}{more}", loc or None
+    return str(exc)[:500], getattr(exc, "parameter", None)
+
+
+def check_request(body: dict, chat: bool) -> tuple[int | None, bool]:
+    """(max_tokens or None when the client set none, stream) after vLLM's own validation, or BadRequest.
+
+    Mirrors vLLM's OpenAI server: the request model types every field (max_tokens 2.5 or "abc", n "x" are
+    refused), SamplingParams refuses max_tokens < 1 (0 included: vLLM answers 400 "max_tokens must be at least
+    1, got 0."), and the proxy's own limits come on top (one prompt, n = 1, no prompt embeddings)."""
+    import warnings
+
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
+    else:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # chat's max_tokens, deprecated yet accepted
+            req = Model.model_validate(body)
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError and vLLM's VLLMValidationError are ValueErrors
+        message, param = _validation_message(exc)
+        raise BadRequest(message, param) from None
+    if chat:
+        max_tokens, param = ((req.max_completion_tokens, "max_completion_tokens") if req.max_completion_tokens is not None
+                             else (req.max_tokens, "max_tokens"))
+    else:
+        max_tokens, param = req.max_tokens, "max_tokens"
+        prompt = req.prompt
+        if req.prompt_embeds is not None:
+            raise BadRequest("the disaggregated proxy takes token or text prompts, not prompt_embeds", "prompt_embeds")
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
+        if not single:
+            raise BadRequest("the disaggregated proxy takes one prompt per request (a string or a token-id list); "
+                             "send batches as separate requests", "prompt")
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"{param} must be at least 1, got {max_tokens}.", param)
+    if req.n != 1:
+        raise BadRequest("n > 1 is not supported by the disaggregated proxy", "n")
+    return max_tokens, bool(req.stream)
+
+
+def strip_client_steering(body: dict) -> dict:
+    """The request without fields that steer the KV connector: only the proxy sets them."""
+    body = {k: v for k, v in body.items() if k not in STRIPPED}
+    if isinstance(body.get("vllm_xargs"), dict):  # vLLM copies kv_transfer_params from there into the request too
+        body["vllm_xargs"] = {k: v for k, v in body["vllm_xargs"].items() if k not in STRIPPED}
+    return body
+
+
+# ----- the shared KV directory ---------------------------------------------------------------------------------
+class KVFolders:
+    """Lifetime of the per-prompt folders in the shared-directory connector's storage.
+
+    A folder is keyed by the prompt's token ids, so concurrent requests with the same prompt share it: it is
+    reference-counted from the moment its prefill answered until its decode request ended, and deleted when the
+    last holder lets go -- at once after a normal end or a decode rejection (the decode instance no longer needs
+    it), after KV_GRACE_S when the decode request was abandoned (timeout, client gone: the instance may still be
+    about to load it). Deleting renames the folder first (atomic), so a prefill instance that finds no folder
+    writes a fresh one undisturbed; a prefill that found the folder just before it went stored nothing, which
+    `acquire` detects (the folder is missing) and the proxy answers by prefilling again. Folders nobody holds that
+    are older than KV_STALE_S (a prefill answer that never arrived, a crashed proxy) are swept, and new requests
+    get 503 while the directory is over `max_bytes`.
+    """
+
+    def __init__(self, kv_dir: str | Path, max_bytes: int = KV_DIR_MAX_BYTES, stale_s: float = KV_STALE_S) -> None:
+        self.dir, self.max_bytes, self.stale_s = Path(kv_dir), max_bytes, stale_s
+        self.refs: Counter[Path] = Counter()
+        self.deferred: dict[Path, float] = {}  # folder -> when it may go
+        self.usage, self.measured = 0, -math.inf
+
+    def acquire(self, token_ids: list[int]) -> bool:
+        """Hold the prompt's folder; True when it holds the stored KV."""
+        folder = kv_folder(self.dir, token_ids)
+        self.refs[folder] += 1
+        self.deferred.pop(folder, None)
+        with contextlib.suppress(OSError):
+            return any(name.endswith(".safetensors") for name in os.listdir(folder))
+        return False
+
+    def release(self, token_ids: list[int], now: bool = True) -> None:
+        folder = kv_folder(self.dir, token_ids)
+        self.refs[folder] -= 1
+        if self.refs[folder] > 0:
+            return
+        del self.refs[folder]
+        if now:
+            self._delete(folder)
+        else:
+            self.deferred[folder] = time.monotonic() + KV_GRACE_S
+
+    def discard(self, token_ids: list[int]) -> None:
+        """A prompt that never reaches the decode instance (finished at t1): delete its folder unless held."""
+        folder = kv_folder(self.dir, token_ids)
+        if not self.refs[folder]:  # a Counter lookup adds no key
+            self.deferred.pop(folder, None)
+            self._delete(folder)
+
+    def _delete(self, folder: Path) -> None:
+        doomed = folder.with_name(f".deleting-{folder.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(folder, doomed)
+        except OSError:
+            return  # already gone
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    def over_cap(self) -> str | None:
+        """A message when the directory is over its cap (measured at most every KV_SCAN_S, sweeping as it goes)."""
+        now = time.monotonic()
+        if now - self.measured >= KV_SCAN_S:
+            self.measured, self.usage = now, self.sweep()
+        if self.usage > self.max_bytes:
+            return (f"the shared KV directory {self.dir} holds {self.usage / 2**20:.0f} MiB, over its cap of "
+                    f"{self.max_bytes / 2**20:.0f} MiB (slimwise serve --kv-dir-max-gb); retry shortly")
+        return None
+
+    def sweep(self) -> int:
+        """Delete deferred folders whose grace ran out and stale unheld folders; the bytes that remain."""
+        now, wall = time.monotonic(), time.time()
+        for folder, when in list(self.deferred.items()):
+            if when <= now:
+                del self.deferred[folder]
+                if not self.refs[folder]:
+                    self._delete(folder)
+        total = 0
+        with contextlib.suppress(OSError), os.scandir(self.dir) as entries:
+            for entry in entries:
+                with contextlib.suppress(OSError):
+                    if not entry.is_dir(follow_symlinks=False):
+                        continue
+                    folder = Path(entry.path)
+                    if entry.name.startswith(".deleting-"):  # renamed by a delete that did not finish
+                        shutil.rmtree(folder, ignore_errors=True)
+                        continue
+                    if not self.refs[folder] and folder not in self.deferred and \
+                            wall - entry.stat().st_mtime > self.stale_s:
+                        self._delete(folder)
+                        continue
+                    with os.scandir(folder) as files:
+                        total += sum(f.stat().st_size for f in files if f.is_file(follow_symlinks=False))
+        return total
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer that runs `close()` once it ends, also when the client left before its first byte (a
+    generator's own `finally` never runs if it never started)."""
+
+    def __init__(self, content, close: Callable) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.close()
+
+
+# ----- the app -------------------------------------------------------------------------------------------------
 def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl: bool = False,
-              down: Callable[[], str | None] = lambda: None) -> FastAPI:
+              down: Callable[[], str | None] = lambda: None, kv_dir_max_bytes: int = KV_DIR_MAX_BYTES,
+              upstream_concurrency: int = UPSTREAM_CONCURRENCY) -> FastAPI:
     """The proxy app. nixl=True asks the prefill instance for remote-decode transfer params (NixlConnector).
 
     `down()` names a supervised instance that exited (None while all run): `slimwise serve` stops the other
     instance then, so without it a request caught in that shutdown would blame the instance being stopped.
+    At most `upstream_concurrency` requests are in flight to each instance; more wait in the proxy.
     """
     app = FastAPI(title="SlimWise PD proxy")
-    client = httpx.AsyncClient(timeout=TIMEOUT)
-    stats = {"requests": 0, "first_tokens_from_prefill": 0}
+    limits = httpx.Limits(max_connections=2 * upstream_concurrency + 16,
+                          max_keepalive_connections=2 * upstream_concurrency, keepalive_expiry=KEEPALIVE_S)
+    client = httpx.AsyncClient(timeout=TIMEOUT, limits=limits)
+    slots = {"prefill": asyncio.Semaphore(upstream_concurrency), "decode": asyncio.Semaphore(upstream_concurrency)}
+    kv = KVFolders(kv_dir, kv_dir_max_bytes) if kv_dir else None
+    stats = {"requests": 0, "first_tokens_from_prefill": 0, "connect_retries": 0}
+    base_of = {"prefill": prefill_url, "decode": decode_url}
 
     async def guarded(awaitable):
         """`awaitable`'s result, raced against down(): when one instance dies, the supervisor stops the other,
@@ -65,63 +349,69 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         finally:
             call.cancel()
 
-    async def post(base: str, path: str, body: dict, role: str) -> dict:
+    async def send(role: str, path: str, body: dict, stream: bool = False) -> httpx.Response:
+        """POST to an instance (the caller holds one of its slots), retrying only connections never made;
+        a non-200 answer is read and raised: Upstream for 4xx, Unavailable otherwise."""
+        base = base_of[role]
+        for attempt in range(CONNECT_RETRIES + 1):
+            try:
+                r = await guarded(client.send(client.build_request("POST", base + path, json=body), stream=stream))
+                break
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt == CONNECT_RETRIES or down():
+                    raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})",
+                                      sent=False) from exc
+                stats["connect_retries"] += 1
+                await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
+            except httpx.HTTPError as exc:
+                raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
+        if r.status_code == 200:
+            return r
         try:
-            r = await guarded(client.post(base + path, json=body))
+            content = await guarded(r.aread())
         except httpx.HTTPError as exc:
-            raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
-        if r.status_code != 200:
-            raise Unavailable(f"{role} instance at {base} answered {r.status_code}: {r.text[:300]}")
-        return r.json()
+            raise Unavailable(f"{role} instance at {base} answered {r.status_code}, then failed") from exc
+        finally:
+            await r.aclose()
+        if 400 <= r.status_code < 500:
+            raise Upstream(r, content)
+        raise Unavailable(f"{role} instance at {base} answered {r.status_code}: {content[:300].decode(errors='replace')}")
 
-    def cleanup(prompt_ids: list[int]) -> None:
-        if kv_dir:
-            shutil.rmtree(kv_folder(kv_dir, prompt_ids), ignore_errors=True)
+    async def post(role: str, path: str, body: dict) -> dict:
+        async with slots[role]:
+            r = await send(role, path, body)
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise Unavailable(f"{role} instance at {base_of[role]} answered 200 without JSON") from exc
 
     async def prefill(body: dict, path: str) -> tuple[list[int], int, str, str | None, dict]:
-        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n")}
+        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n", "max_completion_tokens",
+                                                          "min_tokens")}
         pre.update(max_tokens=1, return_token_ids=True)
         if nixl:
             pre["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        pre.pop("max_completion_tokens", None)
-        out = await post(prefill_url, path, pre, "prefill")
-        choice = out["choices"][0]
-        prompt_ids = list(out.get("prompt_token_ids") or choice.get("prompt_token_ids") or [])
-        tokens = list(choice.get("token_ids") or [])
-        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        out = await post("prefill", path, pre)
+        try:
+            choice = out["choices"][0]
+            prompt_ids = [int(t) for t in out.get("prompt_token_ids") or choice.get("prompt_token_ids") or []]
+            tokens = list(choice.get("token_ids") or [])
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise Unavailable(f"prefill instance at {prefill_url} gave an unexpected answer "
+                              f"({type(exc).__name__}: {exc})") from exc
         return prompt_ids, tokens[0] if tokens else -1, text or "", choice.get("finish_reason"), out
 
     def decode_body(body: dict, prompt_ids: list[int], t1: int, remaining: int) -> dict:
         keep = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                 "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                "stream", "stream_options", "model", "min_tokens")
+                "stream", "stream_options", "model")
         dec = {k: v for k, v in body.items() if k in keep}
         dec.update(prompt=[*prompt_ids, t1], max_tokens=remaining, return_token_ids=True)
+        if isinstance(body.get("min_tokens"), int) and body["min_tokens"] > 1:  # t1 was the first of them
+            dec["min_tokens"] = body["min_tokens"] - 1
         return dec
-
-    async def complete(body: dict, chat: bool):
-        stats["requests"] += 1
-        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-        prompt_ids, t1, t1_text, finish, pre = await prefill(body, "/v1/chat/completions" if chat else "/v1/completions")
-        stats["first_tokens_from_prefill"] += 1
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        model = body.get("model") or pre.get("model")
-        if max_tokens <= 1 or finish == "stop" or t1 < 0:
-            cleanup(prompt_ids)
-            return None, _finish(chat, rid, model, t1_text, finish or "length", len(prompt_ids), 1, [t1])
-        dec = decode_body(body, prompt_ids, t1, max_tokens - 1)
-        if pre.get("kv_transfer_params"):  # NIXL-style connectors hand the decode side the remote block ids
-            dec["kv_transfer_params"] = pre["kv_transfer_params"]
-        if body.get("stream"):
-            return dec, (prompt_ids, t1, t1_text, rid, model)
-        out = await post(decode_url, "/v1/completions", dec, "decode")
-        cleanup(prompt_ids)
-        choice = out["choices"][0]
-        usage = out.get("usage") or {}
-        return None, _finish(chat, rid, model, t1_text + choice["text"], choice.get("finish_reason"),
-                             len(prompt_ids), 1 + int(usage.get("completion_tokens", 0)),
-                             [t1, *(choice.get("token_ids") or [])])
 
     def _finish(chat, rid, model, text, reason, n_prompt, n_completion, token_ids):
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
@@ -137,67 +427,150 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
                              "choices": [choice], "usage": usage})
 
-    async def stream(dec: dict, prompt_ids, t1_text: str, rid: str, model: str, chat: bool):
-        def chunk(text: str | None, reason: str | None, first: bool = False) -> str:
-            if chat:
-                delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
-                payload = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                           "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-            else:
-                payload = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-                           "choices": [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]}
-            return f"data: {json.dumps(payload)}\n\n"
+    def chunk(chat: bool, rid: str, model: str, text: str | None, reason: str | None, first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
+            payload = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+        else:
+            payload = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+                       "choices": [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]}
+        return f"data: {json.dumps(payload)}\n\n"
 
-        yield chunk(t1_text, None, first=True)
+    async def first_only(chat: bool, rid: str, model: str, text: str, reason: str):
+        """A stream that ends at t1 (max_tokens 1, a stop at t1): still SSE, as vLLM answers a stream."""
+        yield chunk(chat, rid, model, text, None, first=True)
+        yield chunk(chat, rid, model, None, reason)
+        yield "data: [DONE]\n\n"
+
+    async def relay(r: httpx.Response, t1_text: str, rid: str, model: str, chat: bool, state: dict):
+        """t1's chunk, then the decode instance's stream; `state["ended"]` once the instance finished it."""
         try:
-            async with client.stream("POST", decode_url + "/v1/completions", json=dec) as r:
-                if r.status_code != 200:
-                    body = (await r.aread()).decode()[:300]
-                    yield f"data: {json.dumps({'error': {'message': f'decode instance answered {r.status_code}: {body}'}})}\n\n"
-                    return
-                lines = r.aiter_lines()
-                while True:
-                    try:
-                        line = await guarded(lines.__anext__())
-                    except StopAsyncIteration:
-                        break
-                    if not line.startswith("data: ") or line.strip() == "data: [DONE]":
-                        continue
+            yield chunk(chat, rid, model, t1_text, None, first=True)
+            lines = r.aiter_lines()
+            while True:
+                try:
+                    line = await guarded(lines.__anext__())
+                except StopAsyncIteration:
+                    break
+                if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+                    continue
+                try:
                     part = json.loads(line[6:])
-                    for c in part.get("choices", []):
-                        yield chunk(c.get("text"), c.get("finish_reason"))
+                except ValueError:
+                    continue
+                for c in part.get("choices", []):
+                    yield chunk(chat, rid, model, c.get("text"), c.get("finish_reason"))
+                if "error" in part:
+                    yield f"data: {json.dumps({'error': part['error']})}\n\n"
+            state["ended"] = True
         except httpx.HTTPError as exc:
             msg = f"decode instance at {decode_url} failed mid-stream ({type(exc).__name__})"
             yield f"data: {json.dumps({'error': {'message': msg}})}\n\n"
         except Unavailable as exc:  # the supervisor saw an instance exit while the stream waited
             yield f"data: {json.dumps({'error': {'message': f'{exc}; restart slimwise serve'}})}\n\n"
-        finally:
-            cleanup(prompt_ids)
         yield "data: [DONE]\n\n"
 
+    async def complete(body: dict, chat: bool, max_tokens: int | None, streaming: bool):
+        stats["requests"] += 1
+        max_tokens = 16 if max_tokens is None else max_tokens
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        for attempt in range(3):
+            prompt_ids, t1, t1_text, finish, pre = await prefill(body, path)
+            done = max_tokens <= 1 or finish == "stop" or t1 < 0
+            if kv is None or done:
+                held = False
+                break
+            if kv.acquire(prompt_ids) or attempt == 2:  # missing: deleted under a prefill that found it stored
+                held = True
+                break
+            kv.release(prompt_ids)
+        stats["first_tokens_from_prefill"] += 1
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        model = body.get("model") or pre.get("model")
+        if done:
+            if kv:
+                kv.discard(prompt_ids)
+            if streaming:
+                return StreamingResponse(first_only(chat, rid, model, t1_text, finish or "length"),
+                                         media_type="text/event-stream")
+            return _finish(chat, rid, model, t1_text, finish or "length", len(prompt_ids), 1, [t1])
+        dec = decode_body(body, prompt_ids, t1, max_tokens - 1)
+        if pre.get("kv_transfer_params"):  # NIXL-style connectors hand the decode side the remote block ids
+            dec["kv_transfer_params"] = pre["kv_transfer_params"]
+        clean = False  # False: an abnormal end, the decode instance may still hold the request for a moment
+        try:
+            if streaming:
+                await guarded(slots["decode"].acquire())
+                try:
+                    r = await send("decode", "/v1/completions", dec, stream=True)
+                except BaseException:
+                    slots["decode"].release()
+                    raise
+                held = False  # released when the response ends, however it ends
+                state = {"ended": False}
+
+                async def close(r=r, prompt_ids=prompt_ids, state=state) -> None:
+                    with contextlib.suppress(Exception):
+                        await r.aclose()
+                    slots["decode"].release()
+                    if kv:
+                        kv.release(prompt_ids, now=state["ended"])
+
+                return _Stream(relay(r, t1_text, rid, model, chat, state), close)
+            out = await post("decode", "/v1/completions", dec)
+            clean = True
+        except Upstream:
+            clean = True  # refused before it was scheduled: nothing will load the folder
+            raise
+        except Unavailable as exc:
+            clean = not exc.sent  # never reached the instance: nothing will load the folder
+            raise
+        finally:
+            if held and kv:
+                kv.release(prompt_ids, now=clean)
+        try:
+            choice = out["choices"][0]
+            usage = out.get("usage") or {}
+            return _finish(chat, rid, model, t1_text + choice["text"], choice.get("finish_reason"),
+                           len(prompt_ids), 1 + int(usage.get("completion_tokens", 0)),
+                           [t1, *(choice.get("token_ids") or [])])
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise Unavailable(f"decode instance at {decode_url} gave an unexpected answer "
+                              f"({type(exc).__name__}: {exc})") from exc
+
+    async def read_body(request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise BadRequest(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY_BYTES:
+                raise BadRequest(f"the request body is larger than {MAX_BODY_BYTES >> 20} MiB", status=413)
+            parts.append(part)
+        return b"".join(parts)
+
     async def handle(request: Request, chat: bool):
-        body = await request.json()
-        prompt = body.get("prompt")
-        single = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
-                                             all(isinstance(t, int) for t in prompt))
-        if not chat and not single:
-            return _error(400, "the disaggregated proxy takes one prompt per request (a string or a token-id "
-                               "list); send batches as separate requests", "invalid_request_error")
-        if int(body.get("n") or 1) != 1:
-            return _error(400, "n > 1 is not supported by the disaggregated proxy", "invalid_request_error")
+        try:
+            body = parse_body(await read_body(request))
+            max_tokens, streaming = check_request(body, chat)
+        except BadRequest as exc:
+            return exc.response()
+        body = strip_client_steering(body)
         if reason := down():
             return _error(503, f"{reason}; restart slimwise serve")
+        if kv and (full := kv.over_cap()):
+            return _error(503, full, headers={"Retry-After": "1"})
         try:
-            dec, result = await complete(body, chat)
+            return await complete(body, chat, max_tokens, streaming)
+        except Upstream as exc:
+            return exc.response()
         except Unavailable as exc:
             reason = down()
             if not reason:
                 return _error(503, str(exc))
             return _error(503, f"{reason}; restart slimwise serve" + ("" if str(exc) == reason else f" ({exc})"))
-        if dec is None:
-            return result
-        prompt_ids, _, t1_text, rid, model = result
-        return StreamingResponse(stream(dec, prompt_ids, t1_text, rid, model, chat), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -212,7 +585,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         try:
             r = await client.get(decode_url + "/v1/models")
             return JSONResponse(r.json(), status_code=r.status_code)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, ValueError) as exc:
             return _error(503, f"decode instance at {decode_url} is unreachable ({type(exc).__name__})")
 
     @app.get("/health")
@@ -230,4 +603,5 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             return _error(503, f"{' and '.join(bad)} instance(s) not healthy")
         return JSONResponse({"status": "ok", **stats})
 
+    app.state.kv = kv  # for tests and /health readers
     return app
