@@ -1,9 +1,11 @@
-"""The disaggregated proxy without engines: real localhost listeners stand in for the vLLM instances.
+"""The disaggregated proxy and the serve supervisor without engines: real localhost listeners stand in for the
+vLLM instances, small Python processes for their process groups.
 
 The end-to-end checks (real vLLM instances, one killed, the load test) live in test_vllm_serve.py; these pin the
 proxy's own behaviour: the race that made them slow (a request already waiting on the surviving instance when the
 other one dies), malformed input refused with a 400 JSON error before anything is forwarded, instances' 4xx
-answers passed through unchanged, the KV folder deleted on every path, connection retries and back-pressure.
+answers passed through unchanged, the KV folder deleted on every path, connection retries and back-pressure; and
+the supervisor's: killed with kill -9, it leaves no instance process and no KV directory behind.
 """
 
 from __future__ import annotations
@@ -464,3 +466,101 @@ def test_kv_directory_over_its_cap_refuses_new_requests(tmp_path):
     r, forwarded = run_proxy(prefill_storing(tmp_path), decode_answering(), calls, kv_dir=tmp_path, kv_dir_max_bytes=4096)
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and forwarded == []
     assert "over its cap" in r.json()["error"]["message"]
+
+
+# ----- the supervisor killed: no orphan, no KV directory ------------------------------------------------------------
+SUPERVISOR = """
+import sys, time
+from slimwise.serving.server import Supervisor
+sup = Supervisor()
+kv_dir = sup.make_kv_dir("0" * 12)
+# an instance: an API server whose engine process (its child, same process group) gets no parent-death signal
+child = sup.start("fake", [sys.executable, "-c", "import subprocess, sys, time; "
+                   "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"])
+print(kv_dir, child.pid, sup.watchdog.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _start_supervisor(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the KV directory goes here, for this child process only
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True)
+    try:
+        while not (line := proc.stdout.readline()).startswith(str(tmp_path)):  # past "starting fake: ..."
+            assert line, "the supervisor exited"
+        kv_dir, child, watchdog = line.split()
+    except BaseException:
+        proc.terminate()  # its SIGTERM handler stops what it started
+        proc.wait()
+        raise
+    time.sleep(0.5)  # the grandchild is started
+    return proc, Path(kv_dir), int(child), int(watchdog), signal
+
+
+def test_kill_9_of_the_supervisor_leaves_no_process_and_no_kv_directory(tmp_path, monkeypatch):
+    proc, kv_dir, child, _, signal = _start_supervisor(tmp_path, monkeypatch)
+    try:
+        assert kv_dir.is_dir() and kv_dir.parent == tmp_path and _group_alive(child)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # measured: about 0.5 s (SIGTERM; the watchdog waits up to 15 s each)
+        while _group_alive(child) or kv_dir.exists():
+            assert time.monotonic() < deadline, "the instance's process group or the KV directory outlived kill -9"
+            time.sleep(0.2)
+    finally:
+        if _group_alive(child):
+            os.killpg(child, signal.SIGKILL)
+
+
+def test_parent_death_signal_and_the_next_start_clean_up_without_the_watchdog(tmp_path, monkeypatch):
+    """Watchdog killed too (e.g. with the supervisor's whole session): the instance's API server still dies of its
+    parent-death signal, and the next start removes the dead supervisor's KV directory."""
+    from slimwise.serving.server import remove_stale_kv_dirs
+
+    proc, kv_dir, child, watchdog, signal = _start_supervisor(tmp_path, monkeypatch)
+    try:
+        os.kill(watchdog, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while True:  # the group leader (the API server) is gone; its engine process is the watchdog's job
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            with open(f"/proc/{child}/stat") as stat:
+                if stat.read().split(") ")[1].startswith("Z"):
+                    break  # dead, not yet reaped by init
+            assert time.monotonic() < deadline, "the instance outlived its supervisor"
+            time.sleep(0.2)
+        assert kv_dir.is_dir()
+        other = tmp_path / "slimwise-kv-0123456789ab-1-abc"  # a name from a running supervisor (pid 1) is kept
+        other.mkdir()
+        assert remove_stale_kv_dirs(str(tmp_path)) == [str(kv_dir)] and other.is_dir()
+    finally:
+        if _group_alive(child):
+            os.killpg(child, signal.SIGKILL)
+
+
+def test_kv_dir_cap_option_is_taken_from_the_vllm_arguments():
+    from slimwise.errors import SlimWiseError
+    from slimwise.serving.server import ServeConfig, _take_kv_cap
+
+    cfg = ServeConfig(model="m", vllm_args=["--dtype", "float32", "--kv-dir-max-gb", "0.5", "--max-num-seqs=4"])
+    _take_kv_cap(cfg)
+    assert cfg.vllm_args == ["--dtype", "float32", "--max-num-seqs=4"] and cfg.kv_dir_max_bytes == 2**29
+    for bad in (["--kv-dir-max-gb"], ["--kv-dir-max-gb=0"], ["--kv-dir-max-gb", "nan"], ["--kv-dir-max-gb", "x"]):
+        with pytest.raises(SlimWiseError, match="--kv-dir-max-gb takes a size in GB above 0"):
+            _take_kv_cap(ServeConfig(model="m", vllm_args=bad))

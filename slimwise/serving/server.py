@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,6 +55,7 @@ class ServeConfig:
     log_every: int = 0
     vllm_args: list[str] = field(default_factory=list)
     startup_timeout: float = 900.0
+    kv_dir_max_bytes: int | None = None  # cap of the shared KV directory (None: --kv-dir-max-gb or the proxy's 4 GiB)
 
 
 def _summary(cfg: ServeConfig, plan: PrunePlan | None, mode: str, extra: dict) -> None:
@@ -113,14 +117,116 @@ def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
     return str(out)
 
 
+# The watchdog: `python -c WATCHDOG` (no SlimWise or torch import, a few MB), in a session of its own so terminal
+# signals miss it. It reads the supervisor's notes from a pipe whose write end only the supervisor holds ("group
+# PGID" / "dir PATH" while they are live, "ungroup"/"undir" once the supervisor cleaned them up itself). End of file
+# with groups or directories left means the supervisor died without cleaning up (kill -9): it stops the instances'
+# process groups (their EngineCore and worker processes too, which a parent-death signal on the API server does not
+# reach), SIGTERM then SIGKILL, and removes the directories.
+WATCHDOG = r"""
+import os, shutil, signal, sys, time
+groups, dirs = set(), set()
+for line in sys.stdin:
+    verb, _, arg = line.rstrip("\n").partition(" ")
+    if verb in ("group", "ungroup"):
+        (groups.add if verb == "group" else groups.discard)(int(arg))
+    elif verb in ("dir", "undir"):
+        (dirs.add if verb == "dir" else dirs.discard)(arg)
+def alive(group):
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 15.0)):
+    for group in list(groups):
+        try:
+            os.killpg(group, sig)
+        except OSError:
+            groups.discard(group)
+    deadline = time.monotonic() + wait
+    while any(alive(g) for g in groups) and time.monotonic() < deadline:
+        time.sleep(0.2)
+for path in dirs:
+    shutil.rmtree(path, ignore_errors=True)
+"""
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn (Linux) that makes the child get SIGTERM when the supervisor dies, even by SIGKILL: vLLM's API
+    server shuts its engine down on SIGTERM, and the watchdog covers the rest of the group. The signal follows the
+    thread that forked, so children are started from the main thread only. libc is loaded here, in the parent: the
+    forked child must not import anything."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the watchdog alone
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+KV_DIR_RE = re.compile(r"slimwise-kv-[0-9a-f]{12}-(\d+)-[a-z0-9_]+")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_kv_dirs(root: str | None = None) -> list[str]:
+    """KV directories (`slimwise-kv-<pair>-<pid>-*`) of supervisors no longer running: a machine crash or a watchdog
+    killed along with its supervisor leaves them behind. Returns what was removed."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob("slimwise-kv-*"):
+        match = KV_DIR_RE.fullmatch(path.name)
+        if match and path.is_dir() and path.stat().st_uid == os.getuid() and not _pid_alive(int(match[1])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
+
+
 class Supervisor:
-    """Starts child processes, stops them all when one exits or on SIGINT/SIGTERM, cleans the KV directory."""
+    """Starts child processes, stops them all when one exits or on SIGINT/SIGTERM, cleans the KV directory; a
+    watchdog process does the same if the supervisor itself is killed."""
 
     def __init__(self) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.cleanup_dirs: list[str] = []
         self.exited: str | None = None  # "decode instance exited with code -9": the first child that exited
+        self.watchdog: subprocess.Popen | None = None
         atexit.register(self.stop)
+
+    def _note(self, line: str) -> None:
+        """Tell the watchdog (started on first use) what to clean up should this process die."""
+        if self.watchdog is None:
+            self.watchdog = subprocess.Popen([sys.executable, "-c", WATCHDOG], stdin=subprocess.PIPE,
+                                             start_new_session=True, text=True)
+        with contextlib.suppress(OSError, ValueError):
+            self.watchdog.stdin.write(line + "\n")
+            self.watchdog.stdin.flush()
+
+    def make_kv_dir(self, pair: str) -> str:
+        """The shared KV directory, named after this process so a later start can tell it is stale."""
+        remove_stale_kv_dirs()
+        kv_dir = tempfile.mkdtemp(prefix=f"slimwise-kv-{pair}-{os.getpid()}-")
+        self.cleanup_dirs.append(kv_dir)
+        self._note(f"dir {kv_dir}")
+        return kv_dir
 
     def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
@@ -129,7 +235,8 @@ class Supervisor:
         # API server that crashed or was killed (they are re-parented to init and keep their memory)
         # offline: SlimWise serves local checkpoints only, and a model hub lookup would stall start-up for a minute
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_parent_death_signal())
+        self._note(f"group {proc.pid}")
         self.procs.append((name, proc))
         return proc
 
@@ -145,9 +252,11 @@ class Supervisor:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
             self._signal_group(proc, signal.SIGKILL)  # whatever is left of the group (orphaned engine processes)
+            self._note(f"ungroup {proc.pid}")  # cleaned up: the watchdog must not signal a reused group id
         self.procs.clear()
         for d in self.cleanup_dirs:
             shutil.rmtree(d, ignore_errors=True)
+            self._note(f"undir {d}")
         self.cleanup_dirs.clear()
 
     def wait_any(self) -> int:
@@ -179,7 +288,27 @@ def preflight(cfg: ServeConfig) -> PrunePlan | None:
     return plan
 
 
+def _take_kv_cap(cfg: ServeConfig) -> None:
+    """`--kv-dir-max-gb X` is SlimWise's, not vLLM's: taken out of the pass-through arguments."""
+    args, rest = list(cfg.vllm_args), []
+    while args:
+        arg = args.pop(0)
+        if arg == "--kv-dir-max-gb" or arg.startswith("--kv-dir-max-gb="):
+            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
+            try:
+                gb = float(value)
+            except ValueError:
+                gb = float("nan")
+            if not (gb > 0 and gb != float("inf")):
+                raise SlimWiseError(f"--kv-dir-max-gb takes a size in GB above 0, got {value!r}")
+            cfg.kv_dir_max_bytes = int(gb * 2**30)
+        else:
+            rest.append(arg)
+    cfg.vllm_args = rest
+
+
 def serve(cfg: ServeConfig) -> int:
+    _take_kv_cap(cfg)
     plan = preflight(cfg)
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
@@ -195,7 +324,7 @@ def serve(cfg: ServeConfig) -> int:
 
     import uvicorn
 
-    from slimwise.serving.proxy import build_app
+    from slimwise.serving.proxy import KV_DIR_MAX_BYTES, build_app
 
     if plan is None and not (cfg.prefill_url and cfg.decode_url):
         raise SlimWiseError("--disaggregated needs --plan (or --prefill-url and --decode-url of running instances)")
@@ -209,12 +338,13 @@ def serve(cfg: ServeConfig) -> int:
     if not (prefill_url and decode_url):
         decode_dir = _decode_checkpoint(cfg, plan)
         pair = hashlib.sha256(f"{Path(cfg.model).resolve()}|{Path(decode_dir).resolve()}".encode()).hexdigest()[:12]
-        kv_dir = tempfile.mkdtemp(prefix=f"slimwise-kv-{pair}-")
-        sup.cleanup_dirs.append(kv_dir)
+        kv_dir = sup.make_kv_dir(pair)
         p_port, d_port = cfg.port + 1, cfg.port + 2
         prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
-                 {"prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})", "kv dir": kv_dir})
+                 {"prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
+                  "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
+                            "--kv-dir-max-gb)"})
         common = ["--served-model-name", name, *cfg.vllm_args]
         # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
         # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
@@ -236,7 +366,8 @@ def serve(cfg: ServeConfig) -> int:
     else:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
                  {"prefill": prefill_url, "decode": decode_url})
-    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited)
+    caps = {} if cfg.kv_dir_max_bytes is None else {"kv_dir_max_bytes": cfg.kv_dir_max_bytes}
+    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited, **caps)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning")
     server = uvicorn.Server(config)
     import threading
