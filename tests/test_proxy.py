@@ -110,6 +110,7 @@ def test_proxy_stream_ends_when_an_instance_exits_mid_stream():
 
 # ----- fake instances that record what the proxy forwards --------------------------------------------------------
 PROMPT_IDS = [5, 6]
+MAX_MODEL_LEN = 128
 PREFILL_OK = {"model": "m", "prompt_token_ids": PROMPT_IDS,
               "choices": [{"text": "A", "token_ids": [7], "finish_reason": "length"}]}
 DECODE_OK = {"model": "m", "choices": [{"text": "BC", "token_ids": [8, 9], "finish_reason": "length"}],
@@ -135,6 +136,12 @@ class Instance:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"GET /v1/models "):  # the model card, with vLLM's max_model_len
+                data = json.dumps({"data": [{"id": "m", "max_model_len": MAX_MODEL_LEN}]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (len(data), data))
+                await writer.drain()
+                return
             body = json.loads(await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1))))
             path = head.split(b" ")[1].decode()
             self.requests.append((path, body))
@@ -257,7 +264,7 @@ def test_max_tokens_semantics_follow_vllm():
 
     async def calls(client, prefill, decode):
         out = {}
-        for value in (-5, 0, 2.5, "5", 3):
+        for value in (-5, 0, 2.5, "5", 3, MAX_MODEL_LEN + 1):
             out[repr(value)] = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": value})
         return out, decode.requests
 
@@ -266,6 +273,8 @@ def test_max_tokens_semantics_follow_vllm():
     assert out["0"].json()["error"]["message"] == "max_tokens must be at least 1, got 0."
     assert out["2.5"].status_code == 400 and "max_tokens" in out["2.5"].json()["error"]["message"]
     assert out["'5'"].status_code == 200 and out["3"].status_code == 200
+    assert out[repr(MAX_MODEL_LEN + 1)].json()["error"]["message"] == (  # the decode instance, asked for 128, would not
+        "max_tokens=129 cannot be greater than max_model_len=128. Please request fewer output tokens.")
     assert [body["max_tokens"] for _, body in decoded] == [4, 2]  # t1 came from the prefill instance
 
 
@@ -314,7 +323,7 @@ def test_decode_4xx_passes_through_and_the_kv_folder_goes(tmp_path, stream):
     instance's answer unchanged and the folder is deleted (it leaked 908 KB a request)."""
 
     async def calls(client, prefill, decode):
-        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": stream})
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": stream})
 
     r = run_proxy(prefill_storing(tmp_path), decode_answering(400, VLLM_400), calls, kv_dir=tmp_path)
     assert (r.status_code, r.json()) == (400, VLLM_400)

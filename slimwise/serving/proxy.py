@@ -164,8 +164,9 @@ def _validation_message(exc: Exception) -> tuple[str, str | None]:
     return str(exc)[:500], getattr(exc, "parameter", None)
 
 
-def check_request(body: dict, chat: bool) -> tuple[int | None, bool]:
-    """(max_tokens or None when the client set none, stream) after vLLM's own validation, or BadRequest.
+def check_request(body: dict, chat: bool) -> tuple[int | None, str, bool]:
+    """(max_tokens or None when the client set none, its field's name, stream) after vLLM's own validation, or
+    BadRequest.
 
     Mirrors vLLM's OpenAI server: the request model types every field (max_tokens 2.5 or "abc", n "x" are
     refused), SamplingParams refuses max_tokens < 1 (0 included: vLLM answers 400 "max_tokens must be at least
@@ -199,7 +200,7 @@ def check_request(body: dict, chat: bool) -> tuple[int | None, bool]:
         raise BadRequest(f"{param} must be at least 1, got {max_tokens}.", param)
     if req.n != 1:
         raise BadRequest("n > 1 is not supported by the disaggregated proxy", "n")
-    return max_tokens, bool(req.stream)
+    return max_tokens, param, bool(req.stream)
 
 
 def strip_client_steering(body: dict) -> dict:
@@ -551,10 +552,24 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             parts.append(part)
         return b"".join(parts)
 
+    async def max_model_len() -> int | None:
+        """The instances' context length (their /v1/models cards, read once): vLLM refuses max_tokens above it, and
+        the decode instance, asked for max_tokens - 1, would not."""
+        if "max_model_len" not in stats:
+            found = []
+            for url in (prefill_url, decode_url):
+                try:
+                    r = await guarded(client.get(url + "/v1/models", timeout=30))
+                    found += [int(c["max_model_len"]) for c in r.json()["data"] if c.get("max_model_len")]
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    return None  # asked again next time; the instances check what they can
+            stats["max_model_len"] = min(found) if found else None
+        return stats["max_model_len"]
+
     async def handle(request: Request, chat: bool):
         try:
             body = parse_body(await read_body(request))
-            max_tokens, streaming = check_request(body, chat)
+            max_tokens, param, streaming = check_request(body, chat)
         except BadRequest as exc:
             return exc.response()
         body = strip_client_steering(body)
@@ -563,6 +578,9 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         if kv and (full := kv.over_cap()):
             return _error(503, full, headers={"Retry-After": "1"})
         try:
+            if max_tokens is not None and (limit := await max_model_len()) is not None and max_tokens > limit:
+                return BadRequest(f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please request "
+                                  "fewer output tokens.", param).response()  # vLLM's words
             return await complete(body, chat, max_tokens, streaming)
         except Upstream as exc:
             return exc.response()
