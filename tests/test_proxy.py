@@ -126,6 +126,7 @@ class Instance:
     def __init__(self, respond=None) -> None:
         self.respond = respond or (lambda path, body: None)
         self.requests: list[tuple[str, dict]] = []
+        self.auth: list[str | None] = []  # each request's Authorization header
         self.active = self.peak = 0
 
     async def start(self, port: int = 0) -> Instance:
@@ -145,6 +146,7 @@ class Instance:
             body = json.loads(await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1))))
             path = head.split(b" ")[1].decode()
             self.requests.append((path, body))
+            self.auth.append(m[1].decode() if (m := re.search(rb"(?i)\r\nauthorization: ([^\r]*)", head)) else None)
             self.active += 1
             self.peak = max(self.peak, self.active)
             try:
@@ -573,3 +575,17 @@ def test_kv_dir_cap_option_is_taken_from_the_vllm_arguments():
     for bad in (["--kv-dir-max-gb"], ["--kv-dir-max-gb=0"], ["--kv-dir-max-gb", "nan"], ["--kv-dir-max-gb", "x"]):
         with pytest.raises(SlimWiseError, match="--kv-dir-max-gb takes a size in GB above 0"):
             _take_kv_cap(ServeConfig(model="m", vllm_args=bad))
+
+
+def test_the_clients_api_key_goes_to_the_instances():
+    """vLLM's --api-key is checked by the instances: the proxy forwards each client's own Authorization header."""
+
+    async def calls(client, prefill, decode):
+        keyed = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True},
+                                  headers={"authorization": "Bearer k1"})
+        bare = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        return keyed, bare, prefill.auth, decode.auth
+
+    keyed, bare, prefill_auth, decode_auth = run_proxy(prefill_storing(None), decode_answering(), calls)
+    assert keyed.status_code == bare.status_code == 200
+    assert prefill_auth == decode_auth == ["Bearer k1", None]

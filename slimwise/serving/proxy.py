@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import math
 import os
@@ -337,6 +338,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     kv = KVFolders(kv_dir, kv_dir_max_bytes) if kv_dir else None
     stats = {"requests": 0, "first_tokens_from_prefill": 0, "connect_retries": 0}
     base_of = {"prefill": prefill_url, "decode": decode_url}
+    forwarded: contextvars.ContextVar[tuple] = contextvars.ContextVar("forwarded", default=())  # header pairs
 
     async def guarded(awaitable):
         """`awaitable`'s result, raced against down(): when one instance dies, the supervisor stops the other,
@@ -356,7 +358,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         base = base_of[role]
         for attempt in range(CONNECT_RETRIES + 1):
             try:
-                r = await guarded(client.send(client.build_request("POST", base + path, json=body), stream=stream))
+                request = client.build_request("POST", base + path, json=body, headers=forwarded.get())
+                r = await guarded(client.send(request, stream=stream))
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if attempt == CONNECT_RETRIES or down():
@@ -559,7 +562,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             found = []
             for url in (prefill_url, decode_url):
                 try:
-                    r = await guarded(client.get(url + "/v1/models", timeout=30))
+                    r = await guarded(client.get(url + "/v1/models", timeout=30, headers=forwarded.get()))
                     found += [int(c["max_model_len"]) for c in r.json()["data"] if c.get("max_model_len")]
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     return None  # asked again next time; the instances check what they can
@@ -573,6 +576,9 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         except BadRequest as exc:
             return exc.response()
         body = strip_client_steering(body)
+        # vLLM's --api-key (passed to both instances) is checked by the instances: the client's key goes with its
+        # requests (a context variable: this request's task and the calls it awaits)
+        forwarded.set((("authorization", auth),) if (auth := request.headers.get("authorization")) else ())
         if reason := down():
             return _error(503, f"{reason}; restart slimwise serve")
         if kv and (full := kv.over_cap()):
