@@ -367,6 +367,19 @@ def test_prefill_again_when_the_folder_was_deleted_under_it(tmp_path):
     assert r.status_code == 200 and prefills == 2 and os.listdir(tmp_path) == []
 
 
+def test_a_prefill_instance_that_stores_nothing_is_an_error(tmp_path):
+    """Decoding without the stored KV would silently prefill with the pruned model: 503 instead, after 3 tries."""
+
+    async def calls(client, prefill, decode):
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+        return r, len(prefill.requests), decode.requests
+
+    r, prefills, decoded = run_proxy(prefill_storing(tmp_path, store_from=99), decode_answering(), calls,
+                                     kv_dir=tmp_path)
+    assert r.status_code == 503 and "stored no KV" in r.json()["error"]["message"]
+    assert prefills == 3 and decoded == []
+
+
 def test_client_cannot_steer_the_connector():
     steering = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]},
                 "ec_transfer_params": {"x": 1}, "request_id": "mine",

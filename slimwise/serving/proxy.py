@@ -479,16 +479,19 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         stats["requests"] += 1
         max_tokens = 16 if max_tokens is None else max_tokens
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        for attempt in range(3):
+        for _ in range(3):
             prompt_ids, t1, t1_text, finish, pre = await prefill(body, path)
             done = max_tokens <= 1 or finish == "stop" or t1 < 0
             if kv is None or done:
                 held = False
                 break
-            if kv.acquire(prompt_ids) or attempt == 2:  # missing: deleted under a prefill that found it stored
+            if kv.acquire(prompt_ids):
                 held = True
                 break
-            kv.release(prompt_ids)
+            kv.release(prompt_ids)  # missing: deleted under a prefill that found it stored; prefill again
+        else:
+            raise Unavailable(f"the prefill instance at {prefill_url} stored no KV for the prompt in {kv.dir} "
+                              "(3 tries); is it started with the same --kv-transfer-config directory?")
         stats["first_tokens_from_prefill"] += 1
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         model = body.get("model") or pre.get("model")
