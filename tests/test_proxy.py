@@ -126,7 +126,8 @@ class Instance:
     def __init__(self, respond=None) -> None:
         self.respond = respond or (lambda path, body: None)
         self.requests: list[tuple[str, dict]] = []
-        self.auth: list[str | None] = []  # each request's Authorization header
+        self.auth: list[str | None] = []  # each POST's Authorization header
+        self.models_auth: list[str | None] = []  # each GET /v1/models's
         self.active = self.peak = 0
 
     async def start(self, port: int = 0) -> Instance:
@@ -137,7 +138,9 @@ class Instance:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
+            auth = m[1].decode() if (m := re.search(rb"(?i)\r\nauthorization: ([^\r]*)", head)) else None
             if head.startswith(b"GET /v1/models "):  # the model card, with vLLM's max_model_len
+                self.models_auth.append(auth)
                 data = json.dumps({"data": [{"id": "m", "max_model_len": MAX_MODEL_LEN}]}).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                              b"connection: close\r\n\r\n%s" % (len(data), data))
@@ -146,7 +149,7 @@ class Instance:
             body = json.loads(await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1))))
             path = head.split(b" ")[1].decode()
             self.requests.append((path, body))
-            self.auth.append(m[1].decode() if (m := re.search(rb"(?i)\r\nauthorization: ([^\r]*)", head)) else None)
+            self.auth.append(auth)
             self.active += 1
             self.peak = max(self.peak, self.active)
             try:
@@ -599,8 +602,10 @@ def test_the_clients_api_key_goes_to_the_instances():
         keyed = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True},
                                   headers={"authorization": "Bearer k1"})
         bare = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
-        return keyed, bare, prefill.auth, decode.auth
+        models = await client.get("/v1/models", headers={"authorization": "Bearer k2"})
+        return keyed, bare, models, prefill, decode
 
-    keyed, bare, prefill_auth, decode_auth = run_proxy(prefill_storing(None), decode_answering(), calls)
-    assert keyed.status_code == bare.status_code == 200
-    assert prefill_auth == decode_auth == ["Bearer k1", None]
+    keyed, bare, models, prefill, decode = run_proxy(prefill_storing(None), decode_answering(), calls)
+    assert keyed.status_code == bare.status_code == models.status_code == 200
+    assert prefill.auth == decode.auth == ["Bearer k1", None]
+    assert decode.models_auth == ["Bearer k1", "Bearer k2"]  # max_model_len's look-up, the client's /v1/models

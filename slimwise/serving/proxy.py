@@ -608,9 +608,10 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         return await handle(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        auth = request.headers.get("authorization")
         try:
-            r = await client.get(decode_url + "/v1/models")
+            r = await client.get(decode_url + "/v1/models", headers={"authorization": auth} if auth else None)
             return JSONResponse(r.json(), status_code=r.status_code)
         except (httpx.HTTPError, ValueError) as exc:
             return _error(503, f"decode instance at {decode_url} is unreachable ({type(exc).__name__})")
