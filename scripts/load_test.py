@@ -104,7 +104,8 @@ async def one(client: httpx.AsyncClient, model: str, text: str, max_tokens: int,
 
 async def run(port: int, rounds: int, concurrency: int, max_tokens: int, stream_every: int, timeout: float,
               deadline_s: float, model: str | None) -> list[Round]:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # idle connections go after 2 s, before the server's 5 s keep-alive closes them under a request being sent
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", limits=limits,
                                  timeout=httpx.Timeout(timeout, connect=60.0, pool=None)) as client:
         if model is None:
