@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -165,6 +166,14 @@ def _validation_message(exc: Exception) -> tuple[str, str | None]:
     return str(exc)[:500], getattr(exc, "parameter", None)
 
 
+def request_models() -> tuple[type, type]:
+    """vLLM's (CompletionRequest, ChatCompletionRequest): imported once, by build_app (seconds), not by a request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    return CompletionRequest, ChatCompletionRequest
+
+
 def check_request(body: dict, chat: bool) -> tuple[int | None, str, bool]:
     """(max_tokens or None when the client set none, its field's name, stream) after vLLM's own validation, or
     BadRequest.
@@ -172,12 +181,7 @@ def check_request(body: dict, chat: bool) -> tuple[int | None, str, bool]:
     Mirrors vLLM's OpenAI server: the request model types every field (max_tokens 2.5 or "abc", n "x" are
     refused), SamplingParams refuses max_tokens < 1 (0 included: vLLM answers 400 "max_tokens must be at least
     1, got 0."), and the proxy's own limits come on top (one prompt, n = 1, no prompt embeddings)."""
-    import warnings
-
-    if chat:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest as Model
-    else:
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model
+    Model = request_models()[chat]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # chat's max_tokens, deprecated yet accepted
@@ -330,6 +334,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     instance then, so without it a request caught in that shutdown would blame the instance being stopped.
     At most `upstream_concurrency` requests are in flight to each instance; more wait in the proxy.
     """
+    request_models()
     app = FastAPI(title="SlimWise PD proxy")
     limits = httpx.Limits(max_connections=2 * upstream_concurrency + 16,
                           max_keepalive_connections=2 * upstream_concurrency, keepalive_expiry=KEEPALIVE_S)
