@@ -465,10 +465,21 @@ def test_kv_folders_are_reference_counted_swept_and_capped(tmp_path):
     kv.release([1, 2])
     assert a.is_dir()  # the other one still decodes from it
     kv.release([1, 2], now=False)  # an abandoned request: the folder waits out the grace period
-    assert a.is_dir() and kv.deferred
-    kv.deferred[a] = 0.0
+    assert a.is_dir() and kv.pending
+    kv.pending[a] = (kv.pending[a][0], 0.0)
     kv.sweep()
     assert not a.exists()
+    # a prefill instance writes a folder only while a prefill request runs: no folder goes before those sent
+    # earlier have answered (here one still runs when the folder is let go)
+    a = _store(tmp_path, [1, 2])
+    assert kv.acquire([1, 2])
+    seq = kv.prefill_sent()
+    kv.release([1, 2])
+    later = kv.prefill_sent()  # sent after the release: it does not hold the deletion back
+    assert a.is_dir()
+    kv.prefill_answered(seq)
+    assert not a.exists()
+    kv.prefill_answered(later)
     b, c = _store(tmp_path, [3]), _store(tmp_path, [4])
     assert kv.acquire([4])
     assert "over its cap" in kv.over_cap()  # 2000 bytes > 1500

@@ -222,47 +222,71 @@ class KVFolders:
 
     A folder is keyed by the prompt's token ids, so concurrent requests with the same prompt share it: it is
     reference-counted from the moment its prefill answered until its decode request ended, and deleted when the
-    last holder lets go -- at once after a normal end or a decode rejection (the decode instance no longer needs
-    it), after KV_GRACE_S when the decode request was abandoned (timeout, client gone: the instance may still be
-    about to load it). Deleting renames the folder first (atomic), so a prefill instance that finds no folder
-    writes a fresh one undisturbed; a prefill that found the folder just before it went stored nothing, which
-    `acquire` detects (the folder is missing) and the proxy answers by prefilling again. Folders nobody holds that
-    are older than KV_STALE_S (a prefill answer that never arrived, a crashed proxy) are swept, and new requests
-    get 503 while the directory is over `max_bytes`.
+    last holder lets go: soon after a normal end or a decode rejection (the decode instance no longer needs it),
+    KV_GRACE_S later when the decode request was abandoned (timeout, client gone: the instance may still be about
+    to load it). "Soon" is once every prefill request sent before the deletion was asked for has answered: a
+    prefill instance writes a folder only while such a request runs, so a folder never goes from under a writer.
+    Deleting renames the folder first (atomic); a prefill that found the folder just before it went stored
+    nothing, which `acquire` detects (the folder is missing) and the proxy answers by prefilling again. Folders
+    nobody holds that are older than KV_STALE_S (a prefill answer that never arrived, a crashed proxy) are swept,
+    and new requests get 503 while the directory is over `max_bytes`.
     """
 
     def __init__(self, kv_dir: str | Path, max_bytes: int = KV_DIR_MAX_BYTES, stale_s: float = KV_STALE_S) -> None:
         self.dir, self.max_bytes, self.stale_s = Path(kv_dir), max_bytes, stale_s
         self.refs: Counter[Path] = Counter()
-        self.deferred: dict[Path, float] = {}  # folder -> when it may go
+        self.sent = 0  # prefill requests sent so far (their sequence numbers)
+        self.prefilling: set[int] = set()  # sequence numbers of prefill requests not yet answered
+        self.pending: dict[Path, tuple[int, float]] = {}  # folder -> (prefills sent when asked, not before)
         self.usage, self.measured = 0, -math.inf
+
+    def prefill_sent(self) -> int:
+        self.sent += 1
+        self.prefilling.add(self.sent)
+        return self.sent
+
+    def prefill_answered(self, seq: int) -> None:
+        self.prefilling.discard(seq)
+        self.run_pending()
 
     def acquire(self, token_ids: list[int]) -> bool:
         """Hold the prompt's folder; True when it holds the stored KV."""
         folder = kv_folder(self.dir, token_ids)
         self.refs[folder] += 1
-        self.deferred.pop(folder, None)
+        self.pending.pop(folder, None)
         with contextlib.suppress(OSError):
             return any(name.endswith(".safetensors") for name in os.listdir(folder))
         return False
 
     def release(self, token_ids: list[int], now: bool = True) -> None:
+        """Let go of the folder; the last holder deletes it (`now` False: after KV_GRACE_S)."""
         folder = kv_folder(self.dir, token_ids)
         self.refs[folder] -= 1
-        if self.refs[folder] > 0:
-            return
-        del self.refs[folder]
-        if now:
-            self._delete(folder)
-        else:
-            self.deferred[folder] = time.monotonic() + KV_GRACE_S
+        if self.refs[folder] <= 0:
+            del self.refs[folder]
+            self._pend(folder, 0.0 if now else KV_GRACE_S)
 
     def discard(self, token_ids: list[int]) -> None:
         """A prompt that never reaches the decode instance (finished at t1): delete its folder unless held."""
         folder = kv_folder(self.dir, token_ids)
         if not self.refs[folder]:  # a Counter lookup adds no key
-            self.deferred.pop(folder, None)
-            self._delete(folder)
+            self._pend(folder, 0.0)
+
+    def _pend(self, folder: Path, delay: float) -> None:
+        """Delete when the prefills sent so far have answered. Only a folder that exists: a prefill sent later may
+        be writing one that does not (after a missing folder, the proxy prefills again)."""
+        if folder.is_dir():
+            self.pending[folder] = (self.sent, time.monotonic() + delay)
+            self.run_pending()
+
+    def run_pending(self) -> None:
+        oldest = min(self.prefilling, default=math.inf)
+        now = time.monotonic()
+        for folder, (sent, when) in list(self.pending.items()):
+            if sent < oldest and when <= now:
+                del self.pending[folder]
+                if not self.refs[folder]:
+                    self._delete(folder)
 
     def _delete(self, folder: Path) -> None:
         doomed = folder.with_name(f".deleting-{folder.name}-{uuid.uuid4().hex[:8]}")
@@ -283,13 +307,9 @@ class KVFolders:
         return None
 
     def sweep(self) -> int:
-        """Delete deferred folders whose grace ran out and stale unheld folders; the bytes that remain."""
-        now, wall = time.monotonic(), time.time()
-        for folder, when in list(self.deferred.items()):
-            if when <= now:
-                del self.deferred[folder]
-                if not self.refs[folder]:
-                    self._delete(folder)
+        """Delete pending folders that may go and stale unheld folders; the bytes that remain."""
+        self.run_pending()
+        wall = time.time()
         total = 0
         with contextlib.suppress(OSError), os.scandir(self.dir) as entries:
             for entry in entries:
@@ -300,7 +320,7 @@ class KVFolders:
                     if entry.name.startswith(".deleting-"):  # renamed by a delete that did not finish
                         shutil.rmtree(folder, ignore_errors=True)
                         continue
-                    if not self.refs[folder] and folder not in self.deferred and \
+                    if not self.refs[folder] and folder not in self.pending and \
                             wall - entry.stat().st_mtime > self.stale_s:
                         self._delete(folder)
                         continue
@@ -401,7 +421,12 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         if nixl:
             pre["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        out = await post("prefill", path, pre)
+        seq = kv.prefill_sent() if kv else 0
+        try:
+            out = await post("prefill", path, pre)
+        finally:
+            if kv:
+                kv.prefill_answered(seq)
         try:
             choice = out["choices"][0]
             prompt_ids = [int(t) for t in out.get("prompt_token_ids") or choice.get("prompt_token_ids") or []]
