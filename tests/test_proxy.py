@@ -431,21 +431,27 @@ def test_connection_refused_at_first_is_retried(monkeypatch):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ABC" and decoded == 1
 
 
-def test_requests_beyond_the_upstream_limit_wait_in_the_proxy():
-    """64 concurrent requests, at most 4 in flight to each instance: none fails, none is lost."""
+def test_requests_beyond_the_upstream_limit_wait_in_the_proxy(tmp_path):
+    """64 concurrent requests with one prompt, at most 4 in flight to each instance: none fails, none is lost,
+    and the prompt's shared KV folder is gone at the end."""
 
     async def calls(client, prefill, decode):
-        rs = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
-                                    for _ in range(64)))
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3,
+                                                                         "stream": i % 2 == 0})
+                                    for i in range(64)))
         return rs, prefill.peak, decode.peak
+
+    store = prefill_storing(tmp_path)
 
     async def slow_prefill(path, body):
         await asyncio.sleep(0.02)
-        return 200, PREFILL_OK
+        return await store(path, body)
 
-    rs, prefill_peak, decode_peak = run_proxy(slow_prefill, decode_answering(delay=0.05), calls, upstream_concurrency=4)
+    rs, prefill_peak, decode_peak = run_proxy(slow_prefill, decode_answering(delay=0.05), calls, kv_dir=tmp_path,
+                                              upstream_concurrency=4)
     assert [r.status_code for r in rs] == [200] * 64
     assert 1 < prefill_peak <= 4 and 1 < decode_peak <= 4
+    assert os.listdir(tmp_path) == []
 
 
 # ----- the KV directory's bookkeeping ---------------------------------------------------------------------------------
