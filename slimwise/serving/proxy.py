@@ -88,6 +88,10 @@ class BadRequest(Exception):
                       self.param)
 
 
+class Full(Exception):
+    """The shared KV directory is over its cap: 503 with Retry-After."""
+
+
 class Upstream(Exception):
     """An instance's own 4xx answer (prompt too long, unknown model, ...): passed to the client unchanged."""
 
@@ -408,7 +412,16 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
 
     async def post(role: str, path: str, body: dict) -> dict:
         async with slots[role]:
-            r = await send(role, path, body)
+            if role == "prefill" and kv:
+                if full := kv.over_cap():  # checked again after the wait: the folders waiting for decode count
+                    raise Full(full)
+                seq = kv.prefill_sent()  # a prefill writes KV only now: deletions wait for it from here on
+                try:
+                    r = await send(role, path, body)
+                finally:
+                    kv.prefill_answered(seq)
+            else:
+                r = await send(role, path, body)
         try:
             return r.json()
         except ValueError as exc:
@@ -421,12 +434,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         if nixl:
             pre["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                                          "remote_block_ids": None, "remote_host": None, "remote_port": None}
-        seq = kv.prefill_sent() if kv else 0
-        try:
-            out = await post("prefill", path, pre)
-        finally:
-            if kv:
-                kv.prefill_answered(seq)
+        out = await post("prefill", path, pre)
         try:
             choice = out["choices"][0]
             prompt_ids = [int(t) for t in out.get("prompt_token_ids") or choice.get("prompt_token_ids") or []]
@@ -614,8 +622,6 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
         forwarded.set((("authorization", auth),) if (auth := request.headers.get("authorization")) else ())
         if reason := down():
             return _error(503, f"{reason}; restart slimwise serve")
-        if kv and (full := kv.over_cap()):
-            return _error(503, full, headers={"Retry-After": "1"})
         try:
             if max_tokens is not None and (limit := await max_model_len()) is not None and max_tokens > limit:
                 return BadRequest(f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please request "
@@ -623,6 +629,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             return await complete(body, chat, max_tokens, streaming)
         except Upstream as exc:
             return exc.response()
+        except Full as exc:
+            return _error(503, str(exc), headers={"Retry-After": "1"})
         except Unavailable as exc:
             reason = down()
             if not reason:
