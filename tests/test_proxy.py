@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import time
 from pathlib import Path
@@ -543,61 +544,66 @@ def _group_alive(pgid: int) -> bool:
     return _live(pgid=pgid)
 
 
-def _start_supervisor(tmp_path, monkeypatch):
-    import signal
+@pytest.fixture(scope="module")
+def supervisors(tmp_path_factory):
+    """Two supervisors, each with a fake instance and a KV directory, started at once (their imports take seconds):
+    name -> (process, KV directory, the instance's pid = process group, the watchdog's pid)."""
     import subprocess
     import sys
 
-    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the KV directory goes here, for this child process only
-    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True)
+    started = {}
+    for name in ("plain", "no-watchdog"):
+        tmp = tmp_path_factory.mktemp(name)  # the KV directory goes here: TMPDIR for this child only
+        started[name] = tmp, subprocess.Popen([sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True,
+                                              env={**os.environ, "TMPDIR": str(tmp)})
+    out = {}
     try:
-        while not (line := proc.stdout.readline()).startswith(str(tmp_path)):  # past "starting fake: ..."
-            assert line, "the supervisor exited"
-        kv_dir, child, watchdog = line.split()
-    except BaseException:
-        proc.terminate()  # its SIGTERM handler stops what it started
-        proc.wait()
-        raise
-    time.sleep(0.5)  # the grandchild is started
-    return proc, Path(kv_dir), int(child), int(watchdog), signal
-
-
-def test_kill_9_of_the_supervisor_leaves_no_process_and_no_kv_directory(tmp_path, monkeypatch):
-    proc, kv_dir, child, _, signal = _start_supervisor(tmp_path, monkeypatch)
-    try:
-        assert kv_dir.is_dir() and kv_dir.parent == tmp_path and _group_alive(child)
-        proc.kill()
-        proc.wait()
-        deadline = time.monotonic() + 60  # measured: about 0.5 s (SIGTERM; the watchdog waits up to 15 s each)
-        while _group_alive(child) or kv_dir.exists():
-            assert time.monotonic() < deadline, "the instance's process group or the KV directory outlived kill -9"
-            time.sleep(0.2)
+        for name, (tmp, proc) in started.items():
+            while not (line := proc.stdout.readline()).startswith(str(tmp)):  # past "starting fake: ..."
+                assert line, "the supervisor exited"
+            kv_dir, child, watchdog = line.split()
+            out[name] = proc, Path(kv_dir), int(child), int(watchdog)
+        time.sleep(0.5)  # the grandchildren are started
+        yield out
     finally:
-        if _group_alive(child):
-            os.killpg(child, signal.SIGKILL)
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.terminate()  # its SIGTERM handler stops what it started
+                proc.wait()
+        for _, _, child, _ in out.values():
+            if _group_alive(child):
+                os.killpg(child, signal.SIGKILL)
 
 
-def test_parent_death_signal_and_the_next_start_clean_up_without_the_watchdog(tmp_path, monkeypatch):
+def test_kill_9_of_the_supervisor_leaves_no_process_and_no_kv_directory(supervisors):
+    proc, kv_dir, child, _ = supervisors["plain"]
+    assert kv_dir.is_dir() and _group_alive(child)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60  # measured: about 0.5 s (SIGTERM; the watchdog waits up to 15 s each)
+    while _group_alive(child) or kv_dir.exists():
+        assert time.monotonic() < deadline, "the instance's process group or the KV directory outlived kill -9"
+        time.sleep(0.2)
+
+
+def test_parent_death_signal_and_the_next_start_clean_up_without_the_watchdog(supervisors):
     """Watchdog killed too (e.g. with the supervisor's whole session): the instance's API server still dies of its
     parent-death signal, and the next start removes the dead supervisor's KV directory."""
     from slimwise.serving.server import remove_stale_kv_dirs
 
-    proc, kv_dir, child, watchdog, signal = _start_supervisor(tmp_path, monkeypatch)
-    try:
-        os.kill(watchdog, signal.SIGKILL)
-        proc.kill()
-        proc.wait()
-        deadline = time.monotonic() + 60
-        while _live(pid=child):  # the group leader (the API server) goes; its engine process is the watchdog's job
-            assert time.monotonic() < deadline, "the instance outlived its supervisor"
-            time.sleep(0.2)
-        assert kv_dir.is_dir()
-        other = tmp_path / "slimwise-kv-0123456789ab-1-abc"  # a name from a running supervisor (pid 1) is kept
-        other.mkdir()
-        assert remove_stale_kv_dirs(str(tmp_path)) == [str(kv_dir)] and other.is_dir()
-    finally:
-        if _group_alive(child):
-            os.killpg(child, signal.SIGKILL)
+    proc, kv_dir, child, watchdog = supervisors["no-watchdog"]
+    os.kill(watchdog, signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while _live(pid=child):  # the group leader (the API server) goes; its engine process is the watchdog's job
+        assert time.monotonic() < deadline, "the instance outlived its supervisor"
+        time.sleep(0.2)
+    assert kv_dir.is_dir()
+    other = kv_dir.parent / "slimwise-kv-0123456789ab-1-abc"  # a name from a running supervisor (pid 1) is kept
+    other.mkdir()
+    assert remove_stale_kv_dirs(str(kv_dir.parent)) == [str(kv_dir)] and other.is_dir()
+    # the engine process of the instance (no parent-death signal, no watchdog) is left to the fixture to stop
 
 
 def test_kv_dir_cap_option_is_taken_from_the_vllm_arguments():
