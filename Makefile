@@ -10,8 +10,8 @@ demo: setup
 	$(VENV)/bin/slimwise demo
 
 test: setup
-	$(VENV)/bin/ruff check slimwise tests scripts
+	$(VENV)/bin/ruff check slimwise tests scripts experiments
 	$(VENV)/bin/python -m pytest -q -ra --durations=30
 
 lint:
-	$(VENV)/bin/ruff check slimwise tests scripts
+	$(VENV)/bin/ruff check slimwise tests scripts experiments

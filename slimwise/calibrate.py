@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from slimwise.adapters import MoEAdapter, MoELayer, get_adapter
 from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.hooks import ForwardWrappers
 from slimwise.plan import model_fingerprint
 from slimwise.stats import ExpertStats
 
@@ -52,8 +53,9 @@ class ExpertObserver:
         self.stats = ExpertStats.zeros([layer.index for layer in self.layers], self.adapter.num_experts(model.config))
         self.rows: torch.Tensor | None = None
         self.counted_tokens = 0
-        for row, layer in enumerate(self.layers):
-            layer.experts.forward = self._make_forward(row, layer)
+        self._wrappers = ForwardWrappers("calibration observer")
+        for row, layer in enumerate(self.layers):  # replaces the experts forward (an equivalent loop that measures)
+            self._wrappers.wrap(layer.experts, lambda _stock, row=row, layer=layer: self._make_forward(row, layer))
 
     def before_forward(self, phase: str, rows: torch.Tensor) -> None:
         """phase is "prompt" or "decode"; rows marks real (non-padding, unfinished) tokens, flattened."""
@@ -110,9 +112,7 @@ class ExpertObserver:
         return y, norms
 
     def remove(self) -> None:
-        for layer in self.layers:
-            if "forward" in layer.experts.__dict__:
-                del layer.experts.forward
+        self._wrappers.remove()
 
 
 def calibrate(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer=None,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from slimwise.argtypes import OneLineParser, integer, number
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_write_text, refuse_existing
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,7 @@ def _add_plan_source(p: argparse.ArgumentParser, plan_option: bool = True) -> No
         p.add_argument("--plan", help="a plan JSON (instead of --stats/--criterion/--ratio)")
     p.add_argument("--stats", help="calibration statistics from `slimwise calibrate`")
     p.add_argument("--criterion", default="reap", help="frequency | soft | ean | reap (default: reap)")
-    p.add_argument("--ratio", type=float, default=0.5, help="share of routed experts to prune, in [0, 1)")
+    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of routed experts to prune, in [0, 1)")
     p.add_argument("--global", dest="global_budget", action="store_true",
                    help="one budget across layers (non-uniform; served by masking, not exportable)")
 
@@ -100,7 +103,7 @@ def cmd_generate(args) -> None:
     lines = [json.dumps({"prompt_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
                          "finish_reason": o.finish_reason, "mode": args.mode}) for o in outs]
     if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+        atomic_write_text(Path(args.out), "\n".join(lines) + "\n")
         print(f"wrote {len(outs)} generations to {args.out}")
     else:
         for o in outs:
@@ -126,8 +129,7 @@ def cmd_distill(args) -> None:
     from slimwise.plan import PrunePlan
 
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.force:
-        raise SlimWiseError(f"output {out} exists and is not empty; choose a new path or pass --force")
+    refuse_existing(out, args.force)
     plan = PrunePlan.load(args.plan)
     prompts = load_prompts(args.data, limit=args.max_samples)
     model = load_model(args.model, dtype=args.dtype)
@@ -184,10 +186,13 @@ def cmd_eval(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from slimwise.distill import DistillConfig
+
+    _DISTILL_DEFAULTS = DistillConfig()  # noqa: N806  (the one place the distillation defaults are declared)
+    parser = OneLineParser(
         prog="slimwise",
         description="Decode-only expert pruning for MoE serving: full-model prefill, pruned decode.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
 
     p = sub.add_parser("calibrate", help="record per-expert routing statistics on calibration data")
     _add_model(p)
@@ -195,10 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phase", default="decode", choices=["prompt", "decode", "all"],
                    help="which positions count: prompt tokens, the model's own generated tokens, or both")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="continuation length for --phase decode/all")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=integer(1), default=96, help="continuation length for --phase decode/all")
+    p.add_argument("--batch-size", type=integer(1), default=16)
+    p.add_argument("--max-samples", type=integer(1), default=None)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("plan", help="score experts with a criterion and write a prune plan (JSON)")
@@ -221,13 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-model", help="a pruned checkpoint to decode with instead of the masked view")
     p.add_argument("--mode", default="slimwise", choices=["full", "uniform", "slimwise"])
     p.add_argument("--prompts", required=True, help=".jsonl ('prompt' field) or .txt (one per line)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=integer(1), default=128)
+    p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=number(0, 1, lo_open=True), default=1.0)
+    p.add_argument("--top-k", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=integer(1), default=16)
     p.add_argument("--out", help="write generations as JSONL here instead of printing")
     p.set_defaults(func=cmd_generate)
 
@@ -239,31 +244,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help="the prune plan JSON to distil the decoder of")
     p.add_argument("--data", required=True, help="calibration prompts: .jsonl ('prompt' field), .txt or a directory")
     p.add_argument("--out", required=True, help="delta directory to write (delta.safetensors + delta.json)")
-    p.add_argument("--params", type=_csv(str), default=("router", "norm", "lora"),
+    p.add_argument("--params", type=_csv(str), default=_DISTILL_DEFAULTS.params,
                    help="comma-separated trainable sets among router,norm,lora (default: router,norm,lora, the "
                    "cheapest set that met the accuracy bar on both testbed backbones)")
-    p.add_argument("--mode", default="slimwise", choices=["slimwise", "uniform"],
+    p.add_argument("--mode", default=_DISTILL_DEFAULTS.mode, choices=["slimwise", "uniform"],
                    help="slimwise: full prefill, decode-only delta; uniform: the uniform-pruned baseline")
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--minutes", type=float, default=None, help="wall-clock cap on training (keeps the steps done)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--teacher-batch-size", type=int, default=16,
+    p.add_argument("--steps", type=integer(1), default=_DISTILL_DEFAULTS.steps)
+    p.add_argument("--minutes", type=number(0, lo_open=True), default=None, help="wall-clock cap on training (keeps the steps done)")
+    p.add_argument("--batch-size", type=integer(1), default=_DISTILL_DEFAULTS.batch_size)
+    p.add_argument("--teacher-batch-size", type=integer(1), default=_DISTILL_DEFAULTS.teacher_batch_size,
                    help="batch of the full model's continuations and log-probs (the teacher data); 64 builds it "
                    "about 1.9x faster on CPU")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--lora-lr", type=float, default=None, help="LoRA learning rate (default: --lr)")
-    p.add_argument("--loss", default="fkl", choices=["fkl", "rkl", "jsd"], help="fkl = KL(full || student)")
-    p.add_argument("--ce-weight", type=float, default=0.0, help="add cross-entropy on the full model's tokens")
-    p.add_argument("--on-policy", type=float, default=0.0, help="share of steps on the student's own samples")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="length of the full model's continuations")
-    p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--lora-rank", type=int, default=8)
-    p.add_argument("--lora-alpha", type=float, default=16.0)
-    p.add_argument("--lora-targets", type=_csv(str), default=("auto",),
+    p.add_argument("--lr", type=number(0, lo_open=True), default=_DISTILL_DEFAULTS.lr)
+    p.add_argument("--lora-lr", type=number(0, lo_open=True), default=None, help="LoRA learning rate (default: --lr)")
+    p.add_argument("--loss", default=_DISTILL_DEFAULTS.loss, choices=["fkl", "rkl", "jsd"], help="fkl = KL(full || student)")
+    p.add_argument("--ce-weight", type=number(0), default=_DISTILL_DEFAULTS.ce_weight, help="add cross-entropy on the full model's tokens")
+    p.add_argument("--on-policy", type=number(0, 1), default=_DISTILL_DEFAULTS.on_policy, help="share of steps on the student's own samples")
+    p.add_argument("--max-new-tokens", type=integer(1), default=_DISTILL_DEFAULTS.max_new_tokens, help="length of the full model's continuations")
+    p.add_argument("--max-samples", type=integer(1), default=None)
+    p.add_argument("--lora-rank", type=integer(1), default=_DISTILL_DEFAULTS.lora_rank)
+    p.add_argument("--lora-alpha", type=number(0, lo_open=True), default=_DISTILL_DEFAULTS.lora_alpha)
+    p.add_argument("--lora-targets", type=_csv(str), default=_DISTILL_DEFAULTS.lora_targets,
                    help="comma-separated Linear module names for LoRA (default: auto = the shared expert's "
                         "gate_proj,up_proj,down_proj where the model has one, else q_proj,k_proj,v_proj,o_proj)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=25, help="steps between resumable checkpoints "
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--checkpoint-every", type=integer(1), default=_DISTILL_DEFAULTS.checkpoint_every, help="steps between resumable checkpoints "
                    "(OUT.ckpt.pt, removed once the delta is written)")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.ckpt.pt")
     p.add_argument("--teacher", help="teacher-data file (.pt) shared between runs on the same model and data: "
@@ -295,17 +300,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--domain", help="testbed domain: arithmetic (default, the target), lists, text, or all")
     p.add_argument("--families", type=_csv(str), default=(), help="comma-separated testbed families")
     p.add_argument("--split", default="test", choices=["test", "heldout", "calib"], help="testbed split")
-    p.add_argument("--per-family", type=int, default=48, help="testbed problems per family (default: 48)")
-    p.add_argument("--max-samples", type=int, default=None, help="cap on problems (round-robin over families)")
+    p.add_argument("--per-family", type=integer(1), default=48, help="testbed problems per family (default: 48)")
+    p.add_argument("--max-samples", type=integer(1), default=None, help="cap on problems (round-robin over families)")
     p.add_argument("--calib-data", help="calibration prompts (JSONL) instead of the testbed calib split")
     p.add_argument("--calib-domain", help="testbed domain to calibrate on (default: arithmetic, the target; "
                    "evaluating other domains then measures transfer)")
-    p.add_argument("--calib-per-family", type=int, default=16)
-    p.add_argument("--calib-max-new-tokens", type=int, default=128)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--batch-size", type=int, default=32, help="decode batch size (traffic is measured at it)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--calib-per-family", type=integer(1), default=16)
+    p.add_argument("--calib-max-new-tokens", type=integer(1), default=128)
+    p.add_argument("--max-new-tokens", type=integer(1), default=160)
+    p.add_argument("--batch-size", type=integer(1), default=32, help="decode batch size (traffic is measured at it)")
+    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--threads", type=integer(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL")
     p.add_argument("--no-traffic", action="store_true", help="skip decode-traffic counting")
     p.add_argument("--no-plots", action="store_true")
@@ -326,17 +331,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-url", help="attach the proxy to a decode instance started elsewhere")
     p.add_argument("--nixl", action="store_true", help="attached instances use NixlConnector (GPU); see docs/serving.md")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="endpoint port (disaggregated: instances on port+1, +2)")
+    p.add_argument("--port", type=integer(1, 65535), default=8000, help="endpoint port (disaggregated: instances on port+1, +2)")
     p.add_argument("--served-model-name", help="model name clients use (both instances share it)")
-    p.add_argument("--min-decode-batch", type=int, default=0,
+    p.add_argument("--min-decode-batch", type=integer(0), default=0,
                    help="load-aware: use the pruned experts only when a step has at least this many decode tokens")
-    p.add_argument("--log-every", type=int, default=100, help="log routing counters every N steps (0: never)")
+    p.add_argument("--log-every", type=integer(0), default=100, help="log routing counters every N steps (0: never)")
     p.set_defaults(func=cmd_serve, vllm_args=[])
 
     p = sub.add_parser("demo", help="the main job on the embedded default model: calibrate, prune 50%%, compare modes")
     p.add_argument("--out", default="runs/demo", help="where to write the report")
-    p.add_argument("--samples", type=int, default=64, help="test prompts per mode")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=integer(1), default=64, help="test prompts per mode")
+    p.add_argument("--seed", type=integer(0), default=0)
     p.set_defaults(func=cmd_demo)
 
     from slimwise.perf.cli import add_bench_parser, add_roofline_parser
@@ -358,7 +363,30 @@ def main(argv: list[str] | None = None) -> int:
     except SlimWiseError as exc:
         print(f"slimwise: error: {exc}", file=sys.stderr)
         return 2
+    except EXPECTED_FAILURES as exc:
+        if os.environ.get(DEBUG_ENV) == "1":
+            raise
+        print(f"slimwise: error: {describe_failure(exc)} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        return 2
     return 0
+
+
+#: failures a user's input or machine causes (unreadable, corrupt or contradictory files, a full or read-only disk):
+#: one line and exit 2 at the command line; anything else is a bug and keeps its traceback
+EXPECTED_FAILURES: tuple[type[BaseException], ...] = (OSError, ValueError, UnicodeError, KeyError, RuntimeError)
+DEBUG_ENV = "SLIMWISE_DEBUG"
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for an expected failure: its kind and the first line of its message (paths included)."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    else:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        what = f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
+    if len(what) > 300:
+        what = what[:297] + "..."
+    return what
 
 
 if __name__ == "__main__":

@@ -19,7 +19,12 @@ CRITERIA: dict[str, Criterion] = {}
 
 
 def register_criterion(name: str) -> Callable[[Criterion], Criterion]:
+    """Register a criterion under `name`; a name already taken is refused (no silent replacement)."""
+
     def deco(fn: Criterion) -> Criterion:
+        if name in CRITERIA and CRITERIA[name] is not fn:
+            raise SlimWiseError(f"criterion {name!r} is already registered ({CRITERIA[name].__name__}); choose another "
+                                "name")
         CRITERIA[name] = fn
         return fn
 
@@ -70,3 +75,31 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
                      min_kept_per_group=int(meta.get("min_kept_per_group", 1)), scope=scope, criterion=criterion,
                      phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
                      meta={"stats_tokens": stats.tokens.tolist(), "calibration": meta.get("config")})
+
+
+def random_plan(model, ratio: float, seed: int) -> PrunePlan:
+    """A plan keeping a seeded random subset of experts per layer (the benchmark's default: speed does not depend
+    on which experts are kept, and it needs no calibration)."""
+    from slimwise.adapters import get_adapter
+    from slimwise.plan import model_fingerprint
+
+    adapter = get_adapter(model.config)
+    layers = [layer.index for layer in adapter.moe_layers(model)]
+    scores = torch.rand(len(layers), adapter.num_experts(model.config), generator=torch.Generator().manual_seed(seed))
+    return make_plan(scores, layers, ratio, family=adapter.family, top_k=adapter.top_k(model.config),
+                     num_groups=adapter.num_groups(model.config),
+                     min_kept_per_group=adapter.min_kept_per_group(model.config), criterion="random",
+                     fingerprint=model_fingerprint(model), meta={"seed": seed})
+
+
+def usage_share_plan(model, shares: list[torch.Tensor], ratio: float, meta: dict | None = None) -> PrunePlan:
+    """Keep each layer's most used experts by given usage shares (one row per MoE layer), e.g. measured on another
+    model of the same shape (the benchmark's synthetic presets)."""
+    from slimwise.adapters import get_adapter
+    from slimwise.plan import model_fingerprint
+
+    adapter = get_adapter(model.config)
+    layers = [layer.index for layer in adapter.moe_layers(model)]
+    return make_plan(torch.stack([r.to(torch.float64) for r in shares]), layers, ratio, family=adapter.family,
+                     top_k=adapter.top_k(model.config), criterion="usage-share", fingerprint=model_fingerprint(model),
+                     meta=meta or {})

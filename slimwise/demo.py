@@ -2,8 +2,7 @@
 
 decode-aware calibration on the testbed's target domain -> REAP plan at 50% -> pruned checkpoint export
 -> full / uniform / SlimWise generation on test problems -> table + JSON / Markdown report + plots.
-When no trained testbed model is shipped yet, a small random Qwen3-MoE is built so the pipeline still runs
-(its accuracies are then meaningless; the fidelity columns are not).
+The default model is the shipped testbed-a (slimwise/testbed/checkpoints/qwen3moe-a).
 """
 
 from __future__ import annotations
@@ -14,29 +13,13 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slimwise.embedded import embedded_model_dir
 from slimwise.evaluation import EvalConfig, Sweep
+from slimwise.evaluation.report import console_table
 from slimwise.export import export_pruned
-from slimwise.models import load_model
-from slimwise.report import console_table
-from slimwise.testbed import TARGET_DOMAIN, build_tokenizer, families_in_domain
-from slimwise.tiny import save_tiny_model
+from slimwise.models import load_model, resolve_model_dir
+from slimwise.testbed import TARGET_DOMAIN, families_in_domain
 
 MODES = ("full", "uniform", "slimwise")
-
-
-def _default_model(out_dir: Path, console: Console) -> Path:
-    embedded = embedded_model_dir("testbed-a")
-    if embedded is not None:
-        return embedded
-    path = out_dir / "random-qwen3moe"
-    if not (path / "config.json").is_file():
-        console.print("[yellow]no trained testbed model is shipped yet: building a random Qwen3-MoE "
-                      "(accuracy will be ~0; fidelity columns still show the method)[/]")
-        save_tiny_model("qwen3_moe", path, initializer_range=0.15, vocab_size=256, num_experts=32,
-                        num_experts_per_tok=4, num_hidden_layers=4)
-        build_tokenizer(path)
-    return path
 
 
 def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0, ratio: float = 0.5,
@@ -51,7 +34,7 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model_dir = Path(model) if model is not None else _default_model(out_dir, console)
+    model_dir = Path(model) if model is not None else resolve_model_dir("testbed-a")
     per_family = math.ceil(samples / len(families_in_domain(TARGET_DOMAIN)))
     config = EvalConfig(criteria=(criterion,), ratios=(ratio,), phases=("decode",), modes=MODES,
                         n_per_family=per_family, max_samples=samples, seed=seed, max_new_tokens=max_new_tokens,

@@ -11,7 +11,6 @@ the pruned-and-distilled decoder, to serve as the decode instance behind the ful
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -20,7 +19,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from slimwise.adapters import get_adapter
+from slimwise.delta import fold_delta
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_dir, refuse_existing
 from slimwise.models import MANIFEST_FILE, PLAN_FILE, read_manifest
 from slimwise.plan import PrunePlan, model_fingerprint
 
@@ -36,24 +37,14 @@ def check_output_dir(out_dir: Path, source_dir: Path | None, force: bool) -> Non
         if out == src or src in out.parents:
             raise SlimWiseError(f"output {out_dir} is inside the source model {source_dir}; "
                                 "write the pruned checkpoint somewhere else")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise SlimWiseError(f"output {out_dir} exists and is not empty; choose a new path or pass --force")
-
-
-def _atomic_replace(tmp: Path, out: Path) -> None:
-    backup = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        os.replace(out, backup)
-    os.replace(tmp, out)
-    if backup.exists():
-        shutil.rmtree(backup) if backup.is_dir() else backup.unlink()
+    refuse_existing(out_dir, force)
 
 
 def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tokenizer=None,
                   source_dir: str | Path | None = None, force: bool = False, delta=None) -> Path:
     """Slice `model` (modified in place: pass a copy you no longer need) to `plan` and save it to out_dir.
 
-    `delta` (a `slimwise.distill.Delta` or its directory, distilled for this model and plan) is folded in
+    `delta` (a `slimwise.delta.Delta` or its directory, distilled for this model and plan) is folded in
     before slicing; the manifest's "delta" field then describes it."""
     out_dir = Path(out_dir)
     source_dir = Path(source_dir) if source_dir else (Path(model.slimwise_source_dir)
@@ -66,8 +57,6 @@ def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tok
     source_fp = model_fingerprint(model)
     delta_info = None
     if delta is not None:
-        from slimwise.distill import fold_delta  # lazy: plain exports never load the training code
-
         delta_info = fold_delta(model, delta, plan)  # checks the delta against the unmodified weights first
 
     originals: dict[int, dict[str, torch.Tensor]] = {}
@@ -78,10 +67,7 @@ def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tok
         adapter.slice_layer(layer, keep)
     adapter.set_num_experts(model.config, n_keep)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         cfg_path = tmp / "config.json"
         cfg = adapter.config_dict_fixups(json.loads(cfg_path.read_text()), n_keep)
@@ -104,10 +90,6 @@ def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tok
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
         verify_export(tmp, plan, originals)
-        _atomic_replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import get_adapter
+from slimwise.delta import apply_delta
 from slimwise.errors import SlimWiseError
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan, model_fingerprint
@@ -119,7 +120,7 @@ def _stacked(*factories):
 
 class PhaseSplitEngine:
     """Generate in `full`, `uniform`, `slimwise` or `distilled` mode with one full model and a plan (or a pruned
-    checkpoint). `delta` (a `slimwise.distill.Delta` or its directory) needs `plan`; it is used by mode
+    checkpoint). `delta` (a `slimwise.delta.Delta` or its directory) needs `plan`; it is used by mode
     `distilled` only, so one engine compares training-free and distilled decoding."""
 
     def __init__(self, model: nn.Module, tokenizer=None, plan: PrunePlan | None = None,
@@ -142,13 +143,11 @@ class PhaseSplitEngine:
                                         f"plan keeps {plan.num_kept}: pass the checkpoint exported from this plan")
         elif plan is not None:
             self.mask = ExpertMask(model, plan)
-        self.delta = None  # an installed delta (slimwise.distill.InstalledDelta), switched on by mode distilled
+        self.delta = None  # an installed delta (slimwise.delta.InstalledDelta), switched on by mode distilled
         if delta is not None:
             if self.mask is None:
                 raise SlimWiseError("a distilled delta needs plan= (the plan it was distilled for) and no decode "
                                     "model; a pruned checkpoint takes the delta at export (export_pruned(delta=))")
-            from slimwise.distill import apply_delta  # distill imports this module
-
             try:
                 self.delta = apply_delta(model, delta, self.mask, plan)
             except BaseException:
@@ -188,7 +187,14 @@ class PhaseSplitEngine:
             raise SlimWiseError(f"mode {mode!r} needs a plan or a decode model")
         return self.model, lambda: self.mask.pruned(True)
 
-    def _encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    @property
+    def pad_id(self) -> int:
+        """The id that pads batches: the tokenizer's pad token, else 0 (padding is masked or never read)."""
+        tok = self.tokenizer
+        return tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+
+    def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+        """Token ids of text prompts (no special tokens added) or of token-id prompts; refuses empty prompts."""
         out = []
         for p in prompts:
             if isinstance(p, str):
@@ -207,7 +213,7 @@ class PhaseSplitEngine:
                  config: GenerationConfig | None = None, observer: StepObserver | None = None,
                  keep_first_logits: bool = False) -> list[Generation]:
         config = config or GenerationConfig()
-        ids = self._encode(prompts)
+        ids = self.encode(prompts)
         eos = _eos_ids(config, self.tokenizer, self.model)
         generator = torch.Generator().manual_seed(config.seed)
         results: list[Generation] = []
@@ -225,10 +231,8 @@ class PhaseSplitEngine:
         Returns (cache, last-position logits [B, V] float32, attention mask, position ids).
         """
         device = next(self.model.parameters()).device
-        tok = self.tokenizer
-        pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
         width = max(len(p) for p in batch)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long, device=device)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long, device=device)
         attention = torch.zeros((len(batch), width), dtype=torch.long, device=device)
         for i, p in enumerate(batch):
             input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
@@ -242,6 +246,20 @@ class PhaseSplitEngine:
                         logits_to_keep=1)
         return out.past_key_values, out.logits[:, -1, :].float(), attention, positions
 
+    def decode(self, tokens: torch.Tensor, cache, attention: torch.Tensor, positions: torch.Tensor,
+               mode: Mode = "slimwise") -> torch.Tensor:
+        """One forward of `mode`'s decode model over `tokens` [B, T], continuing `cache` (updated in place).
+
+        `attention` covers the cache and the new tokens; `positions` [B, T] are the new tokens' position ids.
+        Returns logits [B, T, V] in float32. Generation calls it with T = 1, teacher-forced scoring and training
+        (`slimwise.scoring`) with a whole continuation: both run the same decoder on the same cache.
+        """
+        model, ctx = self._phase(mode, "decode")
+        with ctx():
+            out = model(input_ids=tokens, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                        use_cache=True)
+        return out.logits.float()
+
     def _generate_batch(self, batch, mode, config, eos, generator, observer, keep_first_logits):
         device = next(self.model.parameters()).device
         cache, logits, attention, positions = self.prefill(batch, mode, observer)
@@ -251,7 +269,6 @@ class PhaseSplitEngine:
         reasons: list[str | None] = [None] * len(batch)
         texts: list[str | None] = [None] * len(batch)
         next_pos = positions[:, -1:] + 1
-        model, ctx = self._phase(mode, "decode")
         for step in range(config.max_new_tokens):
             tokens = sample_next(logits, config, generator)
             for i, t in enumerate(tokens.tolist()):
@@ -271,10 +288,7 @@ class PhaseSplitEngine:
             if observer is not None:
                 observer.before_forward("decode", alive)
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            with ctx():
-                out = model(input_ids=tokens[:, None], attention_mask=attention, position_ids=next_pos,
-                            past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1, :].float()
+            logits = self.decode(tokens[:, None], cache, attention, next_pos, mode)[:, -1, :]
             next_pos = next_pos + 1
 
         results = []

@@ -1,4 +1,4 @@
-"""Atomic file writes: every file SlimWise writes appears whole or not at all.
+"""Atomic file and directory writes: every file SlimWise writes appears whole or not at all.
 
 Why one helper: plans, statistics, reports, checkpoints and caches are read by other processes (a resumed run,
 a serving instance, a re-rendered report) and a crash mid-write must not leave half a file under the real name.
@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from slimwise.errors import SlimWiseError
 
 
 @contextlib.contextmanager
@@ -47,4 +51,78 @@ def atomic_torch_save(obj, path: str | Path) -> Path:
     return Path(path)
 
 
-__all__ = ["atomic_path", "atomic_torch_save", "atomic_write_text"]
+def save_figure(fig, path: str | Path, *, dpi: float | None = None, rect: tuple | None = None) -> Path:
+    """Lay out, write atomically (parents created) and close a matplotlib figure: the one ending of every SlimWise
+    plot. `rect` is tight_layout's (room for a legend below the axes)."""
+    import matplotlib.pyplot as plt
+
+    if rect is None:
+        fig.tight_layout()
+    else:
+        fig.tight_layout(rect=rect)
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", **({"dpi": dpi} if dpi else {}))
+    plt.close(fig)
+    return path
+
+
+def refuse_existing(path: str | Path, force: bool = False) -> None:
+    """Refuse to write over a file or a non-empty directory unless `force` (the one wording for every output)."""
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
+        raise SlimWiseError(f"output {path} exists and is not empty; choose a new path or pass --force")
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process `pid` exists (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Remove `atomic_dir` temporaries next to `path` left by processes that died (kill -9 mid-write)."""
+    path = Path(path)
+    removed = []
+    pattern = re.compile(rf"^\.{re.escape(path.name)}\.(?:tmp|old)-(\d+)$")
+    if not path.parent.is_dir():
+        return removed
+    for entry in path.parent.iterdir():
+        m = pattern.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """A fresh temporary directory next to `path` to fill; it replaces `path` (a backup swap: never half a
+    directory under the real name) when the block ends without error, and is removed on any error. Temporaries
+    of dead processes from earlier runs are removed first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        yield tmp
+        backup = path.with_name(f".{path.name}.old-{os.getpid()}")
+        if path.exists():
+            os.replace(path, backup)
+        os.replace(tmp, path)
+        if backup.exists():
+            shutil.rmtree(backup) if backup.is_dir() else backup.unlink()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+__all__ = ["atomic_dir", "atomic_path", "save_figure", "atomic_torch_save", "atomic_write_text", "pid_alive", "refuse_existing",
+           "remove_stale_temporaries"]

@@ -28,8 +28,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import model_registry, register_model
 
 from slimwise.errors import SlimWiseError
-from slimwise.evaluation import continuation_logprobs
 from slimwise.generate import MODES, GenerationConfig, PhaseSplitEngine
+from slimwise.scoring import continuation_logprobs
 
 
 def _register(cls: type[LM]) -> type[LM]:

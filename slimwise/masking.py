@@ -14,15 +14,8 @@ import torch
 from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
-from slimwise.errors import SlimWiseError
+from slimwise.hooks import ForwardWrappers
 from slimwise.plan import PrunePlan
-
-
-def check_on_top(wrapped: list[tuple[nn.Module, object, object]], what: str) -> None:
-    """Refuse to unwrap (module, previous, ours) entries whose wrapper is no longer the module's outermost."""
-    if any(module.__dict__.get("forward") is not ours for module, _, ours in wrapped):
-        raise SlimWiseError(f"cannot remove this {what}: another mask or delta was installed on the same model after "
-                            "it; close engines in the reverse order of creation")
 
 
 class ExpertMask:
@@ -33,8 +26,9 @@ class ExpertMask:
         self.adapter = adapter or get_adapter(model.config)
         self.active = False
         self.token_mask: torch.Tensor | None = None  # bool [num_tokens]: rows to prune (None = all rows)
-        self._originals: list[tuple[nn.Module, object, object]] = []  # (router, its own forward attr, our wrapper)
+        self._wrappers = ForwardWrappers("expert mask")
         num_experts = self.adapter.num_experts(model.config)
+        plan.validate(self.adapter.min_kept_per_group(model.config))
         plan.check_model(model, self.adapter)
         for layer in self.adapter.moe_layers(model):
             pruned = torch.ones(num_experts, dtype=torch.bool, device=layer.router.weight.device)
@@ -44,21 +38,22 @@ class ExpertMask:
             self._install(layer.router, pruned)
 
     def _install(self, router: nn.Module, pruned: torch.Tensor) -> None:
-        original = router.forward
         adapter = self.adapter
 
-        def forward(hidden_states, *args, **kwargs):
-            if not self.active:
-                return original(hidden_states, *args, **kwargs)
-            if self.token_mask is None:
-                return adapter.route(router, hidden_states, pruned)
-            rows = self.token_mask.reshape(-1, 1)
-            full = original(hidden_states, *args, **kwargs)
-            masked = adapter.route(router, hidden_states, pruned)
-            return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))
+        def make(original):
+            def forward(hidden_states, *args, **kwargs):
+                if not self.active:
+                    return original(hidden_states, *args, **kwargs)
+                if self.token_mask is None:
+                    return adapter.route(router, hidden_states, pruned)
+                rows = self.token_mask.reshape(-1, 1)
+                full = original(hidden_states, *args, **kwargs)
+                masked = adapter.route(router, hidden_states, pruned)
+                return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))
 
-        self._originals.append((router, router.__dict__.get("forward"), forward))
-        router.forward = forward
+            return forward
+
+        self._wrappers.wrap(router, make)
 
     @contextmanager
     def pruned(self, active: bool = True, token_mask: torch.Tensor | None = None):
@@ -73,13 +68,7 @@ class ExpertMask:
     def remove(self) -> None:
         """Restore each router's forward. Wrappers stack (another engine's mask, a delta), so they must come off
         in reverse order: removing one from under another would silently drop the one on top."""
-        check_on_top(self._originals, "expert mask")
-        for router, previous, _ in self._originals:
-            if previous is None:
-                del router.forward
-            else:
-                router.forward = previous
-        self._originals.clear()
+        self._wrappers.remove()
 
     def __enter__(self) -> ExpertMask:
         return self

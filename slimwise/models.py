@@ -17,6 +17,22 @@ PLAN_FILE = "slimwise_plan.json"
 MANIFEST_FILE = "slimwise_manifest.json"
 
 
+def is_hybrid(config_or_dir) -> bool:
+    """True for models with linear-attention (Gated-DeltaNet) layers (Qwen3-Next, Qwen3.5/3.6-MoE): their decode state
+    includes each such layer's conv and recurrent state beside the attention KV, and the CPU training kernels ignore
+    packed-sample boundaries. Takes a config (object or dict) or a checkpoint directory."""
+    config = config_or_dir
+    if isinstance(config_or_dir, (str, Path)):
+        path = Path(config_or_dir) / "config.json"
+        if not path.is_file():
+            return False
+        config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        config = config.to_dict()
+    text = config.get("text_config") or config
+    return "linear_attention" in (text.get("layer_types") or [])
+
+
 def resolve_model_dir(path: str | Path) -> Path:
     """A local model directory with a config.json, or one of the embedded testbed names."""
     p = Path(path)

@@ -125,10 +125,16 @@ class PrunePlan:
         if adapter.family != self.family or adapter.num_experts(model.config) != self.num_experts:
             raise SlimWiseError(f"plan is for a {self.family} model with {self.num_experts} experts, but the model is "
                                 f"{adapter.family} with {adapter.num_experts(model.config)}: use the plan's source model")
+        if adapter.top_k(model.config) != self.top_k:
+            raise SlimWiseError(f"plan is for top-{self.top_k} routing but the model routes top-"
+                                f"{adapter.top_k(model.config)}: use the plan's source model")
         layers = {layer.index for layer in adapter.moe_layers(model)}
         if not set(self.kept_experts) <= layers:
             raise SlimWiseError(f"plan names MoE layers {sorted(set(self.kept_experts) - layers)} that the model "
                                 "does not have: use the plan's source model")
+        if set(self.kept_experts) != layers:
+            raise SlimWiseError(f"plan has no entry for MoE layers {sorted(layers - set(self.kept_experts))} of the "
+                                "model: a plan names every MoE layer; make it with `slimwise plan`")
         if check_fingerprint and self.fingerprint is not None:
             actual = getattr(model, "_slimwise_fingerprint", None) or model_fingerprint(model)
             model._slimwise_fingerprint = actual
@@ -146,15 +152,27 @@ class PrunePlan:
         return atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
+    def from_dict(cls, d: object, source: str = "plan") -> PrunePlan:
+        """The one validated way in from JSON (files, vLLM overrides): types, ranges, distinct ids, no unknown or
+        missing keys, then the family-independent constraints of `validate` (ids in range, >= top-k kept)."""
+        problem = _schema_problem(d)
+        if problem:
+            raise SlimWiseError(f"{source} is not a valid SlimWise plan: {problem}; make one with `slimwise plan`")
+        plan = cls(**d)
+        plan.validate()
+        return plan
+
+    @classmethod
     def load(cls, path: str | Path) -> PrunePlan:
         path = Path(path)
         try:
-            d = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SlimWiseError(f"cannot read plan {path}: {exc}; pass a plan JSON written by `slimwise plan`") from exc
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SlimWiseError(f"cannot read plan {path} ({type(exc).__name__}: {str(exc).splitlines()[0]}); pass a "
+                                "plan JSON written by `slimwise plan`") from exc
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
             raise SlimWiseError(f"{path} is not a SlimWise plan (format {PLAN_FORMAT}); make one with `slimwise plan`")
-        return cls(**d)
+        return cls.from_dict(d, f"plan {path}")
 
     @classmethod
     def full(cls, model: nn.Module) -> PrunePlan:
@@ -164,6 +182,62 @@ class PrunePlan:
         return cls(family=adapter.family, num_experts=n, top_k=adapter.top_k(model.config),
                    kept_experts={layer.index: list(range(n)) for layer in adapter.moe_layers(model)},
                    num_groups=adapter.num_groups(model.config), fingerprint=model_fingerprint(model))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_PLAN_TYPES: dict[str, tuple[type, ...]] = {
+    "family": (str,), "num_experts": (int,), "top_k": (int,), "kept_experts": (dict,), "criterion": (str,),
+    "ratio": (int, float), "phase": (str, type(None)), "scope": (str,), "num_groups": (int,),
+    "fingerprint": (dict, type(None)), "meta": (dict,), "format": (str,)}
+_PLAN_REQUIRED = ("family", "num_experts", "top_k", "kept_experts")
+
+
+def _schema_problem(d: object) -> str | None:
+    """What is wrong with a plan dictionary (first problem found), or None."""
+    if not isinstance(d, dict):
+        return f"a JSON object is needed, not {type(d).__name__}"
+    unknown = sorted(set(d) - set(_PLAN_TYPES))
+    if unknown:
+        return f"unknown key(s) {', '.join(map(repr, unknown))}"
+    missing = [k for k in _PLAN_REQUIRED if k not in d]
+    if missing:
+        return f"missing key(s) {', '.join(map(repr, missing))}"
+    for key, value in d.items():
+        if not isinstance(value, _PLAN_TYPES[key]) or isinstance(value, bool):
+            return f"{key!r} must be {' or '.join(t.__name__ for t in _PLAN_TYPES[key])}, not {value!r:.40}"
+    n, k = d["num_experts"], d["top_k"]
+    if n < 2:
+        return f"num_experts {n} must be at least 2"
+    if not 1 <= k <= n:
+        return f"top_k {k} must be in [1, num_experts={n}]"
+    ratio = d.get("ratio", 0.0)
+    if not (math.isfinite(ratio) and 0.0 <= ratio < 1.0):
+        return f"ratio {ratio} must be a finite number in [0, 1)"
+    if d.get("scope", "layer") not in ("layer", "global"):
+        return f"scope {d['scope']!r} must be 'layer' or 'global'"
+    groups = d.get("num_groups", 1)
+    if groups < 1 or n % groups:
+        return f"num_groups {groups} must be >= 1 and divide num_experts={n}"
+    if not d["kept_experts"]:
+        return "kept_experts is empty (no MoE layer)"
+    for layer, ids in d["kept_experts"].items():
+        if not (isinstance(layer, str) and layer.isdigit()) and not _is_int(layer):
+            return f"layer key {layer!r} must be a decoder-layer index"
+        if not isinstance(ids, list) or not all(_is_int(e) for e in ids):
+            return f"layer {layer}: kept experts must be a list of integer ids, not {ids!r:.40}"
+        if len(set(ids)) != len(ids):
+            return f"layer {layer}: duplicate expert ids {sorted({e for e in ids if ids.count(e) > 1})}"
+        if any(e < 0 or e >= n for e in ids):
+            return f"layer {layer}: expert ids must be in [0, {n})"
+        if len(ids) < k:
+            return f"layer {layer} keeps {len(ids)} experts, fewer than top_k={k}"
+    fingerprint = d.get("fingerprint")
+    if fingerprint is not None and not all(isinstance(v, str) for v in fingerprint.values()):
+        return "fingerprint values must be strings"
+    return None
 
 
 def _keep_count(n: int, ratio: float) -> int:

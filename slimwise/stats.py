@@ -18,6 +18,14 @@ from slimwise.errors import SlimWiseError
 from slimwise.io import atomic_path
 
 STATS_FORMAT = "slimwise-stats/1"
+
+
+def expected_union(num_experts: int, top_k: int, batch: float) -> float:
+    """Expected distinct experts touched by `batch` tokens that each pick top_k of num_experts uniformly:
+    E(1 - (1 - k/E)^B). What batched decode reads under uniform routing (the roofline, the traffic meter)."""
+    if num_experts <= 0 or batch <= 0:
+        return 0.0
+    return float(num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** batch))
 _FIELDS = ("count", "gate_sum", "norm_sum", "norm_sq_sum", "gate_norm_sum")
 
 

@@ -15,17 +15,8 @@ from test_pipeline import cache_tensors
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
-from slimwise.distill import (
-    ATTENTION_TARGETS,
-    DENSE_MLP_TARGETS,
-    Delta,
-    DistillConfig,
-    TeacherData,
-    build_teacher,
-    distill,
-    init_delta,
-    plan_hash,
-)
+from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS, Delta, plan_hash
+from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill, init_delta
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
@@ -340,9 +331,9 @@ def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):
 
 def test_bars_check_and_report_rerender(tmp_path):
     """The bars arithmetic on a hand-made report (gap, recovery, the stricter length bar, never worse) and the
-    per-problem length drift; `python -m slimwise.distill report` rewrites report.md and the bars from report.json."""
-    from slimwise.distill import bars_check, length_drift
-    from slimwise.distill import main as distill_main
+    per-problem length drift; `python -m experiments.distill_bars report` rewrites report.md and the bars from report.json."""
+    from experiments.distill_bars import bars_check, length_drift
+    from experiments.distill_bars import main as distill_main
 
     def run(acc, lengths, **extra):
         return {"accuracy": acc, "mean_length": sum(lengths) / len(lengths), "lengths": lengths,
@@ -378,7 +369,7 @@ def test_bars_check_and_report_rerender(tmp_path):
 def test_family_length_check():
     """Per-family drift: drifts of opposite sign that cancel in the mean are found, halving is judged only where
     SlimWise drifts beyond noise, and a drift distillation creates is reported."""
-    from slimwise.distill import family_drift, family_length_check, length_drift
+    from experiments.distill_bars import family_drift, family_length_check, length_drift
 
     fams = ["x"] * 4 + ["y"] * 4
     full = {"lengths": [10] * 4 + [20] * 4, "families": fams}
@@ -398,9 +389,9 @@ def test_family_length_check():
 
 
 def test_replicate_on_fresh_samples(tmp_path):
-    """`python -m slimwise.distill replicate` re-tests a bars run's plan and delta on another seed's test problems:
+    """`python -m experiments.distill_bars replicate` re-tests a bars run's plan and delta on another seed's test problems:
     the rows are the engine's own greedy results on those problems, written atomically beside the report."""
-    from slimwise.distill import BarsConfig, evaluate_run, replicate_bars
+    from experiments.distill_bars import BarsConfig, evaluate_run, replicate_bars
     from slimwise.tiny import save_tiny_model
 
     tok = build_tokenizer(tmp_path / "model")
@@ -469,7 +460,8 @@ def test_distill_trains_through_a_hybrid_cache(setup, family, mode):
     using it as the layer's initial state; distillation trains through it (`trainable_cache`; before, backward failed
     with "modified by an inplace operation"), the loss falls and the teacher-forced continuation on the trainable
     cache equals the stock one."""
-    from slimwise.distill import continue_on_cache, trainable_cache
+    from slimwise.distill import trainable_cache
+    from slimwise.scoring import continue_on_cache
 
     model, plan = setup(family)
     losses = []

@@ -24,3 +24,48 @@ def test_atomic_writes(tmp_path):
     assert target.read_text() == "old\n" and os.listdir(target.parent) == ["report.json"]
     atomic_torch_save({"x": torch.arange(3)}, tmp_path / "state.pt")
     assert torch.equal(torch.load(tmp_path / "state.pt")["x"], torch.arange(3))
+
+
+def test_atomic_dir_replaces_whole_and_cleans_after_a_killed_run(tmp_path):
+    """A directory appears whole (backup swap) or not at all; a temporary left by a process that died (kill -9
+    mid-write) is removed by the next write, one of a live process is not."""
+    import subprocess
+    import sys
+
+    from slimwise.io import atomic_dir
+
+    target = tmp_path / "out"
+    with atomic_dir(target) as tmp:
+        (tmp / "a.txt").write_text("1")
+    assert (target / "a.txt").read_text() == "1"
+    with pytest.raises(RuntimeError), atomic_dir(target) as tmp:
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("crash mid-write")
+    assert (target / "a.txt").read_text() == "1" and sorted(os.listdir(tmp_path)) == ["out"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.tmp-{int(dead.stdout)}"  # that process has exited
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 100)
+    live = tmp_path / f".out.tmp-{os.getppid()}"  # a running process (our parent): not ours to remove
+    live.mkdir()
+    with atomic_dir(target) as tmp:
+        (tmp / "b.txt").write_text("2")
+    assert not stale.exists() and live.exists()
+    assert sorted(os.listdir(target)) == ["b.txt"]
+
+
+def test_cli_expected_failures_are_one_line(tmp_path, capsys, monkeypatch):
+    """An OS-level failure (here: an output path under a regular file) is one line and exit 2, not a traceback;
+    SLIMWISE_DEBUG=1 gives the traceback instead."""
+    from slimwise.cli import DEBUG_ENV, main
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    argv = ["roofline", "--preset", "qwen3-30b-a3b", "--hardware", "h200", "--out", str(blocker / "sub")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("slimwise: error: ") and "\n" not in err and str(blocker) in err
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(OSError):
+        main(argv)

@@ -162,7 +162,7 @@ def test_empty_plan_is_full_model(calibrated):
     plan = PrunePlan.full(model)
     assert plan.is_empty
     engine = PhaseSplitEngine(model, plan=plan)
-    assert engine.mask is not None and not engine.mask._originals  # nothing wrapped
+    assert engine.mask is not None and len(engine.mask._wrappers) == 0  # nothing wrapped
     assert tokens(engine, random_prompts(), "uniform") == tokens(engine, random_prompts(), "full")
 
 

@@ -116,3 +116,59 @@ def test_plan_and_stats_roundtrip(tmp_path):
         PrunePlan.load(tmp_path / "bad.json")
     with pytest.raises(SlimWiseError, match="slimwise calibrate"):
         ExpertStats.load(tmp_path / "p.json")
+
+
+def test_registries_refuse_a_name_twice():
+    """A second registration under a taken name would silently replace the first: refused (lm-eval does the same)."""
+    from slimwise.adapters import register_adapter
+    from slimwise.adapters.qwen3_moe import Qwen3MoeAdapter
+
+    with pytest.raises(SlimWiseError, match="already registered"):
+        register_criterion("reap")(lambda stats: stats.count)
+    assert CRITERIA["reap"].__name__ != "<lambda>"
+
+    class Impostor(Qwen3MoeAdapter):
+        pass
+
+    with pytest.raises(SlimWiseError, match="already have an adapter"):
+        register_adapter(Impostor)
+    assert register_adapter(Qwen3MoeAdapter) is Qwen3MoeAdapter  # the same class again is a no-op
+
+
+GOOD_PLAN = {"family": "qwen3_moe", "num_experts": 8, "top_k": 2, "kept_experts": {"0": [0, 1, 2, 3]},
+             "format": "slimwise-plan/1"}
+BAD_PLANS = {
+    "kept_experts as a list": dict(GOOD_PLAN, kept_experts=[[0, 1]]),
+    "id 'abc'": dict(GOOD_PLAN, kept_experts={"0": ["abc", 1]}),
+    "num_experts as a string": dict(GOOD_PLAN, num_experts="8"),
+    "no top_k": {k: v for k, v in GOOD_PLAN.items() if k != "top_k"},
+    "an extra key": dict(GOOD_PLAN, colour="blue"),
+    "layer key 'x'": dict(GOOD_PLAN, kept_experts={"x": [0, 1]}),
+    "duplicate ids": dict(GOOD_PLAN, kept_experts={"0": [1, 1, 2]}),
+    "fractional id": dict(GOOD_PLAN, kept_experts={"0": [1.5, 2, 3]}),
+    "ratio NaN": dict(GOOD_PLAN, ratio=float("nan")),
+    "fewer than top-k": dict(GOOD_PLAN, kept_experts={"0": [0]}),
+    "id out of range": dict(GOOD_PLAN, kept_experts={"0": [0, 9]}),
+    "boolean top_k": dict(GOOD_PLAN, top_k=True),
+    "top_k above num_experts": dict(GOOD_PLAN, top_k=9),
+    "groups not dividing": dict(GOOD_PLAN, num_groups=3),
+    "no layer": dict(GOOD_PLAN, kept_experts={}),
+    "a JSON array": [1, 2],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_PLANS))
+def test_plan_schema_refuses_bad_plans_in_one_line(case, tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(BAD_PLANS[case]))
+    with pytest.raises(SlimWiseError) as err:
+        PrunePlan.load(path)
+    assert "\n" not in str(err.value) and "slimwise plan" in str(err.value)
+
+
+def test_plan_schema_accepts_what_slimwise_writes(tmp_path):
+    plan = PrunePlan.from_dict(GOOD_PLAN)
+    plan.save(tmp_path / "p.json")
+    assert PrunePlan.load(tmp_path / "p.json") == plan

@@ -156,3 +156,39 @@ def test_serve_refuses_before_any_engine_starts(setup, case, tmp_path, capsys):
     assert len(err.splitlines()) == 1
     assert {"missing": "does not exist", "not-a-model": "no config.json", "other-weights": "plan is for 16 experts"}[
         case] in err
+
+
+def test_an_untested_vllm_is_refused_in_one_line(monkeypatch):
+    """The plugin patches vLLM internals known for the tested release only: another release is refused by SlimWise's
+    entry points (stock vLLM use stays untouched: the plugin then only logs and stays inactive), unless the user
+    opts in; a runner without the hooked method is refused always."""
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from slimwise.serving.plugin import ALLOW_UNTESTED_ENV, require_known_vllm, vllm_problem
+
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    assert vllm_problem() is None  # the installed release is the tested one
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    with pytest.raises(SlimWiseError, match=r"tested with vLLM 0\.32\.x, not 0\.99\.0") as err:
+        require_known_vllm()
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    assert vllm_problem() is None
+    monkeypatch.delattr(GPUModelRunner, "_model_forward")
+    assert "_model_forward" in vllm_problem()
+
+
+def test_serve_refuses_prefix_caching_for_a_disaggregated_hybrid(tmp_path, capsys):
+    """The shared-directory connector hands a hybrid's linear-attention state over only without vLLM's 'align'
+    Mamba cache mode, which prefix caching turns on: refused before any engine starts (moved here from the HTTP
+    hybrid test, where it cost a subprocess start)."""
+    from slimwise.cli import main
+
+    src = save_tiny_model("qwen3_5_moe", tmp_path / "hybrid")
+    PrunePlan.full(load_model(src)).save(tmp_path / "plan.json")
+    capsys.readouterr()
+    argv = ["serve", str(src), "--plan", str(tmp_path / "plan.json"), "--disaggregated", "--enable-prefix-caching"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "drop --enable-prefix-caching" in err

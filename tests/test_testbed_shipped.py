@@ -75,51 +75,36 @@ def card_eval(name: str) -> dict:
     return json.loads((embedded_model_dir(name) / "eval.json").read_text())
 
 
-# The issue's bars, on the numbers the model card reports (test split, 100 problems per family).
 @pytest.mark.parametrize("name", NAMES)
-def test_card_target_domain_bar(name):
-    assert card_eval(name)["test"]["domains"]["arithmetic"]["accuracy"] >= 0.85
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_card_every_family_and_routing_bars(name):
-    ev = card_eval(name)["test"]
-    assert min(r["accuracy"] for r in ev["families"].values()) >= 0.60, ev["families"]
-    assert max(ev["routing"]["max_share_over_uniform"]) <= 3.0
-    card = (embedded_model_dir(name) / "README.md").read_text()
-    assert all(f"| {family} |" in card for family in ev["families"])  # per-family accuracy in the card
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_card_pruning_band(name):
-    """Uniform 50% with the best criterion, decode-phase calibration on the target domain: pruning matters
-    (>= 10 points or >= 15% length) and the model has slack (>= 30% kept); 25/50/75% all reported."""
-    pruning = card_eval(name)["pruning"]
-    decode = pruning["phases"]["decode"]
-    assert decode["in_band"]
-    assert decode["uniform50_cost_points"] >= 10 or abs(decode["uniform50_length_change_pct"]) >= 15
-    assert {r["ratio"] for r in decode["rows"]} == {0.25, 0.5, 0.75}
-    u50 = next(r for r in decode["rows"] if r["mode"] == "uniform" and r["ratio"] == 0.5)
-    assert u50["accuracy"] >= 0.30
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_quality_on_a_fresh_sample_with_stock_transformers(name):
-    """Stock classes, stock experts, prompts not used for the card (seed 1): the bars hold with sample slack."""
+def test_the_card_is_the_model_and_meets_the_bars(name):
+    """Re-run the card's own test evaluation (100 problems per family, seed 0, stock transformers classes and
+    experts, bfloat16 as shipped) and check (1) the card's figures are this model's: per-family accuracy within
+    3 points (bf16 kernels differ between CPUs) and the routing load within 0.05; (2) the issue's bars on the
+    recomputed figures: >= 85% on the target domain, >= 60% on every family, the busiest expert <= 3x uniform.
+    About 40 s per model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     from slimwise.testbed.evaluate import evaluate_model
 
+    card = card_eval(name)["test"]
     path = embedded_model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     # next to a qwen3_5_moe_text config AutoTokenizer swaps in Qwen3.5's own tokenizer class (see the card)
     tok_class = PreTrainedTokenizerFast if name == "testbed-c" else AutoTokenizer
-    r = evaluate_model(model=model, tokenizer=tok_class.from_pretrained(path), split="test", n_per_family=12,
-                       routing=False, seed=1)
-    assert r["n"] == 12 * len(r["families"])
-    assert r["domains"]["arithmetic"]["accuracy"] >= 0.75, r["families"]  # bar 0.85 on 100/family
-    assert min(f["accuracy"] for f in r["families"].values()) >= 0.40, r["families"]  # bar 0.60
+    r = evaluate_model(model=model, tokenizer=tok_class.from_pretrained(path), split="test",
+                       n_per_family=card["n_per_family"], seed=card["seed"], max_new_tokens=card["max_new_tokens"])
+    got = {f: v["accuracy"] for f, v in r["families"].items()}
+    want = {f: v["accuracy"] for f, v in card["families"].items()}
+    assert got.keys() == want.keys()
+    assert all(abs(got[f] - want[f]) <= 0.03 for f in got), {f: (got[f], want[f]) for f in got}
+    assert r["domains"]["arithmetic"]["accuracy"] >= 0.85, r["domains"]
+    assert min(got.values()) >= 0.60, got
     assert r["eos_share"] >= 0.95
+    shares = r["routing"]["max_share_over_uniform"]
+    assert max(shares) <= 3.0
+    assert shares == pytest.approx(card["routing"]["max_share_over_uniform"], abs=0.05)
+    card_text = (path / "README.md").read_text()
+    assert all(f"| {family} |" in card_text for family in got)  # per-family accuracy in the card
 
 
 @pytest.mark.parametrize("name", NAMES)

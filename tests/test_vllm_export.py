@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 from conftest import random_prompts
+from stock_vllm import vllm_generate
 
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.export import export_pruned, load_pruned
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model
-from slimwise.vllm_runner import vllm_generate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from conftest import TINY_INIT, random_prompts
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
-from slimwise.distill import ATTENTION_TARGETS, DENSE_MLP_TARGETS
+from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.masking import ExpertMask
 from slimwise.models import load_model
@@ -41,6 +41,8 @@ BF16_GAP = 0.3
 
 def totals(counters: list[dict]) -> tuple[int, int]:
     c = counters[0]
+    # the host-side positions that classify tokens equal the positions vLLM gave the model, on every step
+    assert c.get("position_mismatch_steps") == 0, c.get("position_mismatch_steps")
     return c.get("pruned_tokens", 0), c.get("full_tokens", 0)
 
 
@@ -175,7 +177,8 @@ def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup,
     (qwen3_moe) and eager; the first token stays the full model's. LoRA targets: q/k/v/o (qwen2_moe's q/k/v carry
     a bias), the shared expert's gate/up/down too (qwen2_moe), and the default "auto" on DeepSeek-V3 (its shared
     experts' and its dense first layer's gate/up/down)."""
-    from slimwise.distill import Delta, DistillConfig, distill, resolve_lora_targets
+    from slimwise.delta import Delta, resolve_lora_targets
+    from slimwise.distill import DistillConfig, distill
 
     model_dir, plan, ref, _ = setup(family)
     model = load_model(model_dir)

@@ -36,21 +36,37 @@ model's configuration at context prompt_len + output_len/2; the JSON holds predi
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import math
 import os
-import signal
-import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from slimwise.criteria import random_plan
 from slimwise.errors import SlimWiseError
 from slimwise.io import atomic_write_text
+from slimwise.perf.bench_report import (
+    bytes_split_table,
+    check_bars,
+    compare_roofline,
+    format_tables,
+    jsonable,
+    plot_bench,
+    suggest_threshold,
+    summarize_runs,
+    threshold_report,
+)
+from slimwise.perf.timing import (
+    close_engine,
+    engines_closed_on_sigterm,
+    kv_bytes_per_token,
+    make_prompts,
+    measure,
+    state_bytes_per_layer,
+)
 
 DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
@@ -192,33 +208,13 @@ def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Pa
 
 def _shares_plan(model, stats_path: str, ratio: float):
     """Keep the most used experts per layer by the stats' usage shares (for models the stats were not made on)."""
-    import torch
-
     from slimwise.adapters import get_adapter
-    from slimwise.perf.presets import _stats_rows
-    from slimwise.plan import make_plan, model_fingerprint
+    from slimwise.criteria import usage_share_plan
+    from slimwise.perf.presets import stats_rows
 
     adapter = get_adapter(model.config)
-    layers = [layer.index for layer in adapter.moe_layers(model)]
-    rows = _stats_rows(stats_path, adapter.num_experts(model.config), len(layers))
-    return make_plan(torch.stack([r.to(torch.float64) for r in rows]), layers, ratio, family=adapter.family,
-                     top_k=adapter.top_k(model.config), criterion="usage-share", fingerprint=model_fingerprint(model),
-                     meta={"stats": str(stats_path)})
-
-
-def _random_plan(model, ratio: float, seed: int):
-    import torch
-
-    from slimwise.adapters import get_adapter
-    from slimwise.plan import make_plan, model_fingerprint
-
-    adapter = get_adapter(model.config)
-    layers = [layer.index for layer in adapter.moe_layers(model)]
-    scores = torch.rand(len(layers), adapter.num_experts(model.config), generator=torch.Generator().manual_seed(seed))
-    return make_plan(scores, layers, ratio, family=adapter.family, top_k=adapter.top_k(model.config),
-                     num_groups=adapter.num_groups(model.config),
-                     min_kept_per_group=adapter.min_kept_per_group(model.config), criterion="random",
-                     fingerprint=model_fingerprint(model), meta={"seed": seed})
+    rows = stats_rows(stats_path, adapter.num_experts(model.config), len(adapter.moe_layers(model)))
+    return usage_share_plan(model, rows, ratio, meta={"stats": str(stats_path)})
 
 
 def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[[str], None] = print):
@@ -268,7 +264,7 @@ def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
             f"shares at ratio {config.ratio}")
         return _shares_plan(model, config.stats, config.ratio)
     log(f"plan: random {int(round(config.ratio * 100))}% per layer (seed {config.seed}); no --plan/--stats given")
-    return _random_plan(model, config.ratio, config.seed)
+    return random_plan(model, config.ratio, config.seed)
 
 
 def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, pruned_dir: Path | None) -> list[Variant]:
@@ -295,30 +291,6 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, p
 
 # ----- engines -----------------------------------------------------------------------------------------------
 
-def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    heads = text.get("num_attention_heads", 1)
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    kv_heads = text.get("num_key_value_heads", heads)
-    layers = text["num_hidden_layers"]
-    if isinstance(text.get("layer_types"), list):
-        layers = sum(t != "linear_attention" for t in text["layer_types"]) or layers
-    return 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-
-
-def _state_bytes_per_layer(model_dir: str) -> int:
-    """Conv + recurrent state of one linear-attention layer for one sequence (0 without such layers)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    if "linear_attention" not in (text.get("layer_types") or []):
-        return 0
-    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
-    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
-    ssm = 4 if str(text.get("mamba_ssm_dtype", "")).removeprefix("torch.") == "float32" else 2
-    return nv * dk * dv * ssm + (2 * nk * dk + nv * dv) * (text.get("linear_conv_kernel_dim", 4) - 1) * 2
-
-
 def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
     """The settings every variant's engine gets (identical across variants)."""
     max_len = config.prompt_len + max(config.output_len, config.count_output_len, config.warmup_tokens)
@@ -326,8 +298,8 @@ def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
     kv = config.kv_cache_bytes
     if kv is None:
         blocks = math.ceil(max_len / 128) * 128  # generous block rounding
-        kv = int(1.25 * max_batch * blocks * _kv_bytes_per_token(model_dir, config.dtype)) + (64 << 20)
-        state = _state_bytes_per_layer(model_dir)
+        kv = int(1.25 * max_batch * blocks * kv_bytes_per_token(model_dir, config.dtype)) + (64 << 20)
+        state = state_bytes_per_layer(model_dir)
         if state:  # hybrids: vLLM pages every layer at the (larger) state page size; twice that, plus slack
             layers = json.loads((Path(model_dir) / "config.json").read_text())
             layers = layers.get("text_config", layers)["num_hidden_layers"]
@@ -352,68 +324,6 @@ def start_engine(variant: Variant, kwargs: dict, overrides: dict | None = None):
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
     return llm, time.perf_counter() - t0
 
-
-def close_engine(llm) -> None:
-    with contextlib.suppress(Exception):  # best effort: vLLM's process manager kills what remains
-        llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
-
-
-@contextlib.contextmanager
-def _engines_closed_on_sigterm():
-    """SIGTERM raises KeyboardInterrupt, so the `finally` blocks shut the engine processes down (else orphans)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _raise(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, _raise)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random token-id prompts (ids >= 4 skip the synthetic tokenizer's specials), the same for every variant."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed * 100_003 + batch)
-    return torch.randint(4, vocab, (batch, prompt_len), generator=g).tolist()
-
-
-def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """One timed generate: decode throughput and time per output token from vLLM's engine-core timestamps."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    t0 = time.perf_counter()
-    # scheduler paused while the requests are added, so the engine core cannot start a step with only the first
-    # few: every prompt is prefilled in the same step and every decode step holds all B sequences
-    llm.sleep(level=0)
-    try:
-        llm.enqueue(requests, params, use_tqdm=False)
-    finally:
-        llm.wake_up()
-    outs = llm.wait_for_completion(use_tqdm=False)
-    wall = time.perf_counter() - t0
-    if len(outs) != len(prompts):
-        raise SlimWiseError(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests")
-    if any(o.metrics is None or not o.metrics.last_token_ts for o in outs):
-        raise SlimWiseError("vLLM returned no request metrics: the engine needs disable_log_stats=False")
-    first = [o.metrics.first_token_ts for o in outs]
-    last = [o.metrics.last_token_ts for o in outs]
-    generated = [len(o.outputs[0].token_ids) for o in outs]
-    decode_tokens = sum(generated) - len(generated)
-    decode_s = max(last) - min(first)
-    return {"tokens_per_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
-            "tpot_ms": 1e3 * decode_s / max(1, max(generated) - 1), "decode_s": decode_s, "wall_s": wall,
-            "decode_tokens": decode_tokens, "generated": sum(generated),
-            "prefill_spread_s": max(first) - min(first)}
 
 
 # ----- the timed runs ----------------------------------------------------------------------------------------
@@ -455,7 +365,7 @@ def _load_partial(config: BenchConfig, signature: dict, log) -> tuple[dict, dict
 
 def _save_partial(config: BenchConfig, signature: dict, runs: dict, starts: dict) -> None:
     atomic_write_text(Path(config.out_dir) / PARTIAL_FILE,
-                      json.dumps(_jsonable({"signature": signature, "runs": runs, "engine_start_s": starts})) + "\n")
+                      json.dumps(jsonable({"signature": signature, "runs": runs, "engine_start_s": starts})) + "\n")
 
 
 def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:
@@ -519,31 +429,6 @@ def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log
             finally:
                 close_engine(llm)
     return runs, starts
-
-
-def _spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def summarize_runs(runs: dict[str, dict[int, list]], batches) -> dict:
-    """Per variant and batch: throughput and TPOT (median, min, max) and the paired speedup over full."""
-    summary: dict[str, dict[int, dict]] = {}
-    full = runs["full"]
-    for name, per_batch in runs.items():
-        summary[name] = {}
-        for b in batches:
-            ms = per_batch.get(b, [])
-            if not ms:
-                continue
-            entry = {"tokens_per_s": _spread([m["tokens_per_s"] for m in ms]),
-                     "tpot_ms": _spread([m["tpot_ms"] for m in ms]),
-                     "prefill_spread_s": max(m["prefill_spread_s"] for m in ms)}
-            base = {m["round"]: m["tokens_per_s"] for m in full.get(b, [])}
-            pairs = [m["tokens_per_s"] / base[m["round"]] for m in ms if m["round"] in base]
-            if pairs:
-                entry["speedup"] = _spread(pairs)
-            summary[name][b] = entry
-    return summary
 
 
 # ----- expert traffic ----------------------------------------------------------------------------------------
@@ -613,228 +498,6 @@ def roofline_predictions(config: BenchConfig, model_dir: Path, ratio: float, bat
     return rc, hw, preds, ctx
 
 
-def compare_roofline(summary: dict, preds, tolerance: float = 0.15) -> list[dict]:
-    """Predicted vs measured speedups (slimwise and pruned over full) and measured/predicted step times."""
-    rows = []
-    for p in preds:
-        row = {"batch": p.batch, "predicted_speedup": p.speedup, "predicted_tokens_per_s_full": p.tokens_per_s_full,
-               "predicted_tokens_per_s_pruned": p.tokens_per_s_pruned,
-               # full/pruned when they differ: a pruned step that hits the compute roof caps the speedup
-               "bound": p.bound_full if p.bound_full == p.bound_pruned else f"{p.bound_full}/{p.bound_pruned}",
-               "union_full": p.union_full, "union_pruned": p.union_pruned}
-        full = summary["full"].get(p.batch)
-        if full:
-            row["measured_tokens_per_s_full"] = full["tokens_per_s"]["median"]
-            row["step_time_measured_over_predicted"] = (full["tpot_ms"]["median"] / 1e3) / p.time_full_s
-        for name in ("slimwise", "pruned"):
-            s = summary.get(name, {}).get(p.batch, {}).get("speedup")
-            if s:
-                m = s["median"]
-                row[f"measured_speedup_{name}"] = m
-                row[f"predicted_over_measured_{name}"] = p.speedup / m
-                row[f"within_{int(tolerance * 100)}pct_{name}"] = abs(p.speedup / m - 1) <= tolerance
-        rows.append(row)
-    return rows
-
-
-def bytes_split_table(rc, top_k: int, num_experts: int, traffic: dict | None, batches, context_len: int,
-                      kept: int | None) -> dict:
-    """Bytes per decode step by kind (routed expert weights, other weights, KV, linear-attention state) for the
-    full model and the pruned decoder, from the roofline's accounting at `context_len`. The experts touched per
-    layer come from the traffic counters where they ran (full; slimwise, else pruned), else from the uniform
-    expectation."""
-    from slimwise.perf.roofline import expected_union
-
-    kept = kept or num_experts // 2
-    out = {}
-    for b in batches:
-        row = {}
-        for side, names, avail in (("full", ("full",), num_experts), ("pruned", ("slimwise", "pruned"), kept)):
-            measured = next((_entry(traffic[n]["batches"], b) for n in names if traffic and n in traffic
-                             and _entry(traffic[n]["batches"], b)), None)
-            union = measured["touched_mean"] if measured else expected_union(avail, top_k, b)
-            split = rc.bytes_split(b, context_len, union, None if side == "full" else avail)
-            row[side] = {**split, "union": union, "union_source": "counters" if measured else "uniform expectation",
-                         "total": sum(split.values())}
-        out[b] = row
-    return {"context_len": context_len, "batches": out}
-
-
-# ----- thresholds and bars -----------------------------------------------------------------------------------
-
-def suggest_threshold(summary: dict, min_speedup: float, variant: str = "slimwise") -> int | None:
-    """Smallest batch from which on every measured batch reaches `min_speedup` (median paired speedup of
-    `variant` over full); None when the largest batch does not. Requiring every larger batch too keeps a noisy
-    small-batch point from setting a threshold below batches that lose."""
-    best = None
-    for b in sorted(summary.get(variant, {}), reverse=True):
-        s = summary[variant][b].get("speedup")
-        if not s or s["median"] < min_speedup:
-            break
-        best = b
-    return best
-
-
-def check_bars(summary: dict, preset: str | None) -> dict:
-    """The issue's CPU bars, evaluated on this run's paired medians."""
-    bars: dict = {}
-    if "slimwise" in summary and "pruned" in summary:
-        per = {}
-        for b, e in summary["slimwise"].items():
-            p = summary["pruned"].get(b, {}).get("speedup")
-            if e.get("speedup") and p:
-                ratio = e["speedup"]["median"] / p["median"]
-                per[b] = {"slimwise": e["speedup"]["median"], "pruned": p["median"], "ratio": ratio,
-                          "met": ratio >= 0.95}
-        bars["colocated_reaches_95pct_of_pruned"] = per
-    s32 = summary.get("slimwise", {}).get(32, {}).get("speedup")
-    if s32:
-        bars["slimwise_at_32_is_1.25x"] = {"speedup": s32["median"], "met": s32["median"] >= 1.25,
-                                           "applies": preset == "cpu"}
-    return bars
-
-
-# ----- output ------------------------------------------------------------------------------------------------
-
-def _entry(per: dict, b):
-    return per.get(b) or per.get(str(b))
-
-
-def _table(result: dict, title: str, names: list[str], cell) -> list[str]:
-    lines = [f"### {title}", "", "| batch | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
-    for b in result["config"]["batches"]:
-        lines.append(f"| {b} | " + " | ".join(cell(n, b) for n in names) + " |")
-    return [*lines, ""]
-
-
-def format_tables(result: dict) -> str:
-    """Markdown: throughput, TPOT and speedup per batch and variant; engine starts; traffic; roofline."""
-    summary = result["summary"]
-    names = list(summary)
-
-    def tput(n, b):
-        e = _entry(summary[n], b)
-        return f"{e['tokens_per_s']['median']:.1f} ({e['tokens_per_s']['min']:.1f}-{e['tokens_per_s']['max']:.1f})" \
-            if e else ""
-
-    def tpot(n, b):
-        e = _entry(summary[n], b)
-        return f"{e['tpot_ms']['median']:.1f} ({e['tpot_ms']['min']:.1f}-{e['tpot_ms']['max']:.1f})" if e else ""
-
-    def speed(n, b):
-        s = (_entry(summary[n], b) or {}).get("speedup")
-        return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" if s else ""
-
-    out = _table(result, "Decode throughput, tokens/s: median (min-max) over rounds", names, tput)
-    out += _table(result, "Time per output token, ms: median (min-max)", names, tpot)
-    out += _table(result, "Speedup over full, paired within each round: median (min-max)",
-                  [n for n in names if n != "full"], speed)
-    out += ["### Engine start, s (excluded from the timing)", "", "| variant | start s |", "|---|---|"]
-    out += [f"| {n} | {', '.join(f'{s:.1f}' for s in v)} |" for n, v in result["engine_start_s"].items()]
-    out.append("")
-    traffic = result.get("traffic")
-    if traffic:
-        tn = list(traffic)
-
-        def touched(n, b):
-            e = _entry(traffic[n]["batches"], b)
-            return f"{e['touched_mean']:.1f} / {e['expected_uniform']:.1f}" if e else ""
-
-        def mb(n, b):
-            e = _entry(traffic[n]["batches"], b)
-            return f"{e['expert_bytes_per_step'] / 1e6:.1f}" if e else ""
-
-        out += _table(result, "Distinct experts per MoE layer per decode step: measured / uniform expectation "
-                      "E'(1-(1-k/E')^B)", tn, touched)
-        out += _table(result, "Expert weights read per decode step, MB (all MoE layers)", tn, mb)
-    split = result.get("bytes_split")
-    if split:
-        out += [f"### Bytes per decode step, MB (roofline accounting at context {split['context_len']}; experts "
-                "touched from the counters)", "",
-                "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + write) "
-                "| total full → pruned | state share of the full step |", "|---|---|---|---|---|---|---|"]
-        for b in result["config"]["batches"]:
-            e = _entry(split["batches"], b)
-            if not e:
-                continue
-            f, p = e["full"], e["pruned"]
-            out.append(f"| {b} | {f['expert_weights'] / 1e6:.1f} → {p['expert_weights'] / 1e6:.1f} | "
-                       f"{f['other_weights'] / 1e6:.1f} | {f['kv'] / 1e6:.2f} | {f['state'] / 1e6:.1f} | "
-                       f"{f['total'] / 1e6:.1f} → {p['total'] / 1e6:.1f} | {100 * f['state'] / f['total']:.1f}% |")
-        out.append("")
-    roof = result.get("roofline")
-    if roof:
-        out += [f"### Roofline ({roof['hardware']}, context {roof['context_len']}) vs measured", "",
-                "| batch | bound | predicted speedup | measured slimwise | predicted / measured | within 15% "
-                "| measured pruned | predicted / measured | measured / predicted step time (full) |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        nan = float("nan")
-        for r in roof["comparison"]:
-            out.append(f"| {r['batch']} | {r['bound']} | {r['predicted_speedup']:.3f} | "
-                       f"{r.get('measured_speedup_slimwise') or nan:.3f} | "
-                       f"{r.get('predicted_over_measured_slimwise') or nan:.3f} | "
-                       f"{'yes' if r.get('within_15pct_slimwise') else 'no'} | "
-                       f"{r.get('measured_speedup_pruned') or nan:.3f} | "
-                       f"{r.get('predicted_over_measured_pruned') or nan:.3f} | "
-                       f"{r.get('step_time_measured_over_predicted') or nan:.2f} |")
-        out.append("")
-    return "\n".join(out)
-
-
-def plot_bench(result: dict, path: str | Path) -> Path:
-    """Two panels against batch size (log2): decode throughput with min-max bars, and speedup over full."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    summary = result["summary"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
-    markers = "osD^vP*X"
-    for i, (name, per) in enumerate(summary.items()):
-        bs = sorted(int(b) for b in per)
-        get = [per.get(b) or per.get(str(b)) for b in bs]
-        med = [e["tokens_per_s"]["median"] for e in get]
-        err = [[m - e["tokens_per_s"]["min"] for m, e in zip(med, get, strict=True)],
-               [e["tokens_per_s"]["max"] - m for m, e in zip(med, get, strict=True)]]
-        ax1.errorbar(bs, med, yerr=err, marker=markers[i % len(markers)], ms=4, capsize=2, label=name)
-        if name != "full":
-            sp = [(b, e["speedup"]) for b, e in zip(bs, get, strict=True) if e.get("speedup")]
-            if sp:
-                ys = [s["median"] for _, s in sp]
-                ax2.errorbar([b for b, _ in sp], ys, yerr=[[y - s["min"] for y, (_, s) in zip(ys, sp, strict=True)],
-                                                         [s["max"] - y for y, (_, s) in zip(ys, sp, strict=True)]],
-                             marker=markers[i % len(markers)], ms=4, capsize=2, label=name)
-    roof = result.get("roofline")
-    if roof:
-        rows = roof["comparison"]
-        ax2.plot([r["batch"] for r in rows], [r["predicted_speedup"] for r in rows], "k--", lw=1,
-                 label=f"roofline ({roof['hardware']})")
-    ax2.axhline(1.0, color="grey", lw=0.8)
-    for ax, ylabel in ((ax1, "decode tokens/s (median, min-max)"), (ax2, "speedup over full (paired, median)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("decode batch size")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    c = result["config"]
-    fig.suptitle(f"{result['model_name']}: {int(round(result['plan']['ratio'] * 100))}% experts pruned, "
-                 f"prompt {c['prompt_len']}, output {c['output_len']}, {c['repetitions']} rounds", fontsize=10)
-    from slimwise.perf.roofline import save_figure
-
-    return save_figure(fig, path)
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
 # ----- entry point -------------------------------------------------------------------------------------------
 
 def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> dict:
@@ -865,7 +528,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
         f"{config.prompt_len}, output {config.output_len}, {config.repetitions} rounds; engine {kwargs}")
     t0 = time.perf_counter()
     load0 = os.getloadavg()
-    with _engines_closed_on_sigterm():
+    with engines_closed_on_sigterm():
         runs, starts = (_run_restart if config.restart else _run_resident)(config, variants, kwargs, log)
     summary = summarize_runs(runs, config.batches)
     result: dict = {
@@ -889,7 +552,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
             from slimwise.perf.roofline import RooflineConfig
 
             rc = RooflineConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-        with _engines_closed_on_sigterm():
+        with engines_closed_on_sigterm():
             result["traffic"] = count_traffic(config, variants, kwargs, rc.expert_params * rc.weight_bytes,
                                               plan.top_k, log)
     if preds is not None:
@@ -903,24 +566,13 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     result["bars"] = check_bars(summary, config.synthetic)
     if config.suggest_threshold is not None:
         result["threshold"] = threshold_report(result, config.suggest_threshold, rc, hw, ctx, plan.ratio)
-    result = _jsonable(result)
-    (out / "bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "bench.md").write_text(format_tables(result))
+    result = jsonable(result)
+    atomic_write_text(out / "bench.json", json.dumps(result, indent=1) + "\n")
+    atomic_write_text(out / "bench.md", format_tables(result))
     png = plot_bench(result, config.plot or out / "bench.png")
     result["files"] = {"json": str(out / "bench.json"), "markdown": str(out / "bench.md"), "png": str(png)}
     return result
 
-
-def threshold_report(result: dict, min_speedup: float, rc=None, hw=None, ctx: int | None = None,
-                     ratio: float | None = None) -> dict:
-    """Smallest batch reaching min_speedup: measured (slimwise over full) and, when available, the roofline's."""
-    summary = {name: {int(b): e for b, e in per.items()} for name, per in result["summary"].items()}
-    rep = {"min_speedup": min_speedup, "measured_batch": suggest_threshold(summary, min_speedup)}
-    if rc is not None and hw is not None:
-        from slimwise.perf.roofline import batch_reaching
-
-        rep["roofline_batch"] = batch_reaching(rc, hw, ratio, min_speedup, ctx).first_batch
-    return rep
 
 
 __all__ = ["BenchConfig", "Variant", "check_bars", "compare_roofline", "format_tables", "make_prompts", "measure",

@@ -27,6 +27,7 @@ import torch
 
 from slimwise.calibrate import ExpertObserver, Phase
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_write_text
 
 
 class AllExpertsObserver(ExpertObserver):
@@ -174,7 +175,7 @@ def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = 
         f"{medians['all_experts']:.1f}: {speedup['all_experts']['median']:.2f}x; routed statistics equal: {same}")
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.out).write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_text(Path(config.out), json.dumps(result, indent=1) + "\n")
     return result
 
 

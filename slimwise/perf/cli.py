@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimwise.argtypes import integer, number
 from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_write_text
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -165,9 +167,9 @@ def cmd_roofline(args) -> None:
                      ceiling=limit)
         if out:
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"roofline_{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+            atomic_write_text((out / f"roofline_{name}.json"), json.dumps(report, indent=2) + "\n")
             md = "\n\n".join(f"### {k}\n\n{format_table(v)}" for k, v in curves.items())
-            (out / f"roofline_{name}.md").write_text(md + "\n")
+            atomic_write_text((out / f"roofline_{name}.md"), md + "\n")
         print(f"\nwrote {png}" + (f" and {out}/roofline_{name}.json/.md" if out else ""))
 
 
@@ -192,8 +194,8 @@ def _sensitivity(args, rc, name: str, target: float | None, ref) -> None:
         out.mkdir(parents=True, exist_ok=True)
         data = {"model": name, "hardware": hw.name, "ratio": args.ratio, "target": target, "batch_floor": floor,
                 "rows": [{**r.__dict__, "reaches": r.reaches} for r in rows]}
-        (out / f"sensitivity_{name}.json").write_text(json.dumps(data, indent=2) + "\n")
-        (out / f"sensitivity_{name}.md").write_text(table + "\n")
+        atomic_write_text((out / f"sensitivity_{name}.json"), json.dumps(data, indent=2) + "\n")
+        atomic_write_text((out / f"sensitivity_{name}.md"), table + "\n")
     if out or args.plot:
         png = Path(args.plot) if args.plot else out / f"sensitivity_{name}.png"
         plot_sensitivity(rc, curves, rows, args.ratio, target, png, context_len=args.context,
@@ -212,11 +214,11 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="a checkpoint directory or a config.json (only the config is read)")
     src.add_argument("--preset", choices=PRESET_NAMES, help="a built-in real configuration")
-    p.add_argument("--layers", type=int, default=None, help="with --preset: layer count (default: the real one)")
+    p.add_argument("--layers", type=integer(1), default=None, help="with --preset: layer count (default: the real one)")
     p.add_argument("--hardware", nargs="+", default=["h200"], help="h100 | h200 | cpu-measured (several allowed)")
-    p.add_argument("--ratio", type=float, default=0.5, help="share of routed experts pruned (default 0.5)")
-    p.add_argument("--batch", type=int, nargs="+", help=f"decode batch sizes (default {DEFAULT_BATCHES})")
-    p.add_argument("--context", type=int, default=1024, help="context length per sequence (KV reads), default 1024")
+    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of routed experts pruned (default 0.5)")
+    p.add_argument("--batch", type=integer(1), nargs="+", help=f"decode batch sizes (default {DEFAULT_BATCHES})")
+    p.add_argument("--context", type=integer(1), default=1024, help="context length per sequence (KV reads), default 1024")
     p.add_argument("--stats", help="calibration stats: use the measured expert usage shares instead of uniform")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"],
                    help="weight dtype")
@@ -224,8 +226,8 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
                    help="KV cache dtype (default: --dtype)")
     p.add_argument("--state-dtype", default=None, choices=["bfloat16", "float16", "float32"],
                    help="linear-attention recurrent state dtype (default: config mamba_ssm_dtype, else --dtype)")
-    p.add_argument("--overhead-us", type=float, default=0.0, help="fixed per-step overhead in microseconds")
-    p.add_argument("--reference", type=float, default=None,
+    p.add_argument("--overhead-us", type=number(0), default=0.0, help="fixed per-step overhead in microseconds")
+    p.add_argument("--reference", type=number(0, lo_open=True), default=None,
                    help="speedup to find the batch for (default: the paper's figure where one applies)")
     p.add_argument("--sensitivity", action="store_true",
                    help="which assumptions (state dtype, context, shared-expert / attention / cache bytes, PD max "
@@ -316,70 +318,70 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                     "variants interleaved over rounds; count expert traffic; compare with the roofline.")
     p.add_argument("model", nargs="?", help="full model checkpoint directory (or use --synthetic)")
     p.add_argument("--synthetic", choices=PRESET_NAMES, help="random-weight model of a real configuration")
-    p.add_argument("--layers", type=int, help="--synthetic: layer count (default: the preset's build default)")
+    p.add_argument("--layers", type=integer(1), help="--synthetic: layer count (default: the preset's build default)")
     p.add_argument("--routing-skew", help="--synthetic: calibration stats whose usage shares the routers follow")
     p.add_argument("--synthetic-dir", help="--synthetic: build/reuse directory (default runs/synthetic-PRESET...)")
     p.add_argument("--plan", help="plan JSON (default: from --stats, else random per layer at --ratio)")
     p.add_argument("--stats", help="calibration stats for the plan")
     p.add_argument("--criterion", default="reap", help="with --stats of this model (default reap)")
-    p.add_argument("--ratio", type=float, default=0.5, help="share of experts pruned (default 0.5)")
+    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of experts pruned (default 0.5)")
     p.add_argument("--pruned-model", help="exported pruned checkpoint (default: exported into --out/pruned)")
     p.add_argument("--variants", nargs="+", default=["full", "slimwise", "pruned", "uniform"],
                    help=BENCH_VARIANTS_HELP)
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
+    p.add_argument("--batch", type=integer(1), nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
                    help="decode batch sizes (default 1 4 8 16 32 64 128 256)")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--repetitions", type=int, default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the warm-up generate per batch")
+    p.add_argument("--prompt-len", type=integer(1), default=32)
+    p.add_argument("--output-len", type=integer(2), default=128)
+    p.add_argument("--repetitions", type=integer(1), default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--warmup-tokens", type=integer(0), default=8, help="tokens of the warm-up generate per batch")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "auto"])
     p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
-    p.add_argument("--kv-cache-gb", type=float, help="KV cache per engine (default: what the largest batch needs)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="default: max batch x prompt length")
+    p.add_argument("--kv-cache-gb", type=number(0, lo_open=True), help="KV cache per engine (default: what the largest batch needs)")
+    p.add_argument("--max-num-batched-tokens", type=integer(1), help="default: max batch x prompt length")
     p.add_argument("--restart", action="store_true",
                    help="one engine alive at a time, restarted every round (when the engines do not fit together)")
     p.add_argument("--resume", action="store_true",
                    help="keep the batches a crashed run of the same settings saved in OUT/bench.partial.json")
     p.add_argument("--no-count", action="store_true", help="skip the expert-traffic pass")
-    p.add_argument("--count-output-len", type=int, default=16, help="tokens per sequence in the traffic pass")
+    p.add_argument("--count-output-len", type=integer(1), default=16, help="tokens per sequence in the traffic pass")
     p.add_argument("--hardware", default="cpu-measured", help="roofline hardware (cpu-measured, h100, h200, none)")
-    p.add_argument("--suggest-threshold", type=float, metavar="MIN_SPEEDUP",
+    p.add_argument("--suggest-threshold", type=number(0), metavar="MIN_SPEEDUP",
                    help="print the smallest batch where SlimWise reaches this speedup (for --min-decode-batch)")
     p.add_argument("--from-json", help="re-print tables (and --suggest-threshold) from a bench.json; runs nothing")
     p.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.md, bench.png)")
     p.add_argument("--plot", help="PNG path (default OUT/bench.png)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=integer(0), default=0)
     p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
     p.set_defaults(func=cmd_bench)
 
     c = subparsers.add_parser("calib-cost", help="calibration statistics pass vs an all-experts (REAP-style) observer")
     c.add_argument("model", nargs="?", help="checkpoint directory (or an embedded name), or use --synthetic")
     c.add_argument("--synthetic", choices=PRESET_NAMES)
-    c.add_argument("--layers", type=int)
+    c.add_argument("--layers", type=integer(1))
     c.add_argument("--synthetic-dir")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     c.add_argument("--phase", default="prompt", choices=["prompt", "decode", "all"])
-    c.add_argument("--num-prompts", type=int, default=16)
-    c.add_argument("--prompt-len", type=int, default=64)
-    c.add_argument("--max-new-tokens", type=int, default=16)
-    c.add_argument("--batch-size", type=int, default=8)
-    c.add_argument("--repetitions", type=int, default=3)
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--num-prompts", type=integer(1), default=16)
+    c.add_argument("--prompt-len", type=integer(1), default=64)
+    c.add_argument("--max-new-tokens", type=integer(1), default=16)
+    c.add_argument("--batch-size", type=integer(1), default=8)
+    c.add_argument("--repetitions", type=integer(1), default=3)
+    c.add_argument("--seed", type=integer(0), default=0)
     c.add_argument("--out", help="JSON path for the result")
     c.set_defaults(func=cmd_calib_cost)
 
     q = subparsers.add_parser("policy-quality",
                               help="accuracy of SlimWise with and without the load-aware policy, against concurrency")
     q.add_argument("model", nargs="?", default="testbed-a", help="trained MoE (default: the embedded testbed-a)")
-    q.add_argument("--threshold", type=int, required=True, help="min decode batch of the policy (from bench)")
-    q.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64], help="vLLM max_num_seqs values")
+    q.add_argument("--threshold", type=integer(1), required=True, help="min decode batch of the policy (from bench)")
+    q.add_argument("--concurrency", type=integer(1), nargs="+", default=[1, 8, 64], help="vLLM max_num_seqs values")
     q.add_argument("--plan", help="plan JSON (default: decode-phase calibration + REAP at --ratio)")
-    q.add_argument("--ratio", type=float, default=0.5)
+    q.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5)
     q.add_argument("--domain", help="testbed domain (default: the target domain)")
-    q.add_argument("--n-per-family", type=int, default=16)
-    q.add_argument("--max-new-tokens", type=int, default=160)
+    q.add_argument("--n-per-family", type=integer(1), default=16)
+    q.add_argument("--max-new-tokens", type=integer(1), default=160)
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--seed", type=integer(0), default=0)
     q.add_argument("--out", help="JSON path for the result")
     q.set_defaults(func=cmd_policy_quality)
     return p

@@ -37,6 +37,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from slimwise.errors import SlimWiseError
+from slimwise.io import refuse_existing
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def apply_routing_skew(weight: torch.Tensor, shares: torch.Tensor, top_k: int, s
             "target_max": float(target.max()), "achieved_max": float(got.max())}
 
 
-def _stats_rows(stats_path: str | Path, num_experts: int, n_layers: int) -> list[torch.Tensor]:
+def stats_rows(stats_path: str | Path, num_experts: int, n_layers: int) -> list[torch.Tensor]:
     """Usage shares for n_layers MoE layers, mapped proportionally over the stats' layers (depth-preserving)."""
     from slimwise.stats import ExpertStats
 
@@ -271,8 +272,7 @@ def build_synthetic(name: str, out_dir: str | Path, layers: int | None = None, s
     preset = get_preset(name)
     n = _layer_count(preset, preset.build_layers if layers is None else layers)
     out = Path(out_dir)
-    if out.exists() and any(out.iterdir()) and not force:
-        raise SlimWiseError(f"{out} is not empty; pass force=True to overwrite")
+    refuse_existing(out, force)
     config = preset_config(name, layers=n)
     text = getattr(config, "text_config", config)
     adapter = get_adapter(config)
@@ -283,7 +283,7 @@ def build_synthetic(name: str, out_dir: str | Path, layers: int | None = None, s
     skew_rows = None
     if routing_skew_from is not None:
         # every layer of these presets is sparse: one shares row per layer
-        skew_rows = _stats_rows(routing_skew_from, adapter.num_experts(config), n)
+        skew_rows = stats_rows(routing_skew_from, adapter.num_experts(config), n)
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 
 from slimwise.errors import SlimWiseError
+from slimwise.io import save_figure
+from slimwise.stats import expected_union
 
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0}
 
@@ -253,11 +255,6 @@ def kept_experts(num_experts: int, ratio: float, top_k: int) -> int:
     if kept < top_k:
         raise SlimWiseError(f"ratio {ratio} keeps {kept} experts, fewer than top-k {top_k}")
     return kept
-
-
-def expected_union(num_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts touched by `batch` tokens each picking top_k of num_experts uniformly."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
 def expected_union_skewed(shares: torch.Tensor, top_k: int, batch: int, kept: int | None = None) -> float:
@@ -527,18 +524,6 @@ def format_table(preds: list[StepPrediction]) -> str:
                      f"{p.time_pruned_s * 1e3:.3f} | {p.tokens_per_s_full:,.0f} | {p.tokens_per_s_pruned:,.0f} | "
                      f"{p.speedup:.3f} | {bound} | {fits} |")
     return "\n".join(lines)
-
-
-def save_figure(fig, path: str | Path) -> Path:
-    """Lay out, write (parents created) and close a matplotlib figure: the one ending of every SlimWise plot."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 def plot_speedup(curves: dict[str, list[StepPrediction]], path: str | Path, title: str = "",

@@ -24,6 +24,7 @@ from slimwise.errors import SlimWiseError
 from slimwise.generate import Generation, GenerationConfig
 from slimwise.plan import PrunePlan
 from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
+from slimwise.serving.plugin import require_known_vllm
 from slimwise.serving.routing import DELTA_KEY, LOG_EVERY_KEY, MASK_ALL_KEY, MIN_BATCH_KEY, PLAN_KEY
 
 
@@ -58,6 +59,7 @@ class VllmEngine:
                  dtype: str = "float32", enforce_eager: bool = True, max_model_len: int | None = None,
                  min_decode_batch: int = 0, delta: str | Path | None = None, engine_kwargs: dict | None = None,
                  share_engine: bool = False):
+        require_known_vllm()
         self.model_dir = str(model_dir)
         self.plan = plan
         self.tokenizer = tokenizer

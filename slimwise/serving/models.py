@@ -7,11 +7,10 @@ Selected with `hf_overrides={"architectures": ["SlimWise<Arch>"], "slimwise_plan
 from __future__ import annotations
 
 import importlib
-import json
-from pathlib import Path
 
 from torch import nn
 
+from slimwise.models import is_hybrid  # noqa: F401  (re-exported: `slimwise serve` asks it of a checkpoint)
 from slimwise.serving.compat import install_torchvision_free_qwen_vl
 from slimwise.serving.routing import DecodeRouting
 
@@ -31,17 +30,6 @@ STOCK_ARCHS: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "vllm.model_executor.models.qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
 }
-
-
-def is_hybrid(model_dir: str | Path) -> bool:
-    """True for checkpoints with linear-attention layers (Qwen3-Next, Qwen3.5/3.6-MoE): their decode state includes
-    each such layer's conv and recurrent state beside the attention KV."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return False
-    config = json.loads(path.read_text())
-    text = config.get("text_config") or config
-    return "linear_attention" in (text.get("layer_types") or [])
 
 
 def slimwise_arch(stock_arch: str) -> str:

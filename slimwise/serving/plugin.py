@@ -19,6 +19,41 @@ from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
 
 logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
 _NO_ROUTING = object()
+#: vLLM releases whose internals the plugin was tested against (it wraps `GPUModelRunner._model_forward` and reads
+#: the runner's `input_batch` and `query_start_loc`, and replaces routers' `_compute_routing`); pyproject pins the same
+TESTED_VLLM = ("0.32.",)
+ALLOW_UNTESTED_ENV = "SLIMWISE_ALLOW_UNTESTED_VLLM"
+
+
+def vllm_problem() -> str | None:
+    """Why SlimWise cannot run in this vLLM, or None. An untested release is refused unless ALLOW_UNTESTED_ENV=1;
+    missing internals are refused always."""
+    import inspect
+    import os
+
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(TESTED_VLLM) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
+        return (f"SlimWise's vLLM plugin is tested with vLLM {', '.join(v + 'x' for v in TESTED_VLLM)}, not {version}: "
+                f"install a tested release (pip install 'slimwise[gpu]' or [cpu]), or set {ALLOW_UNTESTED_ENV}=1 to try")
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as exc:
+        return f"vLLM {version} has no vllm.v1.worker.gpu_model_runner ({exc}); SlimWise cannot hook its steps"
+    forward = getattr(GPUModelRunner, "_model_forward", None)
+    if forward is None or "positions" not in inspect.signature(forward).parameters:
+        return f"vLLM {version}'s GPUModelRunner._model_forward(positions=...) is gone; SlimWise cannot hook its steps"
+    return None
+
+
+def require_known_vllm() -> None:
+    """Refuse, with one line, a vLLM whose internals the plugin does not know (before any engine starts)."""
+    from slimwise.errors import SlimWiseError
+
+    problem = vllm_problem()
+    if problem:
+        raise SlimWiseError(problem)
 
 
 def _routing_of(runner):
@@ -44,8 +79,13 @@ def _patch_model_runner() -> None:
         if routing is not None and positions is not None:
             num_reqs = self.input_batch.num_reqs
             starts = self.query_start_loc.np[: num_reqs + 1]
-            prompt_lens = np.repeat(self.input_batch.num_prompt_tokens[:num_reqs], np.diff(starts))
-            routing.set_step(positions[0] if positions.dim() == 2 else positions, prompt_lens)
+            counts = np.diff(starts)
+            prompt_lens = np.repeat(self.input_batch.num_prompt_tokens[:num_reqs], counts)
+            # each token's index in its sequence, from host data (no device sync): tokens already computed for its
+            # request (prefix-cache hits and earlier chunks included) plus its offset in this step's query
+            offsets = np.arange(int(starts[-1])) - np.repeat(starts[:-1], counts)
+            token_positions = np.repeat(self.input_batch.num_computed_tokens_cpu[:num_reqs], counts) + offsets
+            routing.set_step(token_positions, prompt_lens, positions)
         return original(self, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                         inputs_embeds=inputs_embeds, **model_kwargs)
 
@@ -57,6 +97,10 @@ def register() -> None:
     from vllm import ModelRegistry
 
     install_torchvision_free_qwen_vl()  # stock Qwen3.5/3.6 classes import too (CPU build without torchvision)
+    problem = vllm_problem()
+    if problem:  # stock vLLM keeps working; SlimWise's own entry points refuse with this line (require_known_vllm)
+        logger.warning("SlimWise plugin inactive: %s", problem)
+        return
 
     for stock in STOCK_ARCHS:
         name = slimwise_arch(stock)

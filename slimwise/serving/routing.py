@@ -65,9 +65,13 @@ class RoutingCounters:
     experts_touched_sum: dict = field(default_factory=dict)
     experts_counted_steps: dict = field(default_factory=dict)
     touched_by_batch: dict = field(default_factory=dict)
+    # steps where the host-side token positions (what classifies tokens) disagreed with the positions vLLM passed
+    # to the model; checked only where both are on the host (the CPU backend), so it costs no device sync
+    position_mismatch_steps: int = 0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "pruned_tokens": self.pruned_tokens, "full_tokens": self.full_tokens,
+                "position_mismatch_steps": self.position_mismatch_steps,
                 "recent": list(self.recent), "decode_steps": self.decode_steps,
                 "experts_touched_sum": dict(self.experts_touched_sum),
                 "experts_counted_steps": dict(self.experts_counted_steps),
@@ -80,7 +84,7 @@ def load_plan_setting(value) -> PrunePlan | None:
     if isinstance(value, PrunePlan):
         return value
     if isinstance(value, dict):
-        return PrunePlan(**value)
+        return PrunePlan.from_dict(value, "the slimwise_plan override")
     return PrunePlan.load(Path(value))
 
 
@@ -164,7 +168,7 @@ class DecodeRouting(nn.Module):
         (applied by `_install_lora` / `merge_lora`). Refuses a delta made for another plan or for uniform pruning."""
         if not value:
             return {}, {}
-        from slimwise.distill import Delta, plan_hash
+        from slimwise.delta import Delta, plan_hash
 
         delta = Delta.load(value)
         if delta.manifest.get("plan_hash") != plan_hash(self.plan):
@@ -222,7 +226,7 @@ class DecodeRouting(nn.Module):
     @torch.no_grad()
     def merge_lora(self) -> None:
         """After the weights are loaded (before vLLM may repack them): W + scale * B @ A per targeted block."""
-        from slimwise.distill import merged_weight
+        from slimwise.delta import merged_weight
 
         for name, module in self.lora_modules.items():
             merged = module.weight.detach().clone()
@@ -351,12 +355,22 @@ class DecodeRouting(nn.Module):
     def active(self) -> bool:
         return bool(self.gates) or bool(self.lora_modules) or self.count_experts
 
-    def set_step(self, positions: torch.Tensor, prompt_lens: np.ndarray) -> None:
-        """Fill the decode mask for this step. prompt_lens: per scheduled token, its request's prompt length."""
+    def set_step(self, token_positions: np.ndarray, prompt_lens: np.ndarray,
+                 model_positions: torch.Tensor | None = None) -> None:
+        """Fill the decode mask for this step.
+
+        token_positions: per scheduled token, its index in its request's sequence, computed on the host from the
+        scheduler's bookkeeping (no GPU->CPU copy of the positions tensor, so no synchronisation per step);
+        prompt_lens: per scheduled token, its request's prompt length. `model_positions`, the positions tensor
+        vLLM passes to the model, is compared with them when it lives on the host (CPU backend, text positions).
+        """
         if not self.active:
             return
         n = len(prompt_lens)
-        pos = positions[:n].to("cpu", non_blocking=False).numpy() if positions.is_cuda else positions[:n].numpy()
+        pos = np.asarray(token_positions[:n])
+        host = model_positions is not None and not model_positions.is_cuda and model_positions.dim() == 1
+        if host and not np.array_equal(model_positions[:n].numpy(), pos):
+            self.counters.position_mismatch_steps += 1
         generated = pos >= prompt_lens
         if self.count_experts:
             self._count_batch = int(generated.sum())

@@ -278,7 +278,10 @@ def preflight(cfg: ServeConfig) -> PrunePlan | None:
     from transformers import AutoConfig
 
     from slimwise.models import resolve_model_dir
+    from slimwise.serving.plugin import require_known_vllm
     from slimwise.serving.routing import check_plan_config
+
+    require_known_vllm()
 
     if not (cfg.prefill_url and cfg.decode_url):
         cfg.model = str(resolve_model_dir(cfg.model))

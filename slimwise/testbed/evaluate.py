@@ -21,7 +21,14 @@ import torch.nn.functional as F
 
 from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
-from slimwise.io import atomic_write_text
+from slimwise.io import atomic_dir, atomic_write_text
+from slimwise.testbed.backbones import (
+    CARD_NAMES,
+    DEFAULT_FAMILY_WEIGHTS,
+    copy_model_files,
+    count_parameters,
+    moe_blocks,
+)
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
 from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
 
@@ -73,14 +80,10 @@ def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype = "auto",
     return model.eval(), load_tokenizer(model_dir)
 
 
-def _moe_blocks(model) -> list:
-    return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
-
-
 @torch.inference_mode()
 def routing_load(model, tokenizer, samples: list[Sample], batch_size: int = 32) -> dict:
     """Teacher-forced pass over prompt + target: per-layer expert counts, max share / uniform, target-token CE."""
-    blocks = _moe_blocks(model)
+    blocks = moe_blocks(model)
     num_experts = model.config.num_experts
     counts_all = torch.zeros(len(blocks), num_experts, dtype=torch.long)
     counts_target = torch.zeros(len(blocks), num_experts, dtype=torch.long)
@@ -207,7 +210,6 @@ def _size_mb(path: Path) -> float:
 def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
                 command: str, pruning: dict | None = None) -> str:
     cfg = json.loads((out / "config.json").read_text())
-    from slimwise.testbed.train import count_parameters  # lazy: train imports transformers internals
 
     model, _ = load_model(out)
     params = count_parameters(model)
@@ -410,14 +412,13 @@ def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str |
         heldout = evaluate_model(out, "heldout", tc["heldout_n_per_family"], model=model, tokenizer=tok,
                                  batch_size=tc.get("eval_batch_size", 32))
     result = {"test": test, "heldout": heldout, "train": summary}
-    (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text((out / "eval.json"), json.dumps(result, indent=2) + "\n")
     write_card(out, command)
     return result
 
 
 def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     """(Re)write README.md of a trained model directory from its train_config, train_summary and eval.json."""
-    from slimwise.testbed.train import CARD_NAMES, DEFAULT_FAMILY_WEIGHTS
 
     out = Path(out)
     tc = json.loads((out / "train_config.json").read_text())
@@ -430,60 +431,24 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                           + ("" if tc.get("pair_init") else " --no-pair-init")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
-    (out / "README.md").write_text(format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
-                                               ev.get("pruning")))
+    atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
+                                                     ev.get("pruning")))
     return out / "README.md"
 
 
 def ship(run_dir: str | os.PathLike, name: str) -> Path:
     """Copy a trained model's shippable files into the package (slimwise/testbed/checkpoints/<dir>), atomically."""
-    import shutil
-    import tempfile
-
     from slimwise.embedded import CHECKPOINTS, EMBEDDED
-    from slimwise.testbed.train import copy_model_files
 
     if name not in EMBEDDED:
         raise SlimWiseError(f"unknown embedded name {name!r}; choose one of {sorted(EMBEDDED)}")
     dst = CHECKPOINTS / EMBEDDED[name]
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=CHECKPOINTS))
-    tmp.chmod(0o755)  # mkdtemp makes it private
-    copy_model_files(run_dir, tmp)
-    old = dst.with_name(f".{dst.name}-old")
-    if dst.exists():
-        dst.rename(old)
-    tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(dst) as tmp:
+        copy_model_files(run_dir, tmp)
     return dst
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.evaluate",
-                                description="model cards of trained testbed backbones")
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("card", help="add the pruning regime from a `slimwise eval` report and rewrite README.md")
-    c.add_argument("model_dir")
-    c.add_argument("--pruning-report", help="report.json of `slimwise eval` on this model (target domain)")
-    c.add_argument("--pruning-command", default="slimwise eval", help="the command that wrote the report")
-    c.add_argument("--ship", metavar="NAME", help="then copy the model into the package as NAME (testbed-a|b)")
-    args = p.parse_args(argv)
-    out = Path(args.model_dir)
-    if args.pruning_report:
-        ev_path = out / "eval.json"
-        ev = json.loads(ev_path.read_text())
-        ev["pruning"] = pruning_regime(json.loads(Path(args.pruning_report).read_text()), args.pruning_report,
-                                       args.pruning_command)
-        atomic_write_text(ev_path, json.dumps(ev, indent=2) + "\n")
-        for phase, ph in ev["pruning"]["phases"].items():
-            print(f"{phase}: best {ph['best_criterion']}, uniform 50% costs {ph['uniform50_cost_points']:.1f} points, "
-                  f"length {ph['uniform50_length_change_pct']:+.1f}% -> {'in' if ph['in_band'] else 'NOT in'} band")
-    print(write_card(out))
-    if args.ship:
-        print(ship(out, args.ship))
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from slimwise.testbed.cli import card_main
+
+    raise SystemExit(card_main())

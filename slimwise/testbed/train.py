@@ -1,12 +1,7 @@
 """Train the embedded testbed backbones: tiny MoE models that solve the task suite, in under an hour on 2 CPU cores.
 
-Two backbones, each a stock transformers architecture so that transformers and vLLM load the result as is:
-
-  a  Qwen3MoeForCausalLM, fine-grained like Qwen3-30B-A3B: 64 routed experts, top-8, normalised top-k weights.
-  b  Qwen2MoeForCausalLM, like Qwen1.5-MoE: 32 routed experts, top-4, plus a shared expert behind a sigmoid gate.
-  c  Qwen3_5MoeForCausalLM (model_type qwen3_5_moe_text), a hybrid like Qwen3.6-35B-A3B: Gated-DeltaNet (linear
-     attention) and gated full-attention layers at 3:1, 64 routed experts, top-8, plus a shared expert behind a
-     sigmoid gate.
+The backbones (a: Qwen3-MoE, b: Qwen2-MoE, c: hybrid Qwen3.5/3.6-MoE) are stock transformers architectures
+(`backbones.py`), so transformers and vLLM load the result as is.
 
 Recipe: data freshly generated from every task family of every domain (`make_split("train", ...)`, a new seed per
 step, so batch `i` is a pure function of (seed, i)); samples packed first-fit-decreasing into rows with position
@@ -25,10 +20,8 @@ CUDA/Triton packages, so transformers runs its torch fallbacks. For training it 
 (`torch_chunk_gated_delta_rule`, chunk 64), which was 2-5x faster here than the per-token recurrent one
 (fwd + bwd of one 4-head layer, 5,616 positions: 278 ms chunked, 1,299 ms recurrent, outputs equal to 2e-7).
 
-Training uses a fast CPU experts implementation (`slimwise_sorted`, registered in transformers'
-ExpertsInterface): assignments sorted by expert, one matmul per expert on a contiguous slice, and a hand-written
-backward that writes each expert's weight gradient straight into the fused (E, ...) gradient. The module classes
-and parameter names stay stock; the model is switched back to the `eager` implementation before saving.
+Training uses a fast CPU experts implementation (`fast_experts.py`, `slimwise_sorted`); the model is switched back
+to the `eager` implementation before saving.
 
     python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0
     python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0 --resume
@@ -36,13 +29,11 @@ and parameter names stay stock; the model is switched back to the `eager` implem
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
 import json
 import math
-import os
 import random
 import shutil
 import tempfile
@@ -55,178 +46,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from slimwise.io import atomic_torch_save
+from slimwise.hooks import ForwardWrappers
+from slimwise.io import atomic_torch_save, atomic_write_text
+from slimwise.models import is_hybrid
+from slimwise.testbed.backbones import DEFAULT_FAMILY_WEIGHTS, backbone_config, moe_blocks
+from slimwise.testbed.fast_experts import FAST_EXPERTS
 from slimwise.testbed.tasks import FAMILIES, make_split
 from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_tokenizer
 
-FAST_EXPERTS = "slimwise_sorted"
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", "special_tokens_map.json", "README.md", "eval.json", "train_config.json",
-               "train_summary.json")
-
-# --------------------------------------------------------------------------------------------------------
-# Fast experts forward for CPU training
-
-
-class _GroupedSwiGLU(torch.autograd.Function):
-    """SwiGLU experts over token rows sorted by expert: y[rows of e] = down[e] @ (silu(g) * u), [g; u] = gate_up[e] @ x.
-
-    `counts[e]` rows belong to expert e, in expert order. The backward loops over experts again and writes
-    each expert's weight gradient into one preallocated (E, ...) tensor (no per-expert full-size gradients).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, counts: list[int]):
-        dtype = gate_up.dtype
-        x = x.to(dtype).contiguous()
-        h = x.new_empty(x.shape[0], gate_up.shape[1])
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                torch.mm(x[start:start + n], gate_up[e].t(), out=h[start:start + n])
-                start += n
-        g, u = h.chunk(2, dim=-1)
-        a = F.silu(g) * u
-        y = x.new_empty(x.shape[0], down.shape[1])
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                torch.mm(a[start:start + n], down[e].t(), out=y[start:start + n])
-                start += n
-        ctx.save_for_backward(x, gate_up, down, h)
-        ctx.counts = counts
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        x, gate_up, down, h = ctx.saved_tensors
-        counts = ctx.counts
-        grad_y = grad_y.contiguous().to(x.dtype)
-        g, u = h.chunk(2, dim=-1)
-        sig = torch.sigmoid(g)
-        silu = g * sig
-        a = silu * u
-        grad_a = torch.empty_like(a)
-        grad_down = torch.zeros_like(down)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                torch.mm(grad_y[rows], down[e], out=grad_a[rows])
-                torch.mm(grad_y[rows].t(), a[rows], out=grad_down[e])
-                start += n
-        grad_h = torch.cat([grad_a * u * (sig * (1 + g * (1 - sig))), grad_a * silu], dim=-1)
-        grad_x = torch.empty_like(x)
-        grad_gate_up = torch.zeros_like(gate_up)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = slice(start, start + n)
-                torch.mm(grad_h[rows], gate_up[e], out=grad_x[rows])
-                torch.mm(grad_h[rows].t(), x[rows], out=grad_gate_up[e])
-                start += n
-        return grad_x, grad_gate_up, grad_down, None
-
-
-def sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
-    """ExpertsInterface function for the fused (E, 2I, H) / (E, H, I) SwiGLU experts of Qwen-style models."""
-    if not getattr(self, "has_gate", True) or getattr(self, "has_bias", False) or getattr(self, "is_transposed", False):
-        raise NotImplementedError(f"{FAST_EXPERTS} supports gated, bias-free, non-transposed experts only")
-    num_tokens, top_k = top_k_index.shape
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-    y = _GroupedSwiGLU.apply(hidden_states[order // top_k], self.gate_up_proj, self.down_proj, counts)
-    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
-
-
-ALL_EXPERTS_FUNCTIONS.register(FAST_EXPERTS, sorted_experts_forward)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Backbones
-
-#: Architecture presets; vocab_size and the special token ids come from the tokenizer.
-BACKBONES: dict[str, dict] = {
-    "a": dict(
-        model_type="qwen3_moe",
-        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        intermediate_size=256, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=8,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-    ),
-    "b": dict(
-        model_type="qwen2_moe",
-        hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=256, moe_intermediate_size=96, shared_expert_intermediate_size=256,
-        num_experts=32, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
-    ),
-    # Qwen3.6-35B-A3B's text config scaled down: 3 Gated-DeltaNet layers per gated full-attention layer, 64 routed
-    # experts top-8 (the router always renormalises its top-k) plus a sigmoid-gated shared expert; partial rotary
-    # (0.25), the attention output gate and the zero-centred norms are transformers' defaults for the family.
-    # Linear heads keep the reference's 2 value heads per key head at head dim 64 (vLLM's CPU GDN kernel rejects
-    # 32). 4 layers, not 8: on this CPU 8 layers train at about 1,200 tokens/s, too few tokens for an hour.
-    # Not shipped yet (below the bars): 55 min, 4.85M tokens (1,470 tok/s, machine shared): arithmetic 72.2%,
-    # weakest family qa 32.0%; resumed to 95 min, 7.84M tokens: 81.8% and qa 49.0% (testbed-a/b saw ~18M tokens).
-    "c": dict(
-        model_type="qwen3_5_moe_text",
-        hidden_size=128, num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_conv_kernel_dim=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=64, num_experts_per_tok=8,
-    ),
-}
-_COMMON = dict(max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.02, rms_norm_eps=1e-6,
-               hidden_act="silu", use_cache=True, output_router_logits=False)
-CARD_NAMES = {"a": "testbed-a", "b": "testbed-b", "c": "testbed-c"}
-#: Difficulty sampling: more draws of the families that need the most steps (one-shot multi-digit division in
-#: gcd and base, the fact lookups of qa), fewer of those learnt first (the
-#: letter-by-letter text families, list copying). Every family is in every batch (weights >= 1/3 of 3 samples).
-DEFAULT_FAMILY_WEIGHTS = {"add": 1.0, "sub": 1.0, "mul": 1.0, "gcd": 4.0, "base": 4.0, "sort": 1.5,
-                          "reverse": 0.67, "dedup": 0.67, "count": 0.67, "strrev": 0.34, "upper": 0.34,
-                          "novowel": 0.34, "qa": 2.0}
-
-
-def backbone_config(backbone: str, tokenizer, **overrides) -> PretrainedConfig:
-    """The transformers config of a backbone preset, sized to the tokenizer, with overrides applied."""
-    if backbone not in BACKBONES:
-        raise ValueError(f"unknown backbone {backbone!r}; choose one of {sorted(BACKBONES)}")
-    args = {**_COMMON, **BACKBONES[backbone], **overrides}
-    model_type = args.pop("model_type")
-    args.update(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id)
-    return AutoConfig.for_model(model_type, **args)
-
-
-def is_hybrid(config) -> bool:
-    """True for models with linear-attention (Gated-DeltaNet) layers, whose state ignores packed-sample boundaries."""
-    return "linear_attention" in (getattr(config, "layer_types", None) or [])
-
-
-def moe_blocks(model: nn.Module) -> list[nn.Module]:
-    """The sparse MoE blocks (modules with a router `gate` and fused `experts`), in layer order."""
-    return [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")]
-
-
-def count_parameters(model: nn.Module) -> dict[str, int]:
-    """Total, routed-expert and per-token active parameter counts (embeddings and head included)."""
-    total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for b in moe_blocks(model) for p in b.experts.parameters())
-    cfg = model.config
-    active_fraction = cfg.num_experts_per_tok / cfg.num_experts
-    return {"total": total, "routed_experts": routed, "active": int(total - routed + routed * active_fraction)}
-
 
 # --------------------------------------------------------------------------------------------------------
 # Config
@@ -392,7 +225,9 @@ class RouterCapture:
 
     def __init__(self, model: nn.Module):
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.handles = [b.gate.register_forward_hook(self._hook) for b in moe_blocks(model)]
+        self._hooks = ForwardWrappers("router capture")
+        for block in moe_blocks(model):
+            self._hooks.hook(block.gate, self._hook)
 
     def _hook(self, module, args, output) -> None:
         self.records.append((output[0], output[2]))
@@ -401,8 +236,7 @@ class RouterCapture:
         self.records = []
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self._hooks.remove()
 
 
 def load_balancing_loss(router_logits: torch.Tensor, top_k_index: torch.Tensor, num_experts: int,
@@ -626,7 +460,7 @@ def save_model(model: nn.Module, tokenizer, out: Path) -> None:
     cfg["num_experts"] = model.config.num_experts
     cfg.pop("experts_implementation", None)
     cfg.pop("_experts_implementation", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(cfg_path, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     model.set_experts_implementation(FAST_EXPERTS if FAST_EXPERTS in ALL_EXPERTS_FUNCTIONS else "eager")
 
 
@@ -664,7 +498,7 @@ def train(config: TrainConfig) -> Path:
         print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min, {tokens} tokens)", flush=True)
     elif not config.resume and (out / LOG_FILE).exists():
         (out / LOG_FILE).unlink()
-    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    atomic_write_text((out / "train_config.json"), json.dumps(config.to_dict(), indent=2) + "\n")
 
     model.train()
     packing = packing_of(config, model.config)
@@ -727,7 +561,7 @@ def train(config: TrainConfig) -> Path:
     summary = {"steps": step, "wall_seconds": elapsed, "tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9),
                "packing": packing, "positions": positions if not config.resume else None,
                "final_loss": final_loss(history)}
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_text((out / "train_summary.json"), json.dumps(summary, indent=2) + "\n")
     model.eval()
     save_model(model, tokenizer, out)
     return out
@@ -741,62 +575,8 @@ def final_loss(history: list[dict]) -> dict:
     return {k: sum(r[k] for r in tail) / len(tail) for k in ("loss", "ce", "aux")}
 
 
-def copy_model_files(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Copy only the shippable files of a trained model directory (no optimizer state, no logs)."""
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in MODEL_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
-    return dst
-
-
-# --------------------------------------------------------------------------------------------------------
-# CLI
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--backbone", choices=sorted(BACKBONES), required=True)
-    p.add_argument("--out", required=True, help="output directory (model, tokenizer, log, resumable state)")
-    p.add_argument("--minutes", type=float, default=45.0, help="hard wall-clock budget of the training loop")
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
-    p.add_argument("--lr", type=float, default=TrainConfig.lr)
-    p.add_argument("--samples-per-family", type=int, default=TrainConfig.samples_per_family)
-    p.add_argument("--packing", choices=("auto", "packed", "rows"), default="auto",
-                   help="auto: one sample per row for hybrid (linear-attention) models, packed rows otherwise")
-    p.add_argument("--family-weights", default=None, help="e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)")
-    p.add_argument("--override", action="append", default=[], help="model config field=value (JSON value)")
-    p.add_argument("--experts-impl", default=FAST_EXPERTS, help=f"{FAST_EXPERTS} | grouped_mm | eager | ...")
-    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = auto (1 or 2, re-measured)")
-    p.add_argument("--eval-n", type=int, default=TrainConfig.eval_n_per_family, help="test prompts per family")
-    p.add_argument("--heldout-n", type=int, default=TrainConfig.heldout_n_per_family)
-    p.add_argument("--no-pair-init", action="store_true", help="random rows for ' word' / 'word' token pairs")
-    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation and model card")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    overrides = {}
-    for item in args.override:
-        key, _, value = item.partition("=")
-        overrides[key] = json.loads(value)
-    weights = dict(DEFAULT_FAMILY_WEIGHTS) if args.family_weights is None else {
-        k: float(v) for k, v in (kv.split("=") for kv in args.family_weights.split(",") if kv)}
-    config = TrainConfig(backbone=args.backbone, out=args.out, minutes=args.minutes, max_steps=args.max_steps,
-                         seed=args.seed, resume=args.resume, lr=args.lr, samples_per_family=args.samples_per_family,
-                         family_weights=weights, model_overrides=overrides, experts_implementation=args.experts_impl,
-                         threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
-                         progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing)
-    out = train(config)
-    if not args.no_eval:
-        from slimwise.testbed.evaluate import evaluate_and_write_card
-
-        evaluate_and_write_card(out, config)
-    print(out)
-    return 0
-
-
 if __name__ == "__main__":
+    from slimwise.testbed.cli import train_main
+
     with contextlib.suppress(KeyboardInterrupt):
-        raise SystemExit(main())
+        raise SystemExit(train_main())

@@ -1,4 +1,4 @@
-"""Evaluation of full / uniform / SlimWise decoding: accuracy, generation length, fidelity, decode traffic.
+"""The sweep: evaluation of full / uniform / SlimWise decoding: accuracy, generation length, fidelity, decode traffic.
 
 Accuracy alone hides pruning-induced length changes and drift from the full model, so every run reports,
 per task family and overall:
@@ -11,32 +11,42 @@ per task family and overall:
 
 The metric functions are pure and hand-checkable; `Sweep` drives criterion x ratio x calibration-phase
 grids (calibrate once per phase, plans from cached stats, `full` generated once, runs cached on disk so an
-interrupted sweep resumes). `slimwise.report` turns the result into Markdown and PNG plots.
+interrupted sweep resumes). `slimwise.evaluation.report` turns the result into Markdown and PNG plots.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 import json
 import math
 import os
 import platform
 import re
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from slimwise.adapters import get_adapter
+from slimwise.delta import Delta, plan_hash
 from slimwise.errors import SlimWiseError
+from slimwise.evaluation.metrics import (
+    paired_difference,
+    teacher_forced_kl,
+)
+from slimwise.evaluation.runs import (
+    ENGINES,
+    active_experts,
+    close_engine,
+    make_engine,
+    run_metrics,
+)
+from slimwise.evaluation.samples import GRADERS, load_samples, make_grader
+from slimwise.evaluation.traffic import DecodeTrafficMeter
 from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_write_text
 from slimwise.plan import PrunePlan, model_fingerprint
@@ -46,462 +56,7 @@ EVAL_MODES = ("full", "uniform", "slimwise", "distilled")
 DEFAULT_CRITERIA = ("frequency", "soft", "ean", "reap")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 DEFAULT_PHASES = ("prompt", "decode")
-ENGINES = ("hf", "vllm")
-GRADERS = ("testbed", "exact", "contains")
 KL_REFERENCE_BYTES = 1 << 30  # cache the full model's teacher-forced log-probs across plans below this size
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Samples and graders
-
-
-@dataclass
-class GradedSample:
-    prompt: str
-    answer: str
-    family: str = "all"
-    raw: dict | None = None
-
-
-Grader = Callable[[GradedSample, Generation], bool]
-
-
-def make_grader(name: str) -> Grader:
-    """`testbed` (final `#### answer` line, exact), `exact` (whole stripped text), `contains`, or
-    `module:function` called as fn(sample_dict, text, stopped_by_eos) -> bool (or an object with .correct)."""
-    if name == "testbed":
-        from slimwise.testbed import grade
-
-        return lambda s, g: grade(s.raw or {"answer": s.answer}, g.text or "", g.finish_reason == "eos").correct
-    if name == "exact":
-        return lambda s, g: (g.text or "").strip() == s.answer.strip()
-    if name == "contains":
-        return lambda s, g: s.answer.strip() in (g.text or "")
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise SlimWiseError(f"grader {name!r} cannot be imported ({exc}); give module:function") from exc
-
-        def custom(s: GradedSample, g: Generation) -> bool:
-            out = fn(s.raw or {"prompt": s.prompt, "answer": s.answer}, g.text or "", g.finish_reason == "eos")
-            return bool(getattr(out, "correct", out))
-
-        return custom
-    raise SlimWiseError(f"unknown grader {name!r}; choose one of {', '.join(GRADERS)} or module:function")
-
-
-def load_samples(data: str | None = None, *, split: str = "test", n_per_family: int = 40, seed: int = 0,
-                 domain: str | None = None, families: Sequence[str] = (), max_samples: int | None = None
-                 ) -> list[GradedSample]:
-    """Graded samples from a JSONL file (`prompt`, `answer`, optional `family`) or from the testbed.
-
-    Testbed: `domain` selects one domain ("all" = every domain); explicit `families` override it.
-    """
-    if data:
-        from slimwise.data import load_records
-
-        samples = []
-        for i, r in enumerate(load_records(data)):
-            if not isinstance(r.get("prompt"), str) or "answer" not in r:
-                raise SlimWiseError(f"record {i} of {data} needs 'prompt' (string) and 'answer' fields")
-            samples.append(GradedSample(r["prompt"], str(r["answer"]), str(r.get("family", "all")), r))
-    else:
-        from slimwise.testbed import DOMAINS, make_split
-
-        if domain not in (None, "all") and domain not in DOMAINS:
-            raise SlimWiseError(f"unknown domain {domain!r}; choose one of {', '.join(DOMAINS)} or all")
-        try:
-            picked = make_split(split, n_per_family, seed=seed, families=list(families) or None,
-                                domain=None if families or domain == "all" else domain)
-        except ValueError as exc:
-            raise SlimWiseError(str(exc)) from exc
-        samples = [GradedSample(s.prompt, s.answer, s.family, s.to_dict()) for s in picked]
-    if max_samples:
-        samples = _stratified(samples, max_samples)
-    if not samples:
-        raise SlimWiseError("no evaluation samples: check --data / --domain / --families")
-    return samples
-
-
-def _stratified(samples: list[GradedSample], limit: int) -> list[GradedSample]:
-    """The first `limit` samples taken round-robin over families (so every family stays represented)."""
-    by_family: dict[str, list[GradedSample]] = {}
-    for s in samples:
-        by_family.setdefault(s.family, []).append(s)
-    out: list[GradedSample] = []
-    queues = [list(v) for v in by_family.values()]
-    while len(out) < limit and any(queues):
-        for q in queues:
-            if q and len(out) < limit:
-                out.append(q.pop(0))
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Pure metric functions
-
-
-def bootstrap_ci(values: Sequence[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95
-                 ) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean (NaNs for no values)."""
-    arr = np.asarray(values, dtype=np.float64)
-    if arr.size == 0:
-        return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = arr[rng.integers(0, arr.size, size=(n_boot, arr.size))].mean(axis=1)
-    lo, hi = np.quantile(means, [(1 - level) / 2, 1 - (1 - level) / 2])
-    return float(lo), float(hi)
-
-
-def accuracy_metrics(correct: Sequence[bool], seed: int = 0, n_boot: int = 2000) -> dict[str, float]:
-    lo, hi = bootstrap_ci([float(c) for c in correct], n_boot=n_boot, seed=seed)
-    return {"accuracy": sum(correct) / max(len(correct), 1), "accuracy_ci_low": lo, "accuracy_ci_high": hi,
-            "n": len(correct)}
-
-
-def paired_difference(a: Sequence[bool], b: Sequence[bool], n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
-    """Mean of a - b over the same samples with a paired bootstrap interval (resamples samples, not runs)."""
-    diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
-    lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
-    return {"diff": float(diff.mean()) if diff.size else float("nan"), "ci_low": lo, "ci_high": hi}
-
-
-def length_metrics(generations: Sequence[Generation], max_new_tokens: int) -> dict[str, float]:
-    """Generated length (tokens, the final EOS included) and how outputs ended."""
-    lengths = [len(g.token_ids) for g in generations]
-    if not lengths:
-        return {}
-    return {
-        "length_mean": float(np.mean(lengths)),
-        "length_median": float(statistics.median(lengths)),
-        "length_p90": float(np.quantile(lengths, 0.9)),
-        "eos_share": sum(g.finish_reason == "eos" for g in generations) / len(lengths),
-        "truncated_share": sum(g.finish_reason == "length" and len(g.token_ids) >= max_new_tokens
-                               for g in generations) / len(lengths),
-    }
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (a length difference counts at the shorter length); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def length_ratios(outputs: Sequence[Generation], reference: Sequence[Generation]) -> list[float]:
-    """Per-sample generated length over the full model's length for the same prompt."""
-    return [len(o.token_ids) / max(len(r.token_ids), 1) for o, r in zip(outputs, reference, strict=True)]
-
-
-def fidelity_metrics(outputs: Sequence[Generation], reference: Sequence[Generation]) -> dict[str, float | None]:
-    """Agreement with the full model's generations for the same prompts.
-
-    `first_diff_mean` averages over the outputs that differ (None when all are identical)."""
-    pairs = list(zip(outputs, reference, strict=True))
-    if not pairs:
-        return {}
-    diffs = [first_difference(o.token_ids, r.token_ids) for o, r in pairs]
-    differing = [d for d in diffs if d is not None]
-    ratios = length_ratios(outputs, reference)
-    return {
-        "exact_match": sum(d is None for d in diffs) / len(pairs),
-        "first_token_agree": sum(bool(o.token_ids[:1] == r.token_ids[:1]) for o, r in pairs) / len(pairs),
-        "first_diff_mean": float(np.mean(differing)) if differing else None,
-        "first_diff_median": float(statistics.median(differing)) if differing else None,
-        "length_ratio_mean": float(np.mean(ratios)),
-        "length_ratio_p10": float(np.quantile(ratios, 0.1)),
-        "length_ratio_median": float(np.quantile(ratios, 0.5)),
-        "length_ratio_p90": float(np.quantile(ratios, 0.9)),
-    }
-
-
-def kl_divergence(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) over the last dim of log-probabilities: sum p_ref (log p_ref - log p_other)."""
-    ref = ref_logprobs.float()
-    return (ref.exp() * (ref - logprobs.float())).sum(dim=-1).clamp_min(0.0)
-
-
-def uniform_expected_distinct(num_experts: int, top_k: int, batch: float) -> float:
-    """Expected distinct experts touched by `batch` tokens that each pick top_k of num_experts uniformly."""
-    if num_experts <= 0 or batch <= 0:
-        return 0.0
-    return float(num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** batch))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Teacher-forced KL
-
-
-@torch.inference_mode()
-def continuation_logprobs(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
-                          continuations: Sequence[Sequence[int]], mode: str) -> torch.Tensor:
-    """Log-probs [B, T, V] of every continuation position, teacher-forced, in `mode`.
-
-    Position t is the distribution of continuation token t given prompt + continuation[:t]: position 0 comes
-    from the mode's prefill logits (the full model's for slimwise), the rest from one forward of the
-    continuation on that cache with the mode's decode model (mask active for slimwise and uniform).
-    """
-    cache, first, attention, positions = engine.prefill(prompts, mode)
-    width = max(len(c) for c in continuations)
-    parts = [first[:, None, :]]
-    if width > 1:
-        pad = 0
-        if engine.tokenizer is not None and engine.tokenizer.pad_token_id is not None:
-            pad = engine.tokenizer.pad_token_id
-        ids = torch.full((len(prompts), width - 1), pad, dtype=torch.long, device=attention.device)
-        for i, c in enumerate(continuations):
-            if len(c) > 1:
-                ids[i, :len(c) - 1] = torch.tensor(list(c[:-1]), dtype=torch.long)
-        attention = torch.cat([attention, torch.ones_like(ids)], dim=1)
-        pos = positions[:, -1:] + 1 + torch.arange(width - 1, device=ids.device)[None, :]
-        model, ctx = engine._phase(mode, "decode")
-        with ctx():
-            out = model(input_ids=ids, attention_mask=attention, position_ids=pos, past_key_values=cache,
-                        use_cache=True)
-        parts.append(out.logits.float())
-    return torch.log_softmax(torch.cat(parts, dim=1), dim=-1)
-
-
-def teacher_forced_kl(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
-                      continuations: Sequence[Sequence[int]], mode: str, batch_size: int = 8,
-                      reference_cache: dict[int, torch.Tensor] | None = None) -> list[float]:
-    """Per sample, mean over the full model's continuation positions of KL(full || mode).
-
-    `reference_cache` (batch start -> full log-probs) avoids recomputing the full model across plans."""
-    out: list[float] = []
-    for start in range(0, len(prompts), batch_size):
-        p, c = prompts[start:start + batch_size], continuations[start:start + batch_size]
-        ref = reference_cache.get(start) if reference_cache is not None else None
-        if ref is None:
-            ref = continuation_logprobs(engine, p, c, "full")
-            if reference_cache is not None:
-                reference_cache[start] = ref
-        got = ref if mode == "full" else continuation_logprobs(engine, p, c, mode)
-        kl = kl_divergence(ref, got)
-        out += [float(kl[i, :len(ci)].mean()) if len(ci) else 0.0 for i, ci in enumerate(c)]
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Decode traffic
-
-
-class DecodeTrafficMeter:
-    """Counts distinct experts per MoE layer per decode step over the batch's live rows.
-
-    A `StepObserver` for the engine (it says which rows are real before each forward) plus a forward hook on
-    every router; the hooks also fire for the masked router forward (an instance attribute called through
-    nn.Module.__call__). `active_experts` per layer is what decode can choose from (E, or the plan's kept
-    count), used for the uniform-routing expectation.
-    """
-
-    def __init__(self, model: nn.Module, active_experts: dict[int, int] | None = None, batch_size: int = 0):
-        adapter = get_adapter(model.config)
-        self.layers = adapter.moe_layers(model)
-        self.top_k = adapter.top_k(model.config)
-        e = adapter.num_experts(model.config)
-        self.active = [int((active_experts or {}).get(layer.index, e)) for layer in self.layers]
-        self.expert_bytes = [int(adapter.expert_bytes(layer.experts)) for layer in self.layers]
-        self.batch_size = batch_size
-        n = len(self.layers)
-        self.distinct = np.zeros(n)
-        self.expected = np.zeros(n)
-        self.calls = np.zeros(n)
-        self.full_batch_distinct = np.zeros(n)
-        self.full_batch_calls = np.zeros(n)
-        self.steps = 0
-        self.live_rows = 0
-        self._phase: str | None = None
-        self._rows: torch.Tensor | None = None
-        self._handles = [layer.router.register_forward_hook(self._hook(i)) for i, layer in enumerate(self.layers)]
-
-    def before_forward(self, phase: str, rows: torch.Tensor) -> None:
-        self._phase, self._rows = phase, rows
-        if phase == "decode":
-            self.steps += 1
-            self.live_rows += int(rows.sum())
-
-    def _hook(self, i: int):
-        def hook(module, args, output):
-            rows = self._rows
-            if self._phase != "decode" or rows is None or not isinstance(output, tuple):
-                return
-            index = output[-1]
-            if index.shape[0] != rows.numel():
-                return
-            live = index[rows.to(index.device)]
-            self.distinct[i] += torch.unique(live).numel()
-            self.expected[i] += uniform_expected_distinct(self.active[i], self.top_k, live.shape[0])
-            self.calls[i] += 1
-            if self.batch_size and live.shape[0] == self.batch_size:
-                self.full_batch_distinct[i] += torch.unique(live).numel()
-                self.full_batch_calls[i] += 1
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def summary(self) -> dict[str, Any]:
-        """Means per layer per decode step; bytes use each layer's per-expert size."""
-        if not self.calls.any():
-            return {"decode_steps": 0}
-        per_layer = self.distinct / np.maximum(self.calls, 1)
-        expected = self.expected / np.maximum(self.calls, 1)
-        full_batch = None
-        if self.full_batch_calls.all():
-            full_batch = float((self.full_batch_distinct / self.full_batch_calls).mean())
-        layer_bytes = per_layer * np.asarray(self.expert_bytes)
-        return {
-            "distinct_experts_per_layer_step": float(per_layer.mean()),
-            "distinct_experts_per_layer_step_full_batch": full_batch,
-            "uniform_expectation": float(expected.mean()),
-            "uniform_expectation_at_batch_size": float(np.mean(
-                [uniform_expected_distinct(a, self.top_k, self.batch_size) for a in self.active])),
-            "active_experts": float(np.mean(self.active)),
-            "top_k": self.top_k,
-            "batch_size": self.batch_size,
-            "live_rows_mean": self.live_rows / max(self.steps, 1),
-            "decode_steps": self.steps,
-            "expert_bytes_per_layer_step": float(layer_bytes.mean()),
-            "expert_bytes_per_step": float(layer_bytes.sum()),
-            "per_layer": [round(float(x), 3) for x in per_layer],
-        }
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Engines
-
-
-class GenerationEngine(Protocol):
-    """What the sweep needs from an engine: generate token ids in a mode (full / uniform / slimwise)."""
-
-    def generate(self, prompts: Sequence[Sequence[int]], mode: str, config: GenerationConfig) -> list[Generation]: ...
-
-
-def distillation_available() -> bool:
-    """True when `slimwise.distill` exists and the reference engine takes a delta (mode `distilled`)."""
-    try:
-        importlib.import_module("slimwise.distill")
-    except ImportError:
-        return False
-    return "delta" in inspect.signature(PhaseSplitEngine.__init__).parameters
-
-
-def load_delta(path: str | Path):
-    """A distilled decode-only delta (`slimwise distill` output)."""
-    if not distillation_available():
-        raise SlimWiseError("distillation is not available yet in this install: drop mode distilled and --distilled")
-    from slimwise.distill import Delta
-
-    return Delta.load(path)
-
-
-def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None,
-                delta: Any = None, share: bool = False) -> GenerationEngine:
-    """`hf`: the reference PhaseSplitEngine (with a distilled `delta` for mode distilled); `vllm`:
-    `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=, delta=)` when that plugin is installed (generation
-    only: KL and traffic are measured on the HF model); `share`: one vLLM engine for full, slimwise and uniform."""
-    if kind == "hf":
-        if delta is not None:
-            return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta)
-        return PhaseSplitEngine(model, tokenizer, plan=plan)
-    if kind == "vllm":
-        cls = None
-        for where in ("slimwise.serving", "slimwise.serving.engine"):
-            try:
-                cls = getattr(importlib.import_module(where), "VllmEngine", None)
-            except ImportError:
-                cls = None
-            if cls is not None:
-                break
-        if cls is None:
-            raise SlimWiseError("engine vllm needs slimwise.serving.VllmEngine (the vLLM plugin), which is not "
-                                "available in this install; use --engine hf")
-        # same dtype as the reference model, so greedy tokens can agree exactly
-        dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "auto"
-        delta_dir = getattr(delta, "path", delta) if delta is not None else None
-        return cls(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir, share_engine=share)
-    raise SlimWiseError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
-
-
-def _close(engine: Any) -> None:
-    close = getattr(engine, "close", None)
-    if callable(close):
-        close()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One run: metrics of a mode's generations
-
-
-def run_metrics(samples: Sequence[GradedSample], gens: Sequence[Generation], reference: Sequence[Generation],
-                grader: Grader, max_new_tokens: int, kl: Sequence[float] | None = None, seed: int = 0,
-                n_boot: int = 2000) -> dict[str, Any]:
-    """Every per-run metric, overall and per task family (the per-sample vectors are kept for plots)."""
-    correct = [bool(grader(s, g)) for s, g in zip(samples, gens, strict=True)]
-
-    def block(idx: list[int]) -> dict[str, Any]:
-        g = [gens[i] for i in idx]
-        r = [reference[i] for i in idx]
-        m = {**accuracy_metrics([correct[i] for i in idx], seed, n_boot), **length_metrics(g, max_new_tokens),
-             **fidelity_metrics(g, r)}
-        values = [kl[i] for i in idx] if kl is not None else []
-        m["kl_mean"] = float(np.mean(values)) if values else None
-        return m
-
-    everything = list(range(len(samples)))
-    metrics = block(everything)
-    metrics["by_family"] = {fam: block([i for i, s in enumerate(samples) if s.family == fam])
-                            for fam in sorted({s.family for s in samples})}
-    metrics["correct"] = [int(c) for c in correct]
-    metrics["lengths"] = [len(g.token_ids) for g in gens]
-    metrics["length_ratios"] = [round(x, 4) for x in length_ratios(gens, reference)]
-    if kl is not None:
-        metrics["kl"] = [round(float(x), 6) for x in kl]
-    return metrics
-
-
-def evaluate_modes(engine: PhaseSplitEngine, samples: Sequence[GradedSample], modes: Sequence[str],
-                   config: GenerationConfig, grader: Grader, seed: int = 0, kl: bool = True) -> dict[str, dict]:
-    """Generate every sample in every mode with one engine (and its plan); metrics per mode against full."""
-    prompts = engine._encode([s.prompt for s in samples])
-    runs: dict[str, list[Generation]] = {}
-    seconds: dict[str, float] = {}
-    traffic: dict[str, dict] = {}
-    for mode in dict.fromkeys(["full", *modes]):
-        meter = DecodeTrafficMeter(engine.model, _active_experts(engine.plan, mode), config.batch_size)
-        t0 = time.perf_counter()
-        try:
-            runs[mode] = engine.generate(prompts, mode=mode, config=config, observer=meter)
-        finally:
-            meter.remove()
-        seconds[mode] = time.perf_counter() - t0
-        traffic[mode] = meter.summary()
-    reference: dict[int, torch.Tensor] = {}
-    report: dict[str, dict] = {}
-    for mode in modes:
-        kls = teacher_forced_kl(engine, prompts, [g.token_ids for g in runs["full"]], mode,
-                                reference_cache=reference) if kl else None
-        report[mode] = {**run_metrics(samples, runs[mode], runs["full"], grader, config.max_new_tokens, kls, seed),
-                        "traffic": traffic[mode], "seconds": seconds[mode]}
-    return report
-
-
-def _active_experts(plan: PrunePlan | None, mode: str) -> dict[int, int] | None:
-    """Experts decode can choose from per layer: the plan's kept ones in pruned-decode modes."""
-    if plan is None or mode == "full":
-        return None
-    return {layer: len(kept) for layer, kept in plan.kept_experts.items()}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Sweep configuration and driver
 
 
 @dataclass
@@ -557,12 +112,8 @@ class EvalConfig:
         bad = [m for m in self.modes if m not in EVAL_MODES]
         if bad:
             raise SlimWiseError(f"unknown modes {bad}; choose among {', '.join(EVAL_MODES)}")
-        if "distilled" in self.modes or self.distilled:
-            if not self.distilled:
-                raise SlimWiseError("mode distilled needs --distilled DELTA (the output of `slimwise distill`)")
-            if not distillation_available():
-                raise SlimWiseError("distillation is not available yet in this install: drop mode distilled and "
-                                    "--distilled")
+        if ("distilled" in self.modes or self.distilled) and not self.distilled:
+            raise SlimWiseError("mode distilled needs --distilled DELTA (the output of `slimwise distill`)")
         if self.engine not in ENGINES:
             raise SlimWiseError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if not self.plans:
@@ -636,7 +187,6 @@ class Sweep:
         self.config = config
         self.console = console or Console()
         self.out_dir = Path(out_dir or config.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.cache_dir = Path(config.cache_dir) / model_label(model) if config.cache_dir else self.out_dir / "cache"
         self.model_name = model_label(model)
         self.model_dir = resolve_model_dir(model)
@@ -651,7 +201,7 @@ class Sweep:
                                     max_samples=config.max_samples)
         self.grader = make_grader(config.grader)
         self.ref_engine = PhaseSplitEngine(self.model, self.tokenizer)
-        self.prompt_ids = self.ref_engine._encode([s.prompt for s in self.samples])
+        self.prompt_ids = self.ref_engine.encode([s.prompt for s in self.samples])
         self.gen_config = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
                                            seed=config.seed, progress=config.progress)
         self.calibration: dict[str, dict] = {}
@@ -660,13 +210,13 @@ class Sweep:
         # vLLM: one engine per plan serves full, slimwise and uniform (mode switched in place): (kept_key, engine)
         self._vllm: tuple[str | None, Any] | None = None
         self._first_spec: PlanSpec | None = None  # the plan whose engine also runs mode full
-        self.delta = load_delta(config.distilled) if config.distilled else None
+        self.delta = Delta.load(config.distilled) if config.distilled else None
         self.modes = [m for m in dict.fromkeys([*config.modes, *(["distilled"] if self.delta else [])]) if m != "full"]
+        # created only once every input loaded: a missing model or unreadable data leaves no empty directory behind
+        self.out_dir.mkdir(parents=True, exist_ok=True)
 
     def _delta_fits(self, spec: PlanSpec) -> bool:
         """A delta belongs to one plan (same kept experts on the same weights): mode distilled runs only there."""
-        from slimwise.distill import plan_hash
-
         return self.delta is not None and self.delta.manifest.get("plan_hash") == plan_hash(spec.plan)
 
     def _domain(self) -> str | None:
@@ -771,7 +321,7 @@ class Sweep:
         plan = spec.plan if spec else None
         engine, owned = self._engine(mode, spec)
         hf = isinstance(engine, PhaseSplitEngine)
-        meter = DecodeTrafficMeter(self.model, _active_experts(plan, mode), self.config.batch_size) \
+        meter = DecodeTrafficMeter(self.model, active_experts(plan, mode), self.config.batch_size) \
             if self.config.traffic and hf else None
         try:
             t0 = time.perf_counter()
@@ -784,7 +334,7 @@ class Sweep:
             if meter is not None:
                 meter.remove()
             if owned:
-                _close(engine)
+                close_engine(engine)
         if self.tokenizer is not None:
             for g in gens:
                 if g.text is None:
@@ -831,7 +381,7 @@ class Sweep:
     def _close_engine(self) -> None:
         """Stop a kept vLLM engine (its EngineCore process holds the weights and the KV cache)."""
         if self._vllm is not None:
-            _close(self._vllm[1])
+            close_engine(self._vllm[1])
             self._vllm = None
 
     def full(self) -> list[Generation]:
@@ -989,11 +539,11 @@ class Sweep:
         }
 
     def write(self, report: dict[str, Any]) -> None:
-        from slimwise.report import write_markdown, write_plots
+        from slimwise.evaluation.report import write_markdown, write_plots
 
         if self.config.plots:
             report["plots"] = write_plots(report, self.out_dir)
-        (self.out_dir / "report.json").write_text(dumps_compact(report) + "\n")
+        atomic_write_text((self.out_dir / "report.json"), dumps_compact(report) + "\n")
         write_markdown(report, self.out_dir / "report.md")
         self.console.print(f"report: {self.out_dir / 'report.md'}, {self.out_dir / 'report.json'}"
                            + (f", {len(report['plots'])} plots" if report["plots"] else "")
@@ -1026,7 +576,7 @@ def run_eval(models: Sequence[str | Path], config: EvalConfig, console=None) -> 
     """The sweep for every model; with several models each gets out_dir/<name>/ plus an index.md."""
     from rich.console import Console
 
-    from slimwise.report import write_index
+    from slimwise.evaluation.report import write_index
 
     config.validate()
     console = console or Console()
@@ -1048,12 +598,3 @@ def run_eval(models: Sequence[str | Path], config: EvalConfig, console=None) -> 
     console.print(f"eval done in {time.perf_counter() - t0:.0f}s on {os.cpu_count()} CPUs "
                   f"({torch.get_num_threads()} torch threads)")
     return reports
-
-
-__all__ = [
-    "DEFAULT_CRITERIA", "DEFAULT_PHASES", "DEFAULT_RATIOS", "EVAL_MODES", "SCHEMA", "DecodeTrafficMeter",
-    "EvalConfig", "GenerationEngine", "GradedSample", "PlanSpec", "Sweep", "accuracy_metrics", "bootstrap_ci",
-    "continuation_logprobs", "evaluate_modes", "fidelity_metrics", "first_difference", "kl_divergence",
-    "length_metrics", "length_ratios", "load_samples", "make_engine", "make_grader", "paired_difference",
-    "run_eval", "run_metrics", "teacher_forced_kl", "uniform_expected_distinct",
-]

@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from slimwise.io import atomic_write_text, save_figure
+
 MODE_COLORS = {"full": "black", "uniform": "tab:red", "slimwise": "tab:blue", "distilled": "tab:green"}
 PHASE_STYLES = {"decode": ("-", "o"), "prompt": ("--", "s"), "all": (":", "^"), None: ("-.", "D")}
 PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png", "traffic_vs_ratio.png")
@@ -293,7 +295,7 @@ def write_markdown(report: dict, path: str | Path) -> Path:
               "generated positions (0 at the first position for SlimWise, whose prefill is the full model's).",
               "- decode traffic: router hooks count distinct experts chosen by the live rows of each decode step, "
               "per MoE layer; bytes = distinct × bytes of one expert.", ""]
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines))
     return path
 
 
@@ -346,7 +348,7 @@ def write_index(reports: Sequence[dict], out_dir: str | Path, names: Sequence[st
         lines += _md_table(TABLE_HEADER, rows)
         lines += ["", *summary_lines(rep), ""]
     path = out_dir / "index.md"
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines))
     return path
 
 
@@ -409,9 +411,7 @@ def plot_accuracy(report: dict, path: Path) -> None:
     axes[0][0].set_ylabel("accuracy (95% bootstrap CI)")
     fig.suptitle(f"{report['model']['name']}: accuracy vs pruning ratio ({report['tasks']['n']} problems)")
     _legend_below(fig, axes[0])
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, rect=(0, 0.16, 1, 1))
 
 
 def plot_lengths(report: dict, path: Path) -> None:
@@ -456,9 +456,7 @@ def plot_lengths(report: dict, path: Path) -> None:
     ax2.set_title(f"per-problem length ratio vs full ({crit}, {phase} calib)")
     ax2.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{report['model']['name']}: generated length")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def plot_fidelity(report: dict, path: Path) -> None:
@@ -491,9 +489,7 @@ def plot_fidelity(report: dict, path: Path) -> None:
             ax.grid(alpha=0.3)
     fig.suptitle(f"{report['model']['name']}: fidelity to the full model vs pruning ratio")
     _legend_below(fig, axes[0])
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, rect=(0, 0.07, 1, 1))
 
 
 def plot_traffic(report: dict, path: Path) -> None:
@@ -528,9 +524,7 @@ def plot_traffic(report: dict, path: Path) -> None:
     ax.set_xticks(sorted({r["ratio"] for r in report["runs"]}))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def write_plots(report: dict, out_dir: str | Path) -> list[str]:

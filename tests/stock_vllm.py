@@ -1,7 +1,8 @@
-"""Run greedy/sampled generation with stock vLLM on token-id prompts, in its own process.
+"""Test helper: greedy/sampled generation with stock vLLM on token-id prompts, in its own process.
 
-vLLM spawns workers, so it must be driven from a `__main__`-guarded entry point; the test-suite and the
-evaluation harness call `vllm_generate`, which runs this module as a subprocess and reads back JSON.
+vLLM spawns workers, so it must be driven from a `__main__`-guarded entry point; tests call `vllm_generate`, which
+runs this file as a subprocess and reads back JSON. (It lived in the package as `slimwise/vllm_runner.py`, used by
+nothing but a test.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def vllm_generate(model_dir: str | Path, prompts: list[list[int]], max_tokens: i
                                    "dtype": dtype, "temperature": temperature, "seed": seed,
                                    "enforce_eager": enforce_eager, "extra": extra or {}}))
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        proc = subprocess.run([sys.executable, "-m", "slimwise.vllm_runner", str(req), str(out)], env=env,
+        proc = subprocess.run([sys.executable, __file__, str(req), str(out)], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.is_file():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])

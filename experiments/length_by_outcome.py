@@ -3,10 +3,10 @@
 Why: the per-family length check flags gcd as lengthened by distillation (testbed-b 25%: +1.04 tokens, z 2.6).
 Split by outcome, all of it sits in problems the full model gets wrong: where the student gets them right (W->R)
 its chains are 8-14 tokens longer, since the full model's wrong Euclid chains stop early. On problems both get
-right (R->R) the lengths match. Reads the reports of `python -m slimwise.distill bars` and `replicate`, pooled
+right (R->R) the lengths match. Reads the reports of `python -m experiments.distill_bars bars` and `replicate`, pooled
 over their samples (3,000 problems):
 
-    python scripts/length_by_outcome.py runs/distill-bars7/testbed-a/testbed-a runs/distill-bars7/testbed-b/testbed-b
+    python -m experiments.length_by_outcome runs/distill-bars7/testbed-a/testbed-a runs/distill-bars7/testbed-b/testbed-b
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from slimwise.distill import pooled_run
+from experiments.distill_bars import pooled_run
 
 
 def outcome_drift(full: dict, run: dict, family: str) -> dict[str, tuple[int, float]]:

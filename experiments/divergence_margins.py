@@ -5,9 +5,9 @@ Why: the problems whose length changes under distillation (5-8% on testbed-b) se
 can be. At a problem's first divergence the full model's own log-prob gap between its token and the one the
 student took says whether the student overruled a clear choice or broke a near-tie that any approximation of
 the full model would break. Runs sample 0 of the test split (1,000 problems) with the plans and SlimWise deltas of
-a finished `python -m slimwise.distill bars` run:
+a finished `python -m experiments.distill_bars bars` run:
 
-    python scripts/divergence_margins.py testbed-b --run runs/distill-bars7/testbed-b/testbed-b --ratios 0.25 0.5
+    python -m experiments.divergence_margins testbed-b --run runs/distill-bars7/testbed-b/testbed-b --ratios 0.25 0.5
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slimwise.distill import BarsConfig, Delta, logprobs_along
+from experiments.distill_bars import BarsConfig
+from slimwise.delta import Delta
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
+from slimwise.scoring import logprobs_along
 from slimwise.testbed import TARGET_DOMAIN, make_split
 
 EDGES = (0.1, 0.5, 1.0, 2.0)  # nats
@@ -53,7 +55,7 @@ def main() -> None:
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size)
     samples = make_split("test", cfg.test_per_family, domain=TARGET_DOMAIN)
     engine = PhaseSplitEngine(model, tok)
-    ids = engine._encode([s.prompt for s in samples])
+    ids = engine.encode([s.prompt for s in samples])
     reference = [g.token_ids for g in engine.generate(ids, mode="full", config=gen)]
     logprobs = logprobs_along(engine, ids, reference, cfg.batch_size)  # the full model's, along its own tokens
     top2 = [lp.topk(2, dim=-1).values for lp in logprobs]

@@ -1,8 +1,8 @@
 """Recipe probe: several SlimWise distillation recipes for one (backbone, ratio) from one shared teacher, each
 scored on the pooled test samples of seeds 0, 1 and 2 (3,000 target-domain problems), with the per-family
-length check. Uses the plan of a finished `python -m slimwise.distill bars` run.
+length check. Uses the plan of a finished `python -m experiments.distill_bars bars` run.
 
-    python scripts/distill_recipes.py testbed-b --run runs/distill-bars7/testbed-b/testbed-b --ratio 0.5 \
+    python -m experiments.distill_recipes testbed-b --run runs/distill-bars7/testbed-b/testbed-b --ratio 0.5 \
         --variants shared-down shared-mlp all-r4
 
 Writes RUN/recipes-RATIO.json, keeping the variants of earlier runs. docs/results/distillation.md reports it.
@@ -18,19 +18,9 @@ from pathlib import Path
 
 import torch
 
-from slimwise.distill import (
-    ATTENTION_TARGETS,
-    DENSE_MLP_TARGETS,
-    BarsConfig,
-    DistillConfig,
-    TeacherData,
-    build_teacher,
-    distill,
-    evaluate_run,
-    family_length_check,
-    length_drift,
-    pool_runs,
-)
+from experiments.distill_bars import BarsConfig, evaluate_run, family_length_check, length_drift, pool_runs
+from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS
+from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
 from slimwise.generate import PhaseSplitEngine
 from slimwise.io import atomic_write_text
 from slimwise.models import load_model, load_tokenizer

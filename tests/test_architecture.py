@@ -1,0 +1,155 @@
+"""The layout's rules, checked on the source (no imports run): no import loops, nothing in `slimwise/` imports the
+experiments, serving never loads the trainer or the evaluation, and no module grows past 600 lines without saying why.
+
+Every import counts, module-level and inside functions (a lazy import is still a dependency: the old
+generate -> distill -> generate loop was a lazy one), except those under `if TYPE_CHECKING:` and in a
+`if __name__ == "__main__":` block (a command-line entry point may call its package's CLI module).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "slimwise"
+MAX_LINES = 600
+#: a module docstring containing this phrase states why the module is longer than MAX_LINES
+LONG_REASON = "Longer than 600 lines because"
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _skipped(node: ast.If) -> bool:
+    test = node.test
+    if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+        return True
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
+
+
+def imports_of(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
+    """The project modules `path` imports (`from a.b import c` counts a.b.c when that is a module, else a.b)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = module_name(path, root)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _skipped(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in known else base)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in known and m != here}
+
+
+@functools.lru_cache(maxsize=1)
+def project_graph() -> dict[str, set[str]]:
+    files = [*PACKAGE.rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]
+    known = {module_name(f) for f in files}
+    # a parent package counts as imported with its submodule (Python runs the package's __init__ first)
+    return {module_name(f): imports_of(f, known) for f in files}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path [a, b, ..., a], or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = dfs(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            cycle = dfs(start)
+            if cycle:
+                return cycle
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_no_import_loops():
+    cycle = find_cycle(project_graph())
+    assert cycle is None, "import loop: " + " -> ".join(cycle)
+
+
+def test_the_checker_finds_loops_and_lazy_imports(tmp_path):
+    """The checker itself can fail: a lazy import closing a loop is found, a `__main__` block is not counted."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    pkg = tmp_path / "slimwise"
+    pkg.mkdir()
+    src = pkg / "x.py"
+    src.write_text("import os\n\ndef f():\n    from slimwise import y\n\nif __name__ == '__main__':\n"
+                   "    import slimwise.z\n")
+    assert imports_of(src, {"slimwise.x", "slimwise.y", "slimwise.z"}, root=tmp_path) == {"slimwise.y"}
+
+
+def test_the_package_never_imports_the_experiments():
+    graph = project_graph()
+    offenders = sorted(m for m, deps in graph.items() if m.startswith("slimwise")
+                       and any(d.startswith("experiments") for d in deps))
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("entry", ["slimwise.serving.plugin", "slimwise.serving.models", "slimwise.serving.engine",
+                                   "slimwise.serving.server", "slimwise.export", "slimwise.generate"])
+def test_serving_and_the_reference_engine_never_load_the_trainer(entry):
+    """vLLM workers import the plugin and the model classes; none of it may pull the trainer or the evaluation."""
+    deps = reachable(project_graph(), entry)
+    assert not {d for d in deps if d == "slimwise.distill" or d.startswith(("slimwise.evaluation", "experiments"))}
+
+
+def test_modules_stay_readable():
+    """No module above 600 lines without a reason in its docstring."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().count("\n")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > MAX_LINES and LONG_REASON not in doc:
+            long.append(f"{path.relative_to(ROOT)} ({lines} lines)")
+    assert not long, long
