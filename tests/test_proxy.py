@@ -243,6 +243,8 @@ MALFORMED = [
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}'),
     ("/v1/completions", b'{"prompt": ["a", "b"]}'),
     ("/v1/completions", b'{"prompt": [1, -2]}'),
+    ("/v1/completions", b'{"prompt": ""}'),  # vLLM's own validator raises VLLMValidationError, not a ValueError
+    ("/v1/completions", b'{"prompt": []}'),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 9' + b"9" * 5000 + b"}"),
     ("/v1/completions", b"[" * 100_000),
     ("/v1/chat/completions", b'{"messages": "hi"}'),

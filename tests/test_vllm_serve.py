@@ -2,7 +2,9 @@
 
 Colocated and disaggregated serving must return the reference engine's SlimWise tokens; the disaggregated
 path must take the prompt KV and the first token from the full model, clean its KV directory on shutdown,
-and answer a clear error (not hang) when an instance is gone.
+and answer a clear error (not hang) when an instance is gone. Both modes also take a scaled-down load test
+(scripts/load_test.py, 2 rounds of 32: none failed or lost), the disaggregated proxy answers bad input as vLLM's
+own server does, and kill -9 of `slimwise serve` leaves no instance process and no KV directory.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +27,7 @@ from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
+from slimwise.plan import PrunePlan
 from slimwise.testbed import build_tokenizer, make_split
 from slimwise.tiny import save_tiny_model
 
@@ -72,6 +77,29 @@ def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS) -> 
     raise AssertionError("server did not become healthy")
 
 
+LOAD_TEST = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
+
+
+def load_test(port: int) -> str:
+    """The CI-sized run of scripts/load_test.py (the issue-15 figures use 3 rounds of 256): every request ok."""
+    r = subprocess.run([sys.executable, str(LOAD_TEST), "--port", str(port), "--rounds", "2", "--concurrency", "32",
+                        "--max-tokens", "8", "--deadline", "600"], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def group_alive(pgid: int) -> bool:
+    """A running process in group `pgid`; zombies (dead, not yet reaped by whoever inherited them) do not count."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(") ", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and int(group) == pgid:
+            return True
+    return False
+
+
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -102,6 +130,7 @@ def test_colocated_serve(served):
     proc = start([str(root / "model"), "--plan", str(root / "plan.json")], port, log)
     try:
         check_completions(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), prompts, ref["slimwise"])
+        load_test(port)
     finally:
         stop(proc)
     text = (root / "colocated.log").read_text()
@@ -118,7 +147,9 @@ def test_disaggregated_serve(served):
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         check_completions(client, prompts, ref["slimwise"])
         kv_dirs = set(glob.glob("/tmp/slimwise-kv-*")) - before
-        assert len(kv_dirs) == 1 and not os.listdir(kv_dirs.pop())  # per pair, emptied after each request
+        assert len(kv_dirs) == 1 and not os.listdir(kv_dir := kv_dirs.pop())  # per pair, emptied after each request
+        check_bad_input_as_vllm(port, prompts[0])
+        assert not os.listdir(kv_dir)  # nothing leaked by refused or streamed requests
         deadline = time.monotonic() + 30  # the decode engine process's log line may reach the file late
         while "SlimWise: loading the full model's state" not in (text := (root / "pd.log").read_text()):
             assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
@@ -147,15 +178,73 @@ def test_disaggregated_serve(served):
         stop(proc)
     # the killed instance's engine processes (orphans of its API server) went with the rest of its group
     deadline = time.monotonic() + 20  # SIGKILLed members take a moment to be reaped
-
-    def group_alive(pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
     while any(group_alive(int(pid)) for pid in decode):
         assert time.monotonic() < deadline, "the killed decode instance left processes running"
         time.sleep(0.5)
     assert set(glob.glob("/tmp/slimwise-kv-*")) == before  # cleaned on shutdown
+
+
+# Requests whose answer must be vLLM's own: the proxy's status equals the prefill instance's (vLLM's server), and
+# where the instance refuses, its body reaches the client unchanged (passed through, not turned into a 503).
+SAME_AS_VLLM = [
+    {"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": 2.5}, {"max_tokens": "abc"}, {"n": "x"}, {"prompt": ""},
+    {"max_tokens": 100_000},  # above max_model_len
+    {"model": "nope"},  # unknown model: 404
+    {"prompt": "x " * 5000},  # too long
+    {"prompt": "y" * (1 << 20)},  # 1 MB
+    {"temperature": -1},
+    {"prompt": [10**7, 5]},  # out-of-vocabulary ids
+]
+PASSED_THROUGH = SAME_AS_VLLM[7:]
+
+
+def check_bad_input_as_vllm(port: int, prompt: str) -> None:
+    proxy, vllm = f"http://127.0.0.1:{port}/v1/completions", f"http://127.0.0.1:{port + 1}/v1/completions"
+    for case in SAME_AS_VLLM:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, **case}
+        mine, theirs = httpx.post(proxy, json=body, timeout=120), httpx.post(vllm, json=body, timeout=120)
+        assert mine.status_code == theirs.status_code, (str(case)[:80], mine.text[:300], theirs.text[:300])
+        assert 400 <= mine.status_code < 500 and mine.json()["error"]["message"], mine.text[:300]
+        if case in PASSED_THROUGH:
+            assert mine.json() == theirs.json(), (str(case)[:80], mine.text[:300], theirs.text[:300])
+    for raw in (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', b'{"model": "tiny", "prompt": "\\ud800"}',
+                b'[1]', b'', b'\xff'):
+        r = httpx.post(proxy, content=raw, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == 400, (raw, r.text[:300])
+    # a stream that ends at the first token is still a stream
+    with httpx.stream("POST", proxy, json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+
+
+def test_load_then_kill_9_of_serve_leaves_no_process_and_no_kv_directory(tmp_path):
+    """`slimwise serve testbed-a --plan plan.json --disaggregated` under the CI-sized load test: every request ok and
+    no KV folder left; then killed with SIGKILL: its instances (API servers, engine and worker processes) and its KV
+    directory go with it (parent-death signal, watchdog)."""
+    plan = PrunePlan.full(load_model("testbed-a"))
+    plan.kept_experts = {layer: kept[::2] for layer, kept in plan.kept_experts.items()}
+    plan.save(tmp_path / "plan.json")
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    proc = start(["testbed-a", "--plan", str(tmp_path / "plan.json"), "--disaggregated"], port, log)
+    groups: set[int] = set()
+    try:
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        groups = {os.getpgid(p) for p in children}  # prefill and decode instances, the watchdog
+        kv_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"slimwise-kv-*-{proc.pid}-*"))
+        assert len(groups) >= 3 and len(kv_dirs) == 1, (children, kv_dirs)  # 2 instances, the watchdog
+        load_test(port)
+        assert not os.listdir(kv_dirs[0])  # every concurrent or streamed request's KV folder went
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # measured: about 2 s (vLLM shuts down on its parent-death SIGTERM)
+        while left := [g for g in groups if group_alive(g)] + [d for d in kv_dirs if os.path.exists(d)]:
+            assert time.monotonic() < deadline, f"left after kill -9 of slimwise serve: {left}"
+            time.sleep(0.5)
+    finally:
+        for g in groups:
+            if group_alive(g):
+                os.killpg(g, signal.SIGKILL)

@@ -185,12 +185,16 @@ def check_request(body: dict, chat: bool) -> tuple[int | None, str, bool]:
     Mirrors vLLM's OpenAI server: the request model types every field (max_tokens 2.5 or "abc", n "x" are
     refused), SamplingParams refuses max_tokens < 1 (0 included: vLLM answers 400 "max_tokens must be at least
     1, got 0."), and the proxy's own limits come on top (one prompt, n = 1, no prompt embeddings)."""
+    from vllm.exceptions import VLLMValidationError
+
     Model = request_models()[chat]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # chat's max_tokens, deprecated yet accepted
             req = Model.model_validate(body)
-    except (ValueError, TypeError) as exc:  # pydantic's ValidationError and vLLM's VLLMValidationError are ValueErrors
+    except VLLMValidationError as exc:  # raised by vLLM's own validators (empty prompt, ...): vLLM answers 400
+        raise BadRequest(str(exc)[:1000], exc.parameter) from None
+    except (ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
         message, param = _validation_message(exc)
         raise BadRequest(message, param) from None
     if chat:
