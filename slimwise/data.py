@@ -14,20 +14,30 @@ from slimwise.errors import SlimWiseError
 PROMPT_KEYS = ("prompt", "text", "question")
 
 
+def _text_lines(path: Path) -> list[str]:
+    """The lines of a UTF-8 text file; binary or otherwise encoded files are refused in one line."""
+    try:
+        return path.read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
+    except UnicodeDecodeError as exc:
+        raise SlimWiseError(f"{path} is not UTF-8 text (byte {exc.start}); pass .jsonl with one JSON object per line "
+                            "or .txt with one prompt per line") from exc
+    except IsADirectoryError as exc:
+        raise SlimWiseError(f"{path} is a directory inside the data directory; pass .jsonl or .txt files") from exc
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     path = Path(path)
     records = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise SlimWiseError(f"{path}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
-            if not isinstance(obj, dict):
-                raise SlimWiseError(f"{path}:{n} is not a JSON object; write one object per line")
-            records.append(obj)
+    for n, line in enumerate(_text_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SlimWiseError(f"{path}:{n} is not valid JSON ({exc.msg}); fix or remove that line") from exc
+        if not isinstance(obj, dict):
+            raise SlimWiseError(f"{path}:{n} is not a JSON object; write one object per line")
+        records.append(obj)
     return records
 
 
@@ -47,7 +57,7 @@ def load_records(path: str | Path) -> list[dict]:
     records: list[dict] = []
     for f in files:
         if f.suffix == ".txt":
-            records += [{"prompt": line.rstrip("\n")} for line in f.read_text().splitlines() if line.strip()]
+            records += [{"prompt": line.rstrip("\r")} for line in _text_lines(f) if line.strip()]
         else:
             records += read_jsonl(f)
     if not records:

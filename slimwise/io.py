@@ -23,7 +23,9 @@ from slimwise.errors import SlimWiseError
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """A temporary path next to `path` to write to; renamed onto `path` when the block ends without error."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise SlimWiseError(f"output {path} is a directory; pass a file path")
+    make_parent(path)
     # a unique name, created by the writer itself (mkstemp would leave the file 0600 after the rename)
     tmp = path.parent / f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     try:
@@ -67,6 +69,17 @@ def save_figure(fig, path: str | Path, *, dpi: float | None = None, rect: tuple 
     return path
 
 
+def make_parent(path: str | Path) -> None:
+    """Create `path`'s directory; a file where a directory should be is refused in one line."""
+    parent = Path(path).parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocker = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), parent)
+        raise SlimWiseError(f"cannot write {path}: {blocker} is a file, not a directory; choose another output "
+                            "path") from exc
+
+
 def refuse_existing(path: str | Path, force: bool = False) -> None:
     """Refuse to write over a file or a non-empty directory unless `force` (the one wording for every output)."""
     path = Path(path)
@@ -106,7 +119,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     directory under the real name) when the block ends without error, and is removed on any error. Temporaries
     of dead processes from earlier runs are removed first."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(path)
     remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -124,5 +137,6 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-__all__ = ["atomic_dir", "atomic_path", "save_figure", "atomic_torch_save", "atomic_write_text", "pid_alive", "refuse_existing",
+__all__ = ["atomic_dir", "atomic_path", "save_figure", "atomic_torch_save", "atomic_write_text", "make_parent", "pid_alive",
+           "refuse_existing",
            "remove_stale_temporaries"]

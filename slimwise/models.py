@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -49,18 +52,89 @@ def resolve_model_dir(path: str | Path) -> Path:
     return p
 
 
+# names different writers give the routed-expert count; a config.json that states two of them differently is
+# contradictory (llm-compressor 0.14 writes num_experts beside the original num_local_experts) and transformers would
+# silently pick one
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def load_config(path: str | Path):
-    return AutoConfig.from_pretrained(resolve_model_dir(path), local_files_only=True)
+    """The model's config, refused in one line when config.json is unreadable, malformed or self-contradictory."""
+    model_dir = resolve_model_dir(path)
+    try:
+        raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SlimWiseError(f"{model_dir}/config.json is not readable JSON ({type(exc).__name__}); restore the "
+                            "checkpoint's config.json") from exc
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise SlimWiseError(f"{model_dir}/config.json has no model_type; restore the checkpoint's config.json")
+    for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        counts = {k: section[k] for k in _EXPERT_COUNT_KEYS if k in section and section[k] is not None}
+        if len(set(map(str, counts.values()))) > 1:
+            raise SlimWiseError(f"{model_dir}/config.json contradicts itself on the expert count ({counts}); keep the "
+                                "one that matches the weights")
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
+        raise SlimWiseError(f"{model_dir}/config.json is invalid: {_first_line(exc)}; restore the checkpoint's "
+                            "config.json") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return (lines[0] if lines else type(exc).__name__)[:200]
+
+
+@contextlib.contextmanager
+def _progress_on_terminal_only():
+    """transformers' weight-loading bar only when stderr is a terminal: in logs and pipes an error stays one line."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if was and not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu") -> nn.Module:
-    """Load a supported MoE checkpoint for inference; refuse dense or unknown models up front."""
+    """Load a supported MoE checkpoint for inference; refuse dense or unknown models up front, and refuse truncated,
+    corrupt or mis-shaped weights in one line."""
+    from safetensors import SafetensorError
+
     model_dir = resolve_model_dir(path)
-    get_adapter(load_config(model_dir))  # clear error for dense/unknown families before loading weights
+    config = load_config(model_dir)
+    adapter = get_adapter(config)  # clear error for dense/unknown families before loading weights
+    n, k = adapter.num_experts(config), adapter.top_k(config)
+    if not (isinstance(n, int) and isinstance(k, int) and 1 <= k <= n):
+        raise SlimWiseError(f"{model_dir}/config.json routes top-{k} of {n} experts; top-k must be in [1, experts]: "
+                            "restore the checkpoint's config.json")
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+    try:
+        with _progress_on_terminal_only():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+    except SafetensorError as exc:
+        raise SlimWiseError(f"the weights in {model_dir} are truncated or corrupt ({_first_line(exc)}); copy the "
+                            "checkpoint again") from exc
+    except RuntimeError as exc:
+        if "mismatched" not in str(exc) and "size mismatch" not in str(exc):
+            raise
+        raise SlimWiseError(f"the weights in {model_dir} do not have the shapes its config.json describes; restore "
+                            "the config.json written with these weights") from exc
     model.slimwise_source_dir = str(model_dir)
     return model.to(device).eval()
+
+
+def structure_model(path: str | Path) -> nn.Module:
+    """The model's modules on the meta device (no weights read, no memory): what a plan's layers, expert count and
+    top-k are checked against before an engine starts (the weights' fingerprint needs `load_model`)."""
+    config = load_config(path)
+    get_adapter(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 def load_tokenizer(path: str | Path):
