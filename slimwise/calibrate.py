@@ -129,7 +129,8 @@ def calibrate(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]]
                                batch_size=config.batch_size)
     t0 = time.perf_counter()
     processed = 0
-    bar = tqdm(total=len(prompts), desc=f"calibrate[{config.phase}]", unit="seq", disable=not progress)
+    bar = tqdm(total=len(prompts), desc=f"calibrate[{config.phase}]", unit="seq",
+               disable=None if progress else True)  # None: a terminal only (an error stays one line in logs)
     try:
         for start in range(0, len(prompts), config.batch_size):
             batch = prompts[start:start + config.batch_size]

@@ -86,20 +86,25 @@ def cmd_generate(args) -> None:
     from slimwise.models import load_model, load_tokenizer
     from slimwise.plan import PrunePlan
 
-    model = load_model(args.model, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model)
+    # the cheap inputs first: a bad plan, prompt file or option is refused before any weights load
     plan = PrunePlan.load(args.plan) if args.plan else None
-    decode_model = None
-    if args.decode_model:
-        decode_model, decode_plan = load_pruned(args.decode_model, dtype=args.dtype)
-        plan = plan or decode_plan
-    if args.mode != "full" and plan is None and decode_model is None:
+    if args.mode != "full" and plan is None and not args.decode_model:
         raise SlimWiseError(f"mode {args.mode} needs --plan PLAN or --decode-model DIR")
-    engine = PhaseSplitEngine(model, tokenizer, plan=plan, decode_model=decode_model)
+    prompts = load_prompts(args.prompts)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
                               batch_size=args.batch_size, progress=True)
-    outs = engine.generate(load_prompts(args.prompts), mode=args.mode, config=config)
+    model = load_model(args.model, dtype=args.dtype)
+    tokenizer = load_tokenizer(args.model)
+    decode_model = None
+    if args.decode_model:
+        decode_model, decode_plan = load_pruned(args.decode_model, dtype=args.dtype)
+        if plan is not None and decode_plan is not None and plan.kept_experts != decode_plan.kept_experts:
+            raise SlimWiseError(f"--plan keeps other experts than the plan {args.decode_model} was exported with: "
+                                "drop --plan, or export the decode model from it (`slimwise prune`)")
+        plan = plan or decode_plan
+    engine = PhaseSplitEngine(model, tokenizer, plan=plan, decode_model=decode_model)
+    outs = engine.generate(prompts, mode=args.mode, config=config)
     lines = [json.dumps({"prompt_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
                          "finish_reason": o.finish_reason, "mode": args.mode}) for o in outs]
     if args.out:
@@ -125,11 +130,14 @@ def cmd_serve(args) -> None:
 def cmd_distill(args) -> None:
     from slimwise.data import load_prompts
     from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
-    from slimwise.models import load_model, load_tokenizer
+    from slimwise.models import load_model, load_tokenizer, resolve_model_dir
     from slimwise.plan import PrunePlan
 
     out = Path(args.out)
     refuse_existing(out, args.force)
+    source = resolve_model_dir(args.model).resolve()
+    if out.resolve() == source or source in out.resolve().parents:
+        raise SlimWiseError(f"output {out} is inside the source model {source}; write the delta somewhere else")
     plan = PrunePlan.load(args.plan)
     prompts = load_prompts(args.data, limit=args.max_samples)
     model = load_model(args.model, dtype=args.dtype)

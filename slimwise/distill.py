@@ -402,7 +402,7 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
         t_train = time.perf_counter()
         stopped_early = False
         bar = tqdm(total=config.steps, initial=step, desc=f"distill[{'+'.join(config.params)}]", unit="step",
-                   disable=not config.progress)
+                   disable=None if config.progress else True)  # a terminal only
         while step < config.steps:
             if config.max_minutes is not None and time.perf_counter() - t_train + elapsed0 > 60 * config.max_minutes:
                 stopped_early = True

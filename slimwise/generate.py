@@ -16,6 +16,7 @@ The loop is gpt-fast style: left-padded batch, one prefill forward, then one for
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +53,16 @@ class GenerationConfig:
     batch_size: int = 16
     eos_token_id: int | list[int] | None = None  # default: tokenizer's, else the model's
     progress: bool = False
+
+    def __post_init__(self) -> None:
+        problems = [f"{name} {value!r} must be {rule}" for name, value, ok, rule in (
+            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, ">= 0 (0: prefill only)"),
+            ("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: off)"),
+            ("batch_size", self.batch_size, self.batch_size >= 1, "at least 1")) if not ok]
+        if problems:
+            raise SlimWiseError(f"generation settings: {'; '.join(problems)}")
 
 
 @dataclass
@@ -137,6 +148,7 @@ class PhaseSplitEngine:
                 raise SlimWiseError("decode model was pruned from other weights than the prefill model "
                                     "(fingerprint mismatch): export it from this model")
             if plan is not None:
+                plan.check_model(model)  # made for the prefill model's weights (family, layers, fingerprint)
                 adapter = get_adapter(decode_model.config)
                 if plan.num_kept != adapter.num_experts(decode_model.config):
                     raise SlimWiseError(f"decode model has {adapter.num_experts(decode_model.config)} experts but the "
@@ -217,7 +229,8 @@ class PhaseSplitEngine:
         eos = _eos_ids(config, self.tokenizer, self.model)
         generator = torch.Generator().manual_seed(config.seed)
         results: list[Generation] = []
-        bar = tqdm(total=len(ids), desc=f"generate[{mode}]", unit="seq", disable=not config.progress)
+        bar = tqdm(total=len(ids), desc=f"generate[{mode}]", unit="seq",
+                   disable=None if config.progress else True)  # None: a terminal only (errors stay one line in logs)
         for start in range(0, len(ids), config.batch_size):
             batch = ids[start:start + config.batch_size]
             results += self._generate_batch(batch, mode, config, eos, generator, observer, keep_first_logits)
