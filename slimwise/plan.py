@@ -184,6 +184,25 @@ class PrunePlan:
                    num_groups=adapter.num_groups(model.config), fingerprint=model_fingerprint(model))
 
 
+def check_plan_for_checkpoints(plan: PrunePlan, model_dir: str | Path, decode_model: str | Path | None = None) -> None:
+    """Before an engine starts, without reading weights: the plan fits the model's structure (family, expert count,
+    top-k, every MoE layer), and a pruned decode checkpoint SlimWise exported was exported from this plan and model."""
+    from slimwise.models import PLAN_FILE, read_manifest, structure_model
+
+    plan.check_model(structure_model(model_dir), check_fingerprint=False)
+    if decode_model is None or not Path(decode_model).is_dir():
+        return
+    exported = Path(decode_model) / PLAN_FILE
+    if exported.is_file() and PrunePlan.load(exported).kept_experts != plan.kept_experts:
+        raise SlimWiseError(f"decode model {decode_model} was exported from another plan than --plan: pass the plan "
+                            f"it was exported with ({exported}) or export it again (`slimwise prune`)")
+    source = (read_manifest(decode_model) or {}).get("source_fingerprint")
+    for fingerprint in (plan.fingerprint, PrunePlan.load(exported).fingerprint if exported.is_file() else None):
+        if source and fingerprint and source != fingerprint:
+            raise SlimWiseError(f"decode model {decode_model} was pruned from other weights than the plan was made "
+                                "for (fingerprint mismatch): export it from the served model")
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -212,6 +212,17 @@ class Sweep:
         self._first_spec: PlanSpec | None = None  # the plan whose engine also runs mode full
         self.delta = Delta.load(config.distilled) if config.distilled else None
         self.modes = [m for m in dict.fromkeys([*config.modes, *(["distilled"] if self.delta else [])]) if m != "full"]
+        # explicit plans, given stats and calibration prompts are read (and plans checked against the model) now,
+        # so a bad one is refused before the output directory exists
+        for path in config.plans:
+            PrunePlan.load(path).check_model(self.model, self.adapter)
+        if config.stats:
+            from slimwise.stats import ExpertStats
+
+            for path in config.stats:
+                ExpertStats.load(path)
+        if config.calib_data:
+            self._calibration_prompts()
         # created only once every input loaded: a missing model or unreadable data leaves no empty directory behind
         self.out_dir.mkdir(parents=True, exist_ok=True)
 

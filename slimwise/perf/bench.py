@@ -218,33 +218,39 @@ def _shares_plan(model, stats_path: str, ratio: float):
 
 
 def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[[str], None] = print):
-    """(plan, plan path, pruned checkpoint dir or None). Loads the model once if a plan or an export is needed."""
+    """(plan, plan path, pruned checkpoint dir or None). Loads the model once (to check or make the plan, to export)."""
     from slimwise.models import PLAN_FILE
     from slimwise.plan import PrunePlan
 
     need_pruned = "pruned" in config.variants and not config.pruned_model
     plan = PrunePlan.load(config.plan) if config.plan else None
     pruned_dir = Path(config.pruned_model) if config.pruned_model else None
-    if plan is None or need_pruned:
-        from slimwise.models import load_model
+    if plan is not None and not need_pruned:  # made for this model: refused before any engine starts
+        from slimwise.models import structure_model
 
-        model = load_model(str(model_dir), dtype="auto")
-        if plan is None:
-            plan = _plan_for(model, config, log)
-        if need_pruned:
-            pruned_dir = out / "pruned"
-            cached = pruned_dir / PLAN_FILE
-            if cached.is_file() and PrunePlan.load(cached).to_dict() == plan.to_dict():
-                log(f"pruned checkpoint: reusing {pruned_dir}")
-            else:
-                from slimwise.export import export_pruned
+        plan.check_model(structure_model(model_dir), check_fingerprint=False)
+        return plan, plan.save(out / "plan.json"), pruned_dir
+    from slimwise.models import load_model
 
-                t0 = time.perf_counter()
-                export_pruned(model, plan, pruned_dir, source_dir=model_dir, force=True)
-                log(f"pruned checkpoint: exported {plan.num_kept} of {plan.num_experts} experts per layer to "
-                    f"{pruned_dir} in {time.perf_counter() - t0:.0f}s (verified)")
-        del model
-        gc.collect()
+    model = load_model(str(model_dir), dtype="auto")
+    if plan is None:
+        plan = _plan_for(model, config, log)
+    else:
+        plan.check_model(model)
+    if need_pruned:
+        pruned_dir = out / "pruned"
+        cached = pruned_dir / PLAN_FILE
+        if cached.is_file() and PrunePlan.load(cached).to_dict() == plan.to_dict():
+            log(f"pruned checkpoint: reusing {pruned_dir}")
+        else:
+            from slimwise.export import export_pruned
+
+            t0 = time.perf_counter()
+            export_pruned(model, plan, pruned_dir, source_dir=model_dir, force=True)
+            log(f"pruned checkpoint: exported {plan.num_kept} of {plan.num_experts} experts per layer to "
+                f"{pruned_dir} in {time.perf_counter() - t0:.0f}s (verified)")
+    del model
+    gc.collect()
     plan_path = plan.save(out / "plan.json")
     return plan, plan_path, pruned_dir
 
@@ -518,9 +524,9 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
 
 def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     model_dir = prepare_model(config, log)
-    plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out, log)
+    plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out, log)  # creates OUT once the inputs load
+    out.mkdir(parents=True, exist_ok=True)
     variants = make_variants(config, model_dir, plan, plan_path, pruned_dir)
     kwargs = engine_kwargs(config, str(model_dir))
     rc, hw, preds, ctx = roofline_predictions(config, model_dir, plan.ratio, config.batches, log)

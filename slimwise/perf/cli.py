@@ -48,6 +48,8 @@ def _load_config(path: str):
             data = json.loads(p.read_text())
         except json.JSONDecodeError as exc:
             raise SlimWiseError(f"{p} is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SlimWiseError(f"{p} is not a model config (a JSON object with model_type)")
         model_type = data.pop("model_type", None)
         if not model_type:
             raise SlimWiseError(f"{p} has no model_type")
@@ -259,7 +261,9 @@ def cmd_bench(args) -> None:
     from slimwise.perf.bench import BenchConfig, format_tables, run_bench, threshold_report
 
     if args.from_json:
-        result = json.loads(Path(args.from_json).read_text())
+        result = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        if not isinstance(result, dict) or "summary" not in result:
+            raise SlimWiseError(f"{args.from_json} is not a bench.json written by `slimwise bench`")
         print(format_tables(result))
         if args.suggest_threshold is not None:
             _print_threshold(threshold_report(result, args.suggest_threshold))

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 from slimwise.errors import SlimWiseError
-from slimwise.plan import PrunePlan
+from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving.engine import slimwise_overrides
 from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
@@ -288,6 +288,7 @@ def preflight(cfg: ServeConfig) -> PrunePlan | None:
     plan = PrunePlan.load(cfg.plan) if cfg.plan else None
     if plan is not None and Path(cfg.model, "config.json").is_file():
         check_plan_config(plan, AutoConfig.from_pretrained(cfg.model, local_files_only=True))
+        check_plan_for_checkpoints(plan, cfg.model, cfg.decode_model)
     return plan
 
 
