@@ -406,7 +406,7 @@ def test_client_cannot_steer_the_connector():
 def test_connection_refused_at_first_is_retried(monkeypatch):
     """An instance that cannot take the connection yet (here: not listening for 0.5 s) gets the request on a retry;
     a connection never made carries no request, so the retry cannot run it twice."""
-    monkeypatch.setattr(proxy, "RETRY_BACKOFF_S", 0.2)
+    monkeypatch.setattr(proxy, "RETRY_BACKOFF_S", 0.5)  # retries until 7.5 s: 15x the 0.5 s the listener needs
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
