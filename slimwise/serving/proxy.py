@@ -12,6 +12,10 @@ an instance's own 4xx answer reaches the client unchanged. Fields that steer the
 (`kv_transfer_params`, ...) are the proxy's business and are dropped from client requests. Each prompt's KV
 folder in the shared directory is reference-counted and deleted on every path (see `KVFolders`), and the
 directory has a size cap.
+
+Longer than 600 lines because the three parts -- request checks, KV folder bookkeeping, the request pipeline --
+are one contract with the client and the connector (what is refused, what is forwarded, when a folder may go),
+and each part's reasons are written next to its code; they would split into modules of their own if they grew.
 """
 
 from __future__ import annotations
