@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from slimwise.errors import SlimWiseError
+from slimwise.io import pid_alive
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving.engine import slimwise_overrides
 from slimwise.serving.models import is_hybrid
@@ -178,23 +179,13 @@ def _parent_death_signal() -> Callable[[], None] | None:
 KV_DIR_RE = re.compile(r"slimwise-kv-[0-9a-f]{12}-(\d+)-[a-z0-9_]+")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def remove_stale_kv_dirs(root: str | None = None) -> list[str]:
     """KV directories (`slimwise-kv-<pair>-<pid>-*`) of supervisors no longer running: a machine crash or a watchdog
     killed along with its supervisor leaves them behind. Returns what was removed."""
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob("slimwise-kv-*"):
         match = KV_DIR_RE.fullmatch(path.name)
-        if match and path.is_dir() and path.stat().st_uid == os.getuid() and not _pid_alive(int(match[1])):
+        if match and path.is_dir() and path.stat().st_uid == os.getuid() and not pid_alive(int(match[1])):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
     return removed
