@@ -122,6 +122,7 @@ def cmd_serve(args) -> None:
                              decode_model=args.decode_model, prefill_url=args.prefill_url, decode_url=args.decode_url,
                              nixl=args.nixl, host=args.host, port=args.port, served_model_name=args.served_model_name,
                              min_decode_batch=args.min_decode_batch, log_every=args.log_every,
+                             kv_dir_max_bytes=int(args.kv_dir_max_gb * 2**30) if args.kv_dir_max_gb else None,
                              vllm_args=list(args.vllm_args)))
     if code:
         raise SystemExit(code)
@@ -344,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-decode-batch", type=integer(0), default=0,
                    help="load-aware: use the pruned experts only when a step has at least this many decode tokens")
     p.add_argument("--log-every", type=integer(0), default=100, help="log routing counters every N steps (0: never)")
+    p.add_argument("--kv-dir-max-gb", type=number(0, lo_open=True), default=None,
+                   help="--disaggregated: cap of the shared KV directory in GB (default 4); over it, new requests get "
+                   "503 with Retry-After")
     p.set_defaults(func=cmd_serve, vllm_args=[])
 
     p = sub.add_parser("demo", help="the main job on the embedded default model: calibrate, prune 50%%, compare modes")
