@@ -1,10 +1,19 @@
 """Evaluation of full / uniform / SlimWise decoding: accuracy, generation length, fidelity, decode traffic.
 
-One module per concern: `samples` (data and graders), `metrics` (pure metric functions, teacher-forced KL),
+One module per concern: `config` (EvalConfig, PlanSpec), `samples` (data and graders), `metrics` (pure metric functions, teacher-forced KL),
 `traffic` (distinct experts per decode step), `runs` (engines and one run's metrics), `sweep` (criterion x ratio x
 calibration-phase grids, resumable) and `report` (Markdown and PNG plots of a sweep).
 """
 
+from slimwise.evaluation.config import (
+    DEFAULT_CRITERIA,
+    DEFAULT_PHASES,
+    DEFAULT_RATIOS,
+    EVAL_MODES,
+    SCHEMA,
+    EvalConfig,
+    PlanSpec,
+)
 from slimwise.evaluation.metrics import (
     accuracy_metrics,
     bootstrap_ci,
@@ -17,18 +26,7 @@ from slimwise.evaluation.metrics import (
 )
 from slimwise.evaluation.runs import ENGINES, GenerationEngine, evaluate_modes, make_engine, run_metrics
 from slimwise.evaluation.samples import GRADERS, GradedSample, load_samples, make_grader
-from slimwise.evaluation.sweep import (
-    DEFAULT_CRITERIA,
-    DEFAULT_PHASES,
-    DEFAULT_RATIOS,
-    EVAL_MODES,
-    SCHEMA,
-    EvalConfig,
-    PlanSpec,
-    Sweep,
-    dumps_compact,
-    run_eval,
-)
+from slimwise.evaluation.sweep import Sweep, dumps_compact, run_eval
 from slimwise.evaluation.traffic import DecodeTrafficMeter
 from slimwise.scoring import continuation_logprobs, kl_divergence
 from slimwise.stats import expected_union
