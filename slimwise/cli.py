@@ -10,7 +10,7 @@ from pathlib import Path
 
 from slimwise.argtypes import OneLineParser, integer, number
 from slimwise.errors import SlimWiseError
-from slimwise.io import atomic_write_text, refuse_existing
+from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -24,6 +24,9 @@ def cmd_calibrate(args) -> None:
     from slimwise.data import load_prompts
     from slimwise.models import load_model, load_tokenizer
 
+    refuse_blocked_parent(args.out)  # an unwritable output is refused before calibration runs, not after
+    if Path(args.out).is_dir():
+        raise SlimWiseError(f"output {args.out} is a directory; pass a file path (.safetensors)")
     prompts = load_prompts(args.data, limit=args.max_samples)
     model = load_model(args.model, dtype=args.dtype)
     config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
@@ -136,6 +139,7 @@ def cmd_distill(args) -> None:
 
     out = Path(args.out)
     refuse_existing(out, args.force)
+    refuse_blocked_parent(out)  # before minutes of training, not after
     source = resolve_model_dir(args.model).resolve()
     if out.resolve() == source or source in out.resolve().parents:
         raise SlimWiseError(f"output {out} is inside the source model {source}; write the delta somewhere else")

@@ -69,6 +69,16 @@ def save_figure(fig, path: str | Path, *, dpi: float | None = None, rect: tuple 
     return path
 
 
+def refuse_blocked_parent(path: str | Path) -> None:
+    """Before a long run: refuse an output whose directory cannot be created because a file is in the way (the
+    check `make_parent` makes at write time, without creating anything)."""
+    for p in Path(path).absolute().parents:
+        if p.exists():
+            if not p.is_dir():
+                raise SlimWiseError(f"cannot write {path}: {p} is a file, not a directory; choose another output path")
+            return
+
+
 def make_parent(path: str | Path) -> None:
     """Create `path`'s directory; a file where a directory should be is refused in one line."""
     parent = Path(path).parent
@@ -138,5 +148,5 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
 
 
 __all__ = ["atomic_dir", "atomic_path", "save_figure", "atomic_torch_save", "atomic_write_text", "make_parent", "pid_alive",
-           "refuse_existing",
+           "refuse_blocked_parent", "refuse_existing",
            "remove_stale_temporaries"]
