@@ -377,7 +377,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     q = subparsers.add_parser("policy-quality",
                               help="accuracy of SlimWise with and without the load-aware policy, against concurrency")
     q.add_argument("model", nargs="?", default="testbed-a", help="trained MoE (default: the embedded testbed-a)")
-    q.add_argument("--threshold", type=integer(1), required=True, help="min decode batch of the policy (from bench)")
+    q.add_argument("--threshold", type=integer(0), required=True, help="min decode batch of the policy (from bench)")
     q.add_argument("--concurrency", type=integer(1), nargs="+", default=[1, 8, 64], help="vLLM max_num_seqs values")
     q.add_argument("--plan", help="plan JSON (default: decode-phase calibration + REAP at --ratio)")
     q.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5)
