@@ -385,6 +385,8 @@ case("calib-cost-no-model", ["calib-cost", "--out", OUT])
 for opt, value in [("--samples", "0"), ("--samples", "-1"), ("--seed", "x")]:
     case(f"demo-{opt[2:]}-{value}", ["demo", opt, value, "--out", OUT])
 case("demo-out-under-file", ["demo", "--out", IN_FILE], IN_FILE)
+for opt, value in [("--threshold", "0"), ("--concurrency", "0"), ("--ratio", "nan"), ("--n-per-family", "-1")]:
+    case(f"policy-quality-{opt[2:]}-{value}", ["policy-quality", M, "--threshold", "4", opt, value, "--out", OUT])
 case("no-command", [], None)
 case("unknown-command", ["frobnicate"], None)
 
@@ -437,7 +439,7 @@ def test_the_corpus_is_large_and_covers_every_subcommand():
     assert len(CASES) >= 120
     from slimwise.cli import build_parser
 
-    commands = set(build_parser()._subparsers._group_actions[0].choices) - {"policy-quality"}
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
     covered = {argv[0] for argv, _ in CASES.values() if argv}
     assert commands <= covered, f"subcommands without a bad-input case: {sorted(commands - covered)}"
 
