@@ -634,3 +634,27 @@ def test_the_clients_api_key_goes_to_the_instances():
     assert keyed.status_code == bare.status_code == models.status_code == 200
     assert prefill.auth == decode.auth == ["Bearer k1", None]
     assert decode.models_auth == ["Bearer k1", "Bearer k2"]  # max_model_len's look-up, the client's /v1/models
+
+
+def test_cpu_kv_budget_is_sized_from_the_model_and_the_users_choice_wins(monkeypatch):
+    """On CPU, `slimwise serve` sizes vLLM's KV cache from max_model_len x max_num_seqs (vLLM's CPU backend would
+    reserve 92% of the memory and refuse to start on a busy machine); an explicit vLLM memory option, or
+    VLLM_CPU_KVCACHE_SPACE, wins; nothing is chosen on a GPU."""
+    from slimwise.models import resolve_model_dir
+    from slimwise.serving.server import cpu_kv_budget
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model = str(resolve_model_dir("testbed-a"))  # 4 attention layers x 2 KV heads x 32 dims x 2 (K, V) x 2 bytes
+    chosen, why = cpu_kv_budget(model, [], available=16 << 30, on_cpu=True)
+    assert chosen == int(1.25 * 128 * 512 * 1024) + (64 << 20)  # max_position_embeddings 512, 128 sequences
+    assert "max_model_len 512 x max_num_seqs 128 x 1024 B/token" in why and "--kv-cache-memory-bytes" in why
+    args = ["--max-model-len", "256", "--max-num-seqs=8", "--dtype", "float32"]
+    assert cpu_kv_budget(model, args, on_cpu=True, available=16 << 30)[0] == int(1.25 * 8 * 256 * 2048) + (64 << 20)
+    capped, why = cpu_kv_budget(model, ["--max-model-len", "4096", "--max-num-seqs", "256"], instances=2,
+                                available=1 << 30, on_cpu=True)
+    assert capped == int(0.4 * (1 << 30) / 2) and "capped" in why  # two instances share 40% of what is free
+    for user in (["--kv-cache-memory-bytes", "1000000"], ["--gpu-memory-utilization=0.5"]):
+        assert cpu_kv_budget(model, user, on_cpu=True) is None
+    assert cpu_kv_budget(model, [], on_cpu=False) is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert cpu_kv_budget(model, [], on_cpu=True) is None

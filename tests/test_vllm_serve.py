@@ -127,12 +127,16 @@ def test_colocated_serve(served):
     root, prompts, ref = served
     port = free_port()
     log = open(root / "colocated.log", "w")  # noqa: SIM115
-    proc = start([str(root / "model"), "--plan", str(root / "plan.json")], port, log)
+    # no KV size given: on CPU SlimWise chooses one from the model and says so (the float32 dtype is for equality
+    # with the reference engine, eager for start-up time)
+    proc = start([str(root / "model"), "--plan", str(root / "plan.json")], port, log,
+                 vllm_args=["--dtype", "float32", "--enforce-eager"])
     try:
         check_completions(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), prompts, ref["slimwise"])
         load_test(port)
     finally:
         stop(proc)
+    assert "GiB per instance on CPU" in (root / "colocated.log").read_text()
     text = (root / "colocated.log").read_text()
     assert "mode:     PD-colocated" in text and "keeps 8/16 experts" in text
 
@@ -228,7 +232,9 @@ def test_load_then_kill_9_of_serve_leaves_no_process_and_no_kv_directory(tmp_pat
     plan.save(tmp_path / "plan.json")
     port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    proc = start(["testbed-a", "--plan", str(tmp_path / "plan.json"), "--disaggregated"], port, log)
+    # as the README shows it: no vLLM options (on CPU SlimWise sizes the KV cache itself; vLLM's default of 92% of
+    # the memory does not start on a busy 24 GiB machine)
+    proc = start(["testbed-a", "--plan", str(tmp_path / "plan.json"), "--disaggregated"], port, log, vllm_args=[])
     groups: set[int] = set()
     try:
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,

@@ -5,37 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import signal
 import threading
 import time
-from pathlib import Path
 
 from slimwise.errors import SlimWiseError
-
-
-def kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    heads = text.get("num_attention_heads", 1)
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    kv_heads = text.get("num_key_value_heads", heads)
-    layers = text["num_hidden_layers"]
-    if isinstance(text.get("layer_types"), list):
-        layers = sum(t != "linear_attention" for t in text["layer_types"]) or layers
-    return 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-
-
-def state_bytes_per_layer(model_dir: str) -> int:
-    """Conv + recurrent state of one linear-attention layer for one sequence (0 without such layers)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
-    if "linear_attention" not in (text.get("layer_types") or []):
-        return 0
-    nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
-    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
-    ssm = 4 if str(text.get("mamba_ssm_dtype", "")).removeprefix("torch.") == "float32" else 2
-    return nv * dk * dv * ssm + (2 * nk * dk + nv * dv) * (text.get("linear_conv_kernel_dim", 4) - 1) * 2
+from slimwise.models import kv_bytes_per_token, state_bytes_per_layer  # noqa: F401  (re-exported for bench)
 
 
 def close_engine(llm) -> None:

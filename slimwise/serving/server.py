@@ -59,6 +59,73 @@ class ServeConfig:
     kv_dir_max_bytes: int | None = None  # cap of the shared KV directory (None: --kv-dir-max-gb or the proxy's 4 GiB)
 
 
+#: vLLM options by which a user chooses the cache size themselves: SlimWise then chooses nothing
+MEMORY_OPTIONS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization")
+CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM 0.32's OpenAI-server default on CPU (EngineArgs, per data-parallel rank)
+
+
+def _option(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def cpu_kv_budget(model_dir: str, args: list[str], instances: int = 1, available: int | None = None,
+                  on_cpu: bool | None = None) -> tuple[int, str] | None:
+    """(bytes, explanation) of the KV cache one instance gets on a CPU backend, or None (a GPU, or the user chose).
+
+    vLLM's CPU backend otherwise reserves 92% of the machine's memory for its cache and refuses to start when less is
+    free ("Available memory on node 0 ... is less than desired CPU memory utilization"). SlimWise sizes it from what
+    the engine can hold at once: max_model_len x max_num_seqs tokens of attention KV (x 1.25 for block rounding),
+    plus the linear-attention state of every sequence for hybrids, at most 40% of the available memory shared by
+    the instances. A user's --kv-cache-memory-bytes / --gpu-memory-utilization (or VLLM_CPU_KVCACHE_SPACE) wins.
+    """
+    if any(a.split("=", 1)[0] in MEMORY_OPTIONS for a in args) or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    if not (_on_cpu() if on_cpu is None else on_cpu):
+        return None
+    from slimwise.models import kv_bytes_per_token, state_bytes_per_layer
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or config
+    max_len = int(_option(args, "--max-model-len") or text.get("max_position_embeddings") or 4096)
+    seqs = int(_option(args, "--max-num-seqs") or CPU_DEFAULT_MAX_NUM_SEQS)
+    dtype = _option(args, "--dtype") or str(text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    per_token = kv_bytes_per_token(model_dir, dtype.removeprefix("torch."))
+    need = int(1.25 * seqs * max_len * per_token) + (64 << 20)
+    state = state_bytes_per_layer(model_dir)
+    if state:  # vLLM pages every layer at the (larger) state page size: twice the state, plus slack
+        need += 2 * seqs * text["num_hidden_layers"] * state + (256 << 20)
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cap = int(0.4 * available / max(1, instances))
+    chosen = min(need, cap)
+    why = (f"{chosen / 2**30:.2f} GiB per instance on CPU (max_model_len {max_len} x max_num_seqs {seqs} x "
+           f"{per_token} B/token{' + linear-attention state' if state else ''}"
+           f"{'; capped at 40% of the free memory' if chosen < need else ''}); pass --kv-cache-memory-bytes to choose")
+    return chosen, why
+
+
+def _with_cpu_kv_budget(cfg: ServeConfig, model_dir: str, instances: int) -> dict:
+    """Add the CPU KV budget to cfg.vllm_args (every instance gets the same); the summary line, or nothing."""
+    budget = cpu_kv_budget(model_dir, cfg.vllm_args, instances)
+    if budget is None:
+        return {}
+    cfg.vllm_args = [*cfg.vllm_args, "--kv-cache-memory-bytes", str(budget[0])]
+    return {"kv cache": budget[1]}
+
+
 def _summary(cfg: ServeConfig, plan: PrunePlan | None, mode: str, extra: dict) -> None:
     print(f"SlimWise serving {cfg.model}", flush=True)
     print(f"  mode:     {mode}", flush=True)
@@ -308,8 +375,9 @@ def serve(cfg: ServeConfig) -> int:
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
+        budget = _with_cpu_kv_budget(cfg, cfg.model, 1)
         _summary(cfg, plan, "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)",
-                 {})
+                 budget)
         sup.start("vllm", colocated_command(cfg))
         try:
             return sup.wait_any()
@@ -336,8 +404,9 @@ def serve(cfg: ServeConfig) -> int:
         kv_dir = sup.make_kv_dir(pair)
         p_port, d_port = cfg.port + 1, cfg.port + 2
         prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        budget = _with_cpu_kv_budget(cfg, cfg.model, 2)
         _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
-                 {"prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
+                 {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
                   "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
                             "--kv-dir-max-gb)"})
         common = ["--served-model-name", name, *cfg.vllm_args]
