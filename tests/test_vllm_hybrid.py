@@ -261,9 +261,19 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
 def test_slimwise_serve_disaggregated_hybrid(tmp_path):
     """`slimwise serve --disaggregated` on a hybrid checkpoint, over HTTP: the supervisor starts the prefill instance
     without prefix caching (the connector refuses the 'align' Mamba cache mode), exports the pruned Qwen3.5 decode
-    checkpoint, and the completions follow pruned decoding from the full model's handed-over state."""
+    checkpoint, and the completions follow pruned decoding from the full model's handed-over state. No KV size is
+    given: on CPU SlimWise sizes the cache itself, hybrid state included. The server ends with kill -9 of the
+    supervisor: its instances (API servers, engine and worker processes, the watchdog) and its KV directory go with
+    it (parent-death signal, watchdog; this replaced a test that started a server of its own for it)."""
+    import glob
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
     from openai import OpenAI
-    from test_vllm_serve import free_port, start, stop
+    from test_vllm_serve import free_port, group_alive, start, stop
 
     from slimwise.testbed import build_tokenizer, make_split
 
@@ -283,7 +293,8 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
     port = free_port()
     log = open(tmp_path / "pd.log", "w")  # noqa: SIM115
     proc = start([str(tmp_path / "model"), "--plan", str(tmp_path / "plan.json"), "--disaggregated", "--dtype",
-                  "bfloat16"], port, log, vllm_args=["--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)])
+                  "bfloat16"], port, log, vllm_args=["--enforce-eager"])
+    groups: set[int] = set()
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         # token-id prompts: next to a Qwen3.5 config vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for the testbed
@@ -291,9 +302,24 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
         got = [client.completions.create(model="tiny", prompt=p, max_tokens=CONFIG.max_new_tokens, temperature=0,
                                          extra_body={"return_token_ids": True, "ignore_eos": True}
                                          ).choices[0].model_extra["token_ids"] for p in ids]
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        groups = {os.getpgid(p) for p in children}  # prefill and decode instances, the watchdog
+        kv_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"slimwise-kv-*-{proc.pid}-*"))
+        assert len(groups) >= 3 and len(kv_dirs) == 1, (children, kv_dirs)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # measured by hand: 9 processes gone 2.8 s after the kill
+        while left := [g for g in groups if group_alive(g)] + [d for d in kv_dirs if os.path.exists(d)]:
+            assert time.monotonic() < deadline, f"left after kill -9 of slimwise serve: {left}"
+            time.sleep(0.5)
     finally:
         stop(proc)
+        for g in groups:
+            if group_alive(g):
+                os.killpg(g, signal.SIGKILL)
     text = (tmp_path / "pd.log").read_text()
+    assert "GiB per instance on CPU" in text and "linear-attention state" in text  # the KV size SlimWise chose
     assert "SlimWise: loading the full model's state" in text
     prefill_cmd = next(line for line in text.splitlines() if line.startswith("starting prefill:"))
     assert "--no-enable-prefix-caching" in prefill_cmd
