@@ -69,25 +69,32 @@ def save_figure(fig, path: str | Path, *, dpi: float | None = None, rect: tuple 
     return path
 
 
+def _blocking_file(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` if it is a file (so `path`'s directory cannot be created), else None."""
+    for p in Path(path).absolute().parents:
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def _blocked(path: str | Path, blocker: Path) -> SlimWiseError:
+    return SlimWiseError(f"cannot write {path}: {blocker} is a file, not a directory; choose another output path")
+
+
 def refuse_blocked_parent(path: str | Path) -> None:
     """Before a long run: refuse an output whose directory cannot be created because a file is in the way (the
     check `make_parent` makes at write time, without creating anything)."""
-    for p in Path(path).absolute().parents:
-        if p.exists():
-            if not p.is_dir():
-                raise SlimWiseError(f"cannot write {path}: {p} is a file, not a directory; choose another output path")
-            return
+    blocker = _blocking_file(Path(path))
+    if blocker is not None:
+        raise _blocked(path, blocker)
 
 
 def make_parent(path: str | Path) -> None:
     """Create `path`'s directory; a file where a directory should be is refused in one line."""
-    parent = Path(path).parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:
-        blocker = next((p for p in (parent, *parent.parents) if p.exists() and not p.is_dir()), parent)
-        raise SlimWiseError(f"cannot write {path}: {blocker} is a file, not a directory; choose another output "
-                            "path") from exc
+        raise _blocked(path, _blocking_file(Path(path)) or Path(path).parent) from exc
 
 
 def refuse_existing(path: str | Path, force: bool = False) -> None:
@@ -147,6 +154,5 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-__all__ = ["atomic_dir", "atomic_path", "save_figure", "atomic_torch_save", "atomic_write_text", "make_parent", "pid_alive",
-           "refuse_blocked_parent", "refuse_existing",
-           "remove_stale_temporaries"]
+__all__ = ["atomic_dir", "atomic_path", "atomic_torch_save", "atomic_write_text", "make_parent", "pid_alive",
+           "refuse_blocked_parent", "refuse_existing", "remove_stale_temporaries", "save_figure"]
