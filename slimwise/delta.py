@@ -25,7 +25,7 @@ from slimwise.errors import SlimWiseError
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_dir, refuse_existing
 from slimwise.masking import ExpertMask
-from slimwise.plan import PrunePlan, model_fingerprint
+from slimwise.plan import PrunePlan, fingerprints_match, model_fingerprint
 
 DELTA_FORMAT = "slimwise-delta/1"
 TENSORS_FILE = "delta.safetensors"
@@ -170,7 +170,7 @@ class Delta:
             raise SlimWiseError(f"not a SlimWise delta (format {m.get('format')!r}, expected {DELTA_FORMAT})")
         adapter = get_adapter(model.config)
         plan.check_model(model, adapter)
-        if m.get("model_fingerprint") != fingerprint_of(model):
+        if not fingerprints_match(m.get("model_fingerprint"), fingerprint_of(model)):
             raise SlimWiseError(f"delta was distilled on other weights (fingerprint {m.get('model_fingerprint')}, "
                                 f"this model {fingerprint_of(model)}): pass its source model, or distill again")
         if m.get("plan_hash") != plan_hash(plan):

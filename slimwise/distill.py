@@ -54,7 +54,7 @@ from slimwise.delta import (
 from slimwise.errors import SlimWiseError
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_torch_save, atomic_write_text
-from slimwise.plan import PrunePlan
+from slimwise.plan import PrunePlan, memory_fingerprint
 from slimwise.scoring import DIVERGENCES, continue_on_cache, divergence, logprobs_along, teacher_logprobs
 
 CHECKPOINT_FORMAT = "slimwise-distill-checkpoint/1"
@@ -196,7 +196,7 @@ class TeacherData:
 
 
 def _teacher_key(model: nn.Module, ids: list[list[int]], config: DistillConfig) -> dict:
-    return {"model_fingerprint": fingerprint_of(model), "data": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+    return {"model_fingerprint": memory_fingerprint(fingerprint_of(model)), "data": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
             "max_new_tokens": config.max_new_tokens, "teacher_batch_size": config.teacher_batch_size}
 
 
@@ -255,7 +255,7 @@ def _run_key(config: DistillConfig, plan: PrunePlan, fingerprint: dict, data_has
             "grad_clip", "loss", "ce_weight", "on_policy", "max_new_tokens", "teacher_batch_size", "lora_rank",
             "lora_alpha", "lora_targets", "seed")
     cfg = {k: v for k, v in asdict(config).items() if k in keep}
-    return json.loads(json.dumps({"config": cfg, "plan_hash": plan_hash(plan), "model_fingerprint": fingerprint,
+    return json.loads(json.dumps({"config": cfg, "plan_hash": plan_hash(plan), "model_fingerprint": memory_fingerprint(fingerprint),
                                   "data": data_hash}, default=list))
 
 

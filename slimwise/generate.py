@@ -30,7 +30,7 @@ from slimwise.adapters import get_adapter
 from slimwise.delta import apply_delta
 from slimwise.errors import SlimWiseError
 from slimwise.masking import ExpertMask
-from slimwise.plan import PrunePlan, model_fingerprint
+from slimwise.plan import PrunePlan, fingerprints_match, model_fingerprint
 
 Mode = Literal["full", "uniform", "slimwise", "distilled"]
 MODES: tuple[str, ...] = ("full", "uniform", "slimwise", "distilled")
@@ -144,7 +144,7 @@ class PhaseSplitEngine:
         if decode_model is not None:
             check_decode_compatible(model, decode_model)
             manifest = getattr(decode_model, "slimwise_manifest", None)
-            if manifest and manifest.get("source_fingerprint") != model_fingerprint(model):
+            if manifest and not fingerprints_match(manifest.get("source_fingerprint"), model_fingerprint(model)):
                 raise SlimWiseError("decode model was pruned from other weights than the prefill model "
                                     "(fingerprint mismatch): export it from this model")
             if plan is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -44,8 +45,76 @@ def config_fingerprint(config_dict: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def checkpoint_fingerprint(model_dir: str | Path, samples_per_tensor: int = 32) -> str | None:
+    """Checksum of a checkpoint's weights as stored, read without loading them: every tensor's name and shape and
+    a window of values from its middle (float32, so a dtype upcast agrees), one small read per tensor from the
+    safetensors header's offsets. Lets `slimwise serve` refuse a plan made for other weights of the same shape
+    before any engine starts. None when the directory has no safetensors files or one cannot be read."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    key = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    if key not in _FILES_FINGERPRINTS:
+        _FILES_FINGERPRINTS[key] = _read_checkpoint_fingerprint(files, samples_per_tensor)
+    return _FILES_FINGERPRINTS[key]
+
+
+_FILES_FINGERPRINTS: dict[tuple, str | None] = {}
+
+
+def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
+    entries = []  # (name, shape, sample bytes), sorted by name so resharding does not change the checksum
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+                for name, info in header.items():
+                    if name == "__metadata__":
+                        continue
+                    dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+                    size = _SAFETENSORS_SIZES.get(dtype, 1)
+                    count = (end - begin) // size
+                    first = max(0, count // 2 - samples // 2)
+                    take = min(samples, count - first)
+                    fh.seek(8 + n + begin + first * size)
+                    raw = fh.read(take * size)
+                    if dtype in _SAFETENSORS_FLOATS and raw:
+                        raw = torch.frombuffer(bytearray(raw), dtype=_SAFETENSORS_FLOATS[dtype]).float().numpy().tobytes()
+                    entries.append((name, tuple(shape), raw))
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # unreadable: the loader says what is wrong with the file
+    h = hashlib.sha256()
+    for name, shape, raw in sorted(entries):
+        h.update(name.encode())
+        h.update(str(shape).encode())
+        h.update(raw)
+    return h.hexdigest()[:16]
+
+
+def fingerprints_match(a: dict | None, b: dict | None) -> bool:
+    """Two fingerprints agree on every part both carry. Parts: config_sha256 (structure), weights_sha256 (the
+    weights in memory) and files_sha256 (the checkpoint files; only for models loaded from a directory, and in
+    plans made since it was added), so a plan from before a part existed still matches on the others."""
+    if not a or not b:
+        return a == b
+    return all(a[k] == b[k] for k in a.keys() & b.keys())
+
+
+def memory_fingerprint(fingerprint: dict) -> dict:
+    """The parts of a fingerprint that describe the weights in memory (no files checksum): cache keys use it, so
+    caches written before the files checksum existed stay valid."""
+    return {k: v for k, v in fingerprint.items() if k != "files_sha256"}
+
+
 def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[str, str]:
-    """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree)."""
+    """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree), and
+    for a model `load_model` read from a directory, that checkpoint's `checkpoint_fingerprint`."""
     config_hash = config_fingerprint(model.config.to_dict())
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -55,7 +124,12 @@ def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[st
         h.update(name.encode())
         h.update(str(tuple(tensor.shape)).encode())
         h.update(sample)
-    return {"config_sha256": config_hash, "weights_sha256": h.hexdigest()[:16]}
+    fingerprint = {"config_sha256": config_hash, "weights_sha256": h.hexdigest()[:16]}
+    source = getattr(model, "slimwise_source_dir", None)
+    files = checkpoint_fingerprint(source) if source else None
+    if files is not None:
+        fingerprint["files_sha256"] = files
+    return fingerprint
 
 
 @dataclass
@@ -138,7 +212,7 @@ class PrunePlan:
         if check_fingerprint and self.fingerprint is not None:
             actual = getattr(model, "_slimwise_fingerprint", None) or model_fingerprint(model)
             model._slimwise_fingerprint = actual
-            if actual != self.fingerprint:
+            if not fingerprints_match(actual, self.fingerprint):
                 raise SlimWiseError(f"plan fingerprint {self.fingerprint} does not match the model's {actual}: "
                                     "the plan was made for other weights; recalibrate or pass the right model")
 
@@ -185,11 +259,19 @@ class PrunePlan:
 
 
 def check_plan_for_checkpoints(plan: PrunePlan, model_dir: str | Path, decode_model: str | Path | None = None) -> None:
-    """Before an engine starts, without reading weights: the plan fits the model's structure (family, expert count,
-    top-k, every MoE layer), and a pruned decode checkpoint SlimWise exported was exported from this plan and model."""
-    from slimwise.models import PLAN_FILE, read_manifest, structure_model
+    """Before an engine starts, reading only the weights' headers and a few values per tensor: the plan fits the
+    model's structure (family, expert count, top-k, every MoE layer) and was made for these weights (when it
+    carries a files checksum), and a pruned decode checkpoint SlimWise exported was exported from this plan and
+    model."""
+    from slimwise.models import PLAN_FILE, read_manifest, resolve_model_dir, structure_model
 
     plan.check_model(structure_model(model_dir), check_fingerprint=False)
+    files = checkpoint_fingerprint(resolve_model_dir(model_dir))
+    made_for = (plan.fingerprint or {}).get("files_sha256")
+    if files and made_for and files != made_for:
+        raise SlimWiseError(f"plan was made for other weights than {model_dir} (same configuration, checkpoint "
+                            f"checksum {made_for}, this one {files}): make the plan from the served model "
+                            "(`slimwise plan`) or serve the model it was made from")
     if decode_model is None or not Path(decode_model).is_dir():
         return
     exported = Path(decode_model) / PLAN_FILE
@@ -197,10 +279,11 @@ def check_plan_for_checkpoints(plan: PrunePlan, model_dir: str | Path, decode_mo
         raise SlimWiseError(f"decode model {decode_model} was exported from another plan than --plan: pass the plan "
                             f"it was exported with ({exported}) or export it again (`slimwise prune`)")
     source = (read_manifest(decode_model) or {}).get("source_fingerprint")
-    for fingerprint in (plan.fingerprint, PrunePlan.load(exported).fingerprint if exported.is_file() else None):
-        if source and fingerprint and source != fingerprint:
+    served = {"files_sha256": files} if files else None
+    for fingerprint in (plan.fingerprint, PrunePlan.load(exported).fingerprint if exported.is_file() else None, served):
+        if source and fingerprint and not fingerprints_match(source, fingerprint):
             raise SlimWiseError(f"decode model {decode_model} was pruned from other weights than the plan was made "
-                                "for (fingerprint mismatch): export it from the served model")
+                                "for or than the served model (fingerprint mismatch): export it from the served model")
 
 
 def _is_int(x: object) -> bool:

@@ -396,10 +396,7 @@ def _fill(text: str, root: Path, name: str) -> str:
 
 
 # known gaps, kept in the corpus so that closing one shows (strict: an unexpected pass fails)
-KNOWN_GAPS = {
-    "serve-plan-other-weights": "same configuration, other weights: only the weights' fingerprint tells, and the "
-                                "preflight reads no weights (the vLLM worker refuses it after start-up)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True))

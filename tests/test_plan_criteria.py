@@ -172,3 +172,48 @@ def test_plan_schema_accepts_what_slimwise_writes(tmp_path):
     plan = PrunePlan.from_dict(GOOD_PLAN)
     plan.save(tmp_path / "p.json")
     assert PrunePlan.load(tmp_path / "p.json") == plan
+
+
+def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
+    """The files checksum `slimwise serve` compares before any engine starts: same for the same weights however
+    they are sharded or upcast, different for other weights of the same shape, part of what `load_model` reports,
+    and matched only on the parts both fingerprints carry (plans from before it existed still load)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from slimwise.models import load_model
+    from slimwise.plan import (
+        checkpoint_fingerprint,
+        fingerprints_match,
+        memory_fingerprint,
+        model_fingerprint,
+    )
+    from slimwise.tiny import save_tiny_model
+
+    a = save_tiny_model("qwen3_moe", tmp_path / "a", dtype=torch.bfloat16)
+    b = save_tiny_model("qwen3_moe", tmp_path / "b", seed=1, dtype=torch.bfloat16)
+    fp_a = checkpoint_fingerprint(a)
+    assert fp_a and fp_a != checkpoint_fingerprint(b)
+    # resharded into two files and upcast to float32: the same weights, the same checksum
+    tensors = load_file(a / "model.safetensors")
+    names = sorted(tensors)
+    shutil.copytree(a, tmp_path / "c")
+    (tmp_path / "c" / "model.safetensors").unlink()
+    save_file({n: tensors[n].float().contiguous() for n in names[::2]}, tmp_path / "c" / "model-00001.safetensors")
+    save_file({n: tensors[n].float().contiguous() for n in names[1::2]}, tmp_path / "c" / "model-00002.safetensors")
+    assert checkpoint_fingerprint(tmp_path / "c") == fp_a
+    # one value changed in the middle of a tensor is seen; unreadable or missing files give None
+    tensors[names[0]].view(-1)[tensors[names[0]].numel() // 2] += 1
+    save_file(tensors, tmp_path / "a2.safetensors")
+    (tmp_path / "d").mkdir()
+    shutil.move(tmp_path / "a2.safetensors", tmp_path / "d" / "model.safetensors")
+    assert checkpoint_fingerprint(tmp_path / "d") not in (None, fp_a)
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"\x00" * 5)
+    assert checkpoint_fingerprint(tmp_path / "d") is None and checkpoint_fingerprint(tmp_path) is None
+
+    full = model_fingerprint(load_model(a))
+    assert full["files_sha256"] == fp_a and set(memory_fingerprint(full)) == {"config_sha256", "weights_sha256"}
+    assert fingerprints_match(full, memory_fingerprint(full))  # a plan made before the files checksum existed
+    assert not fingerprints_match(full, {**full, "files_sha256": "0" * 16})
+    assert fingerprints_match(None, None) and not fingerprints_match(full, None)

@@ -54,7 +54,7 @@ from slimwise.evaluation.samples import load_samples, make_grader
 from slimwise.evaluation.traffic import DecodeTrafficMeter
 from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_write_text
-from slimwise.plan import PrunePlan, model_fingerprint
+from slimwise.plan import PrunePlan, memory_fingerprint, model_fingerprint
 
 
 def _digest(obj: Any) -> str:
@@ -99,7 +99,7 @@ class Sweep:
         self.model = load_model(self.model_dir, dtype=config.dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.adapter = get_adapter(self.model.config)
-        self.fingerprint = model_fingerprint(self.model)
+        self.fingerprint = memory_fingerprint(model_fingerprint(self.model))  # cache keys: stable across versions
         self.timing: dict[str, float] = {"load_s": time.perf_counter() - t0}
         self.samples = load_samples(config.data, split=config.split, n_per_family=config.n_per_family,
                                     seed=config.seed, domain=self._domain(), families=config.families,

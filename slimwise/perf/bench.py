@@ -256,14 +256,14 @@ def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[
 
 
 def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
-    from slimwise.plan import model_fingerprint
+    from slimwise.plan import fingerprints_match, model_fingerprint
 
     if config.stats:
         from slimwise.criteria import plan_from_stats
         from slimwise.stats import ExpertStats
 
         stats = ExpertStats.load(config.stats)
-        if (stats.meta.get("fingerprint") or {}) == model_fingerprint(model):
+        if fingerprints_match(stats.meta.get("fingerprint") or {}, model_fingerprint(model)):
             log(f"plan: {config.criterion} at ratio {config.ratio} from {config.stats}")
             return plan_from_stats(stats, config.criterion, config.ratio)
         log(f"plan: {config.stats} was calibrated on another model: keeping the most used experts by its usage "
