@@ -191,7 +191,7 @@ def cmd_eval(args) -> None:
         distilled=args.distilled, engine=args.engine, data=args.data, grader=args.grader, domain=args.domain,
         families=args.families, split=args.split, n_per_family=args.per_family, max_samples=args.max_samples,
         calib_data=args.calib_data, calib_domain=args.calib_domain, calib_per_family=args.calib_per_family,
-        calib_max_new_tokens=args.calib_max_new_tokens, max_new_tokens=args.max_new_tokens,
+        calib_max_new_tokens=args.calib_max_new_tokens, calib_seed=args.calib_seed, max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, threads=args.threads, kl=not args.no_kl,
         traffic=not args.no_traffic, out_dir=args.out, plots=not args.no_plots, cache=not args.no_cache,
         cache_dir=args.cache_dir)
@@ -320,9 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "evaluating other domains then measures transfer)")
     p.add_argument("--calib-per-family", type=integer(1), default=16)
     p.add_argument("--calib-max-new-tokens", type=integer(1), default=128)
+    p.add_argument("--calib-seed", type=integer(0), default=0,
+                   help="seed of the calibration split and sampling (apart from --seed, so the plans stay fixed)")
     p.add_argument("--max-new-tokens", type=integer(1), default=160)
     p.add_argument("--batch-size", type=integer(1), default=32, help="decode batch size (traffic is measured at it)")
-    p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--seed", type=integer(0), default=0, help="seed of the test sample and the bootstrap intervals")
     p.add_argument("--threads", type=integer(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL")
     p.add_argument("--no-traffic", action="store_true", help="skip decode-traffic counting")

@@ -394,3 +394,17 @@ def test_distilled_mode_on_its_plan(model_dir, tmp_path):
     assert "distilled_minus_slimwise" in report["comparisons"][0] and report["distilled"]["steps"] == 3
     with pytest.raises(SlimWiseError, match="another plan"):
         Sweep(model_dir, EvalConfig(**cfg | {"out_dir": str(tmp_path / "p")}, plans=(str(other),))).run()
+
+
+def test_test_seed_and_calibration_seed_are_apart():
+    """`slimwise eval --seed N` draws another test sample but keeps the plan: the calibration split follows
+    `calib_seed` only (before, one seed drew both, so a new test seed silently changed the plans)."""
+    from types import SimpleNamespace
+
+    from slimwise.evaluation import EvalConfig
+    from slimwise.evaluation.sweep import Sweep
+
+    def calib(**kw):
+        return Sweep._calibration_prompts(SimpleNamespace(config=EvalConfig(**kw)))[0]
+
+    assert calib(seed=1) == calib(seed=0) != calib(calib_seed=1)

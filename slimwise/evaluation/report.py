@@ -214,7 +214,7 @@ def summary_lines(report: dict) -> list[str]:
 def write_markdown(report: dict, path: str | Path) -> Path:
     path = Path(path)
     m, t, g, tm = report["model"], report["tasks"], report["generation"], report["timing"]
-    env = report["environment"]
+    env, cfg = report["environment"], report.get("config", {})
     lines = [f"# SlimWise evaluation: {m['name']}", ""]
     lines.append(f"Model `{m['name']}` ({m['family']}, {m['parameters'] / 1e6:.2f}M parameters, {m['num_experts']} "
                  f"routed experts, top-{m['top_k']}, {m['moe_layers']} MoE layers, {m['expert_bytes'] / 1024:.1f} KiB "
@@ -222,7 +222,9 @@ def write_markdown(report: dict, path: str | Path) -> Path:
     fams = ", ".join(f"{f} {n}" for f, n in t["per_family"].items())
     lines.append(f"Tasks: {t['source']}" + (f" {t['split']} split" if t.get("split") else "")
                  + (f", domain {t['domain']}" if t.get("domain") else "")
-                 + f"; {t['n']} problems ({fams}); grader `{t['grader']}`.")
+                 + f"; {t['n']} problems ({fams}); grader `{t['grader']}`; test seed {cfg.get('seed', 0)}, "
+                 # before calib_seed existed, the test seed drew the calibration split too
+                 f"calibration seed {cfg.get('calib_seed', cfg.get('seed', 0))}.")
     lines.append(f"Generation: greedy, max {g['max_new_tokens']} new tokens, batch size {g['batch_size']}, "
                  f"engine `{g['engine']}`.")
     lines.append(f"Runtime: {tm.get('total_s', 0):.0f} s on {env['cpu_count']} CPUs ({env['torch_threads']} torch "

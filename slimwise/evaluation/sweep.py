@@ -150,7 +150,7 @@ class Sweep:
         from slimwise.testbed import TARGET_DOMAIN, make_split
 
         domain = cfg.calib_domain or TARGET_DOMAIN  # the deployment's domain, whatever is evaluated
-        calib = make_split("calib", cfg.calib_per_family, seed=cfg.seed, domain=None if domain == "all" else domain)
+        calib = make_split("calib", cfg.calib_per_family, seed=cfg.calib_seed, domain=None if domain == "all" else domain)
         return [s.prompt for s in calib], f"testbed calib split, {domain}, {cfg.calib_per_family}/family"
 
     def calibrate(self, phase: str):
@@ -159,7 +159,7 @@ class Sweep:
         from slimwise.stats import ExpertStats
 
         prompts, source = self._calibration_prompts()
-        ccfg = CalibrationConfig(phase=phase, max_new_tokens=self.config.calib_max_new_tokens, seed=self.config.seed,
+        ccfg = CalibrationConfig(phase=phase, max_new_tokens=self.config.calib_max_new_tokens, seed=self.config.calib_seed,
                                  batch_size=self.config.batch_size)
         key = _digest({"fp": self.fingerprint, "prompts": prompts, "config": asdict(ccfg)})
         path = self.cache_dir / f"stats-{phase}-{key}.safetensors"
