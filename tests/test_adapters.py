@@ -373,3 +373,30 @@ def test_cache_handoff_to_sliced_model(family):
             fresh = masked(step, past_key_values=blank, use_cache=True).logits
             kept = masked(step, past_key_values=reference, use_cache=True).logits
             assert not torch.allclose(fresh, kept, atol=1e-4)
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    out = []
+    for layer in cache.layers:
+        for name in ("keys", "values", "conv_states", "recurrent_states"):
+            v = getattr(layer, name, None)
+            out += [t for t in v.values() if t is not None] if isinstance(v, dict) else [v] if torch.is_tensor(v) else []
+    return out
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if EXPECTED[f][4]])
+def test_slimwise_prompt_state_is_the_full_models_bit_for_bit(family):
+    """What the README guarantees for hybrids too: SlimWise's prefill writes exactly the full model's cache, the
+    attention KV and every Gated DeltaNet layer's conv and recurrent state (uniform pruning writes another one)."""
+    from slimwise.criteria import random_plan
+    from slimwise.generate import PhaseSplitEngine
+
+    model = tiny(family)
+    engine = PhaseSplitEngine(model, plan=random_plan(model, 0.5, seed=0))
+    prompts = [tokens(1, 9, seed=2)[0].tolist(), tokens(1, 4, seed=4)[0].tolist()]
+    with torch.no_grad():
+        full, slim, uniform = (_cache_tensors(engine.prefill(prompts, mode)[0]) for mode in ("full", "slimwise", "uniform"))
+    n_linear = model.config.layer_types.count("linear_attention")
+    assert len(full) == len(slim) >= 2 * n_linear + 2
+    assert all(torch.equal(a, b) for a, b in zip(full, slim, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(full, uniform, strict=True))
