@@ -6,7 +6,7 @@ from pathlib import Path
 
 CHECKPOINTS = Path(__file__).parent / "testbed" / "checkpoints"
 #: name -> directory under slimwise/testbed/checkpoints
-EMBEDDED = {"testbed-a": "qwen3moe-a", "testbed-b": "qwen2moe-b"}
+EMBEDDED = {"testbed-a": "qwen3moe-a", "testbed-b": "qwen2moe-b", "testbed-c": "qwen3_5moe-c"}
 
 
 def embedded_model_dir(name: str) -> Path | None:

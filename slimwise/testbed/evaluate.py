@@ -261,9 +261,9 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
             "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, 178 tokens: characters, digits and"]
           if not hybrid else [
             "Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert): it",
-            "loads in stock transformers (`AutoModelForCausalLM`). vLLM loading arrives with the hybrid-serving issue",
-            "(#13: vLLM's `Qwen3_5MoeForCausalLM` cannot be inspected on this CPU build yet); until then SlimWise runs",
-            "it with the reference engine only. The tokenizer"]),
+            "loads in stock transformers (`AutoModelForCausalLM`) and in vLLM through SlimWise's plugin",
+            "(`Qwen3_5MoeForCausalLM`; on the CPU build vLLM's Qwen3.5 file imports without torchvision, see",
+            "docs/serving.md), in bfloat16 only on CPU (vLLM's CPU Gated DeltaNet kernel). The tokenizer"]),
         "(`build_tokenizer`, 178 tokens: characters, digits and" if hybrid else None,
         "frequent template words) is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
         "## Training", "",
@@ -336,6 +336,10 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
     lines += ["", f"Quality bars of the issue (test split): arithmetic domain >= 85% -> {_pct(arith)} "
               f"({'met' if arith >= 0.85 else 'NOT met'}); every family >= 60% -> weakest {weakest[0]} "
               f"{_pct(weakest[1]['accuracy'])} ({'met' if weakest[1]['accuracy'] >= 0.6 else 'NOT met'})."]
+    if arith < 0.85 or weakest[1]["accuracy"] < 0.6:
+        lines += ["", "Shipped below these bars so that results can be measured on this architecture at all; the "
+                  "testbed issue stays open until a retrained model meets them (tests/test_testbed_shipped.py holds "
+                  "this card's own figures as the floor)."]
     lines += ["", f"Test: mean generated length {test['mean_tokens']:.1f} tokens, EOS share {_pct(test['eos_share'])}"
               + (f"; held-out: {heldout['mean_tokens']:.1f} tokens, EOS share {_pct(heldout['eos_share'])}"
                  if heldout else "") + "."]
