@@ -658,3 +658,34 @@ def test_cpu_kv_budget_is_sized_from_the_model_and_the_users_choice_wins(monkeyp
     assert cpu_kv_budget(model, [], on_cpu=False) is None
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert cpu_kv_budget(model, [], on_cpu=True) is None
+
+
+def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, tmp_path):
+    """`slimwise serve` on CPU without --dtype (or with auto): the checkpoint's dtype where the CPU has bf16 matrix
+    instructions, float32 for a bf16 checkpoint where it has none (measured 1.5x faster there, issue #18), bf16
+    always for the hybrids (vLLM's CPU Gated DeltaNet kernel is bf16 only); the user's dtype wins."""
+    import json
+
+    from slimwise import hardware
+    from slimwise.models import resolve_model_dir
+    from slimwise.serving.server import ServeConfig, _with_cpu_dtype, cpu_dtype
+
+    model = str(resolve_model_dir("testbed-a"))  # a bf16 checkpoint
+    assert hardware.cpu_info()["flags"]  # the real /proc/cpuinfo was read
+    here = cpu_dtype(model, [], on_cpu=True)
+    assert here[0] == ("bfloat16" if hardware.bf16_support() else "float32")
+    assert cpu_dtype(model, ["--dtype", "float16"], on_cpu=True) is None and cpu_dtype(model, [], on_cpu=False) is None
+    avx2_only = {**hardware.cpu_info(), "flags": {"avx2", "fma"}}  # the AMD EPYC of issue #18
+    monkeypatch.setattr(hardware, "cpu_info", lambda: avx2_only)
+    dtype, why = cpu_dtype(model, ["--dtype=auto"], on_cpu=True)
+    assert dtype == "float32" and "no bf16 matrix instructions" in why
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {
+        "model_type": "qwen3_5_moe_text", "dtype": "bfloat16"}}))
+    assert cpu_dtype(str(hybrid), [], on_cpu=True)[0] == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "torch_dtype": "float32"}))
+    assert cpu_dtype(str(tmp_path), [], on_cpu=True)[0] == "float32"
+    cfg = ServeConfig(model=model, vllm_args=["--dtype", "auto", "--max-num-seqs", "8"])
+    line = _with_cpu_dtype(cfg, model)  # vLLM's CPU platform here
+    assert cfg.vllm_args == ["--max-num-seqs", "8", "--dtype", "float32"] and "float32" in line["dtype"]

@@ -96,7 +96,12 @@ class Sweep:
         self.model_name = model_label(model)
         self.model_dir = resolve_model_dir(model)
         t0 = time.perf_counter()
-        self.model = load_model(self.model_dir, dtype=config.dtype)
+        dtype = config.dtype
+        if config.engine == "vllm":  # vLLM's dtype for this machine (slimwise.hardware); the reference matches it
+            from slimwise.hardware import resolve_dtype
+
+            dtype = resolve_dtype(config.dtype, self.model_dir)[0]
+        self.model = load_model(self.model_dir, dtype=dtype)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.adapter = get_adapter(self.model.config)
         self.fingerprint = memory_fingerprint(model_fingerprint(self.model))  # cache keys: stable across versions

@@ -93,7 +93,7 @@ class BenchConfig:
     output_len: int = 128
     repetitions: int = 3
     warmup_tokens: int = 8
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # resolved per machine (slimwise.hardware.resolve_dtype) before any engine starts
     enforce_eager: bool = True
     kv_cache_bytes: int | None = None  # default: what the largest batch needs, +25%
     max_num_batched_tokens: int | None = None  # default: max batch x prompt_len (one prefill step)
@@ -523,8 +523,17 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
 
 
 def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
+    from dataclasses import replace
+
+    from slimwise import hardware
+
     out = Path(config.out_dir)
     model_dir = prepare_model(config, log)
+    requested = config.dtype
+    dtype, why = hardware.resolve_dtype(config.dtype, model_dir)
+    if requested == "auto":
+        config = replace(config, dtype=dtype)
+        log(f"dtype auto -> {dtype}: {why}")
     plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out, log)  # creates OUT once the inputs load
     out.mkdir(parents=True, exist_ok=True)
     variants = make_variants(config, model_dir, plan, plan_path, pruned_dir)
@@ -548,6 +557,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
                       "overrides": {k: val for k, val in v.overrides.items() if k != "slimwise_plan"}}
                      for v in variants],
         "engine_start_s": starts, "runs": runs, "summary": summary,
+        "machine": hardware.describe(), "dtype": {"requested": requested, "used": config.dtype, "why": why},
         "timing": {"seconds": time.perf_counter() - t0, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
                    "decode_time": "engine-core timestamps, first token to last token (prefill excluded)"},
     }

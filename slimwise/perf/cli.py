@@ -338,7 +338,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=integer(2), default=128)
     p.add_argument("--repetitions", type=integer(1), default=3, help="interleaved rounds (default 3)")
     p.add_argument("--warmup-tokens", type=integer(0), default=8, help="tokens of the warm-up generate per batch")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "auto"])
+    p.add_argument("--dtype", default="auto", choices=["bfloat16", "float16", "float32", "auto"],
+                   help="auto: the checkpoint's dtype (synthetic presets: bf16), but float32 on a CPU without bf16 "
+                   "matrix instructions (slimwise.hardware); the choice and the machine are in bench.json")
     p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
     p.add_argument("--kv-cache-gb", type=number(0, lo_open=True), help="KV cache per engine (default: what the largest batch needs)")
     p.add_argument("--max-num-batched-tokens", type=integer(1), help="default: max batch x prompt length")

@@ -74,11 +74,9 @@ def _option(args: list[str], name: str) -> str | None:
 
 
 def _on_cpu() -> bool:
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return False
-    return bool(current_platform.is_cpu())
+    from slimwise.hardware import vllm_on_cpu
+
+    return vllm_on_cpu()
 
 
 def cpu_kv_budget(model_dir: str, args: list[str], instances: int = 1, available: int | None = None,
@@ -115,6 +113,27 @@ def cpu_kv_budget(model_dir: str, args: list[str], instances: int = 1, available
            f"{per_token} B/token{' + linear-attention state' if state else ''}"
            f"{'; capped at 40% of the free memory' if chosen < need else ''}); pass --kv-cache-memory-bytes to choose")
     return chosen, why
+
+
+def cpu_dtype(model_dir: str, args: list[str], on_cpu: bool | None = None) -> tuple[str, str] | None:
+    """(dtype, why) SlimWise passes to vLLM on a CPU backend when the user gave no --dtype (or auto), else None:
+    the checkpoint's dtype, or float32 for a bf16 checkpoint on a CPU without bf16 matrix instructions
+    (`slimwise.hardware.choose_cpu_dtype`)."""
+    if (_option(args, "--dtype") or "auto") != "auto" or not (_on_cpu() if on_cpu is None else on_cpu):
+        return None
+    from slimwise.hardware import resolve_dtype
+
+    return resolve_dtype("auto", model_dir, on_cpu=True)
+
+
+def _with_cpu_dtype(cfg: ServeConfig, model_dir: str) -> dict:
+    """Put the CPU dtype choice into cfg.vllm_args (before the KV budget, which depends on it); its summary line."""
+    chosen = cpu_dtype(model_dir, cfg.vllm_args)
+    if chosen is None:
+        return {}
+    cfg.vllm_args = [a for i, a in enumerate(cfg.vllm_args) if not (a == "--dtype=auto" or a == "--dtype" or (
+        i > 0 and cfg.vllm_args[i - 1] == "--dtype"))] + ["--dtype", chosen[0]]
+    return {"dtype": f"{chosen[0]} ({chosen[1]})"}
 
 
 def _with_cpu_kv_budget(cfg: ServeConfig, model_dir: str, instances: int) -> dict:
@@ -375,7 +394,7 @@ def serve(cfg: ServeConfig) -> int:
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
-        budget = _with_cpu_kv_budget(cfg, cfg.model, 1)
+        budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 1)}
         _summary(cfg, plan, "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)",
                  budget)
         sup.start("vllm", colocated_command(cfg))
@@ -404,7 +423,7 @@ def serve(cfg: ServeConfig) -> int:
         kv_dir = sup.make_kv_dir(pair)
         p_port, d_port = cfg.port + 1, cfg.port + 2
         prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-        budget = _with_cpu_kv_budget(cfg, cfg.model, 2)
+        budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 2)}
         _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
                  {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
                   "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "

@@ -1,0 +1,93 @@
+"""The machine SlimWise runs on: CPU model and ISA flags, and the dtype a CPU decodes fastest in.
+
+Why a module of its own: the CPU speedup of expert pruning depends on the machine's bf16 support. On a CPU with bf16
+matrix instructions (AMX, AVX512-BF16) bf16 halves the bytes per step and decode stays memory-bound; on an AVX2-only
+CPU torch's bf16 matmul runs at about 0.4 GFLOP/s against 41-84 in float32 (measured on an AMD EPYC, issue #18),
+vLLM falls back to torch linears for bf16, and float32 decodes about 1.5x faster. `--dtype auto` on a CPU asks
+`choose_cpu_dtype`, and every results file records `describe()`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+#: CPU flags (Linux /proc/cpuinfo names) that give bf16 matrix arithmetic, best first
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+#: model types whose vLLM CPU kernels run in bf16 only (the Gated DeltaNet kernel of the hybrids)
+BF16_ONLY_ON_CPU = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> dict:
+    """CPU model name, logical CPUs and ISA flags, from /proc/cpuinfo (Linux); empty flags elsewhere."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "cpus": os.cpu_count(), "flags": flags}
+
+
+def bf16_support() -> str | None:
+    """The best bf16 matrix instruction set this CPU has (a `BF16_FLAGS` name), or None."""
+    flags = cpu_info()["flags"]
+    return next((f for f in BF16_FLAGS if f in flags), None)
+
+
+def choose_cpu_dtype(checkpoint_dtype: str | None, model_type: str | None = None) -> tuple[str, str]:
+    """(dtype, why) for `--dtype auto` on a CPU. vLLM's own "auto" is the checkpoint's dtype; SlimWise keeps it
+    except for a bf16/fp16 checkpoint on a CPU without bf16 matrix instructions, which decodes in float32 (bf16
+    would be emulated there). Models whose vLLM CPU kernels exist in bf16 only stay bf16."""
+    dtype = str(checkpoint_dtype or "float32").removeprefix("torch.")
+    if model_type in BF16_ONLY_ON_CPU:
+        return "bfloat16", f"{model_type}: vLLM's CPU Gated DeltaNet kernel runs in bf16 only"
+    if dtype not in ("bfloat16", "float16"):
+        return dtype, f"the checkpoint's dtype ({dtype})"
+    support = bf16_support()
+    if support:
+        return dtype, f"the checkpoint's dtype ({dtype}); the CPU has {support} (bf16 matrix instructions)"
+    return "float32", (f"the checkpoint is {dtype} but the CPU has no bf16 matrix instructions (no amx_bf16 or "
+                       "avx512_bf16): bf16 would be emulated, about 1.5x slower than float32 in decode (issue #18)")
+
+
+def vllm_on_cpu() -> bool:
+    """Whether vLLM's platform here is its CPU backend (False without vLLM)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None) -> tuple[str, str]:
+    """(dtype, why) a vLLM engine gets for a requested dtype: "auto" on vLLM's CPU backend goes through
+    `choose_cpu_dtype` with the checkpoint's dtype and model type; anything else is kept as asked."""
+    if dtype != "auto" or not (vllm_on_cpu() if on_cpu is None else on_cpu):
+        return dtype, "as requested" if dtype != "auto" else "vLLM's auto (the checkpoint's dtype)"
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or config
+    return choose_cpu_dtype(text.get("dtype") or config.get("dtype") or config.get("torch_dtype"),
+                            text.get("model_type") or config.get("model_type"))
+
+
+def describe() -> dict:
+    """What a results file records about the machine."""
+    info = cpu_info()
+    keep = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+    return {"cpu": info["model"], "cpus": info["cpus"], "isa": [f for f in keep if f in info["flags"]],
+            "bf16_support": bf16_support()}
+
+
+__all__ = ["BF16_FLAGS", "BF16_ONLY_ON_CPU", "bf16_support", "choose_cpu_dtype", "cpu_info", "describe", "resolve_dtype",
+           "vllm_on_cpu"]
