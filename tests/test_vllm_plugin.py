@@ -119,20 +119,18 @@ def test_colocated_equals_reference_with_exact_counters(setup):
         engine.close()
 
 
-# qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py)
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_next"])
+# qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py). An empty
+# plan installs nothing whatever the family (`engine.counters() == [{}]`), so one float32 family that is token-equal
+# to the reference suffices here (qwen3_next's bf16 engine could only be compared with itself).
+@pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_empty_plan_gives_stock_tokens(family, setup):
-    """deepseek_v3: equal to the reference (stock vLLM CPU is not: see fix_cpu_multihead_rope); qwen3_next (bf16):
-    equal to the stock vLLM engine."""
+    """deepseek_v3: equal to the reference (stock vLLM CPU is not: see fix_cpu_multihead_rope)."""
     model_dir, _, ref, stats = setup(family)
-    dtype = VLLM_DTYPE.get(family, "float32")
-    engine = VllmEngine(model_dir, plan_from_stats(stats, "reap", 0.0), dtype=dtype)
+    engine = VllmEngine(model_dir, plan_from_stats(stats, "reap", 0.0), dtype=VLLM_DTYPE.get(family, "float32"))
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         assert engine.counters() == [{}]  # nothing installed: the stock model runs
-        want = ref["full"] if family not in VLLM_DTYPE else [o.token_ids for o in engine.generate(PROMPTS, "full",
-                                                                                                    CONFIG)]
-        assert got == want
+        assert got == ref["full"]
     finally:
         engine.close()
 
@@ -157,16 +155,6 @@ def test_chunked_prefill_and_prefix_cache_hits_are_never_pruned(setup):
         engine.close()
 
 
-# qwen3_moe compiled: test_distilled_delta_in_vllm_equals_reference and, on testbed-a, test_testbed_shipped.py
-@pytest.mark.parametrize("family", ["deepseek_v3"])
-def test_compiled_equals_eager(family, setup):
-    """torch.compile traces the gate hook (qwen3_moe) / the router's selection mask (deepseek_v3) once."""
-    model_dir, plan, ref, _ = setup(family)
-    engine = VllmEngine(model_dir, plan, enforce_eager=False)
-    try:
-        assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["slimwise"]
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize(("family", "eager", "targets"), [("qwen3_moe", False, ATTENTION_TARGETS),
@@ -225,14 +213,20 @@ def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool) -> list[float]:
     return gaps
 
 
-# qwen2_moe: testbed-b (test_testbed_shipped.py) and test_distilled_delta_in_vllm_equals_reference
+# qwen2_moe: testbed-b (test_testbed_shipped.py) and test_distilled_delta_in_vllm_equals_reference.
+# Compiled runs: qwen3_moe (testbed-a and the distilled delta) and deepseek_v3 here, where torch.compile traces the
+# router's selection mask once; compiled equals the float32 reference token for token, as eager does.
+COMPILED = {"deepseek_v3"}
+
+
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"])
 def test_other_served_families(family, setup):
     """Every family whose stock vLLM model runs on this CPU (qwen2_moe, qwen3_next: routed + shared expert;
-    deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection; qwen3_next: hybrid Gated
-    DeltaNet, bf16 only on CPU, so checked greedy-consistent with the float32 reference instead of token-equal)."""
+    deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection, compiled; qwen3_next: hybrid
+    Gated DeltaNet, bf16 only on CPU, so checked greedy-consistent with the float32 reference instead of
+    token-equal)."""
     model_dir, plan, ref, _ = setup(family)
-    engine = VllmEngine(model_dir, plan, dtype=VLLM_DTYPE.get(family, "float32"))
+    engine = VllmEngine(model_dir, plan, dtype=VLLM_DTYPE.get(family, "float32"), enforce_eager=family not in COMPILED)
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         counters = totals(engine.counters())
