@@ -51,9 +51,10 @@ _SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 
 
 
 def checkpoint_fingerprint(model_dir: str | Path, samples_per_tensor: int = 32) -> str | None:
-    """Checksum of a checkpoint's weights as stored, read without loading them: every tensor's name and shape and
-    a window of values from its middle (float32, so a dtype upcast agrees), one small read per tensor from the
-    safetensors header's offsets. Lets `slimwise serve` refuse a plan made for other weights of the same shape
+    """Checksum of a checkpoint's decoder-layer weights as stored, read without loading them: every layer tensor's
+    name from "layers." on, its shape and a window of values from its middle (float32, so a dtype upcast agrees),
+    one small read per tensor from the safetensors header's offsets; the same for the multimodal and the text-only
+    layout of the same weights. Lets `slimwise serve` refuse a plan made for other weights of the same shape
     before any engine starts. None when the directory has no safetensors files or one cannot be read."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
@@ -67,6 +68,16 @@ def checkpoint_fingerprint(model_dir: str | Path, samples_per_tensor: int = 32) 
 _FILES_FINGERPRINTS: dict[tuple, str | None] = {}
 
 
+def _layer_name(name: str) -> str | None:
+    """The decoder-layer part of a tensor name ("layers.3.mlp.gate.weight"), None for what a plan does not depend
+    on and checkpoint layouts disagree about: the published multimodal class prefixes "model.language_model.",
+    the text-only class "model.", and only the former carries a vision tower (and some an MTP head)."""
+    at = name.find("layers.")
+    if at < 0 or any(part in name for part in ("visual", "vision", "mtp")):
+        return None
+    return name[at:]
+
+
 def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
     entries = []  # (name, shape, sample bytes), sorted by name so resharding does not change the checksum
     try:
@@ -75,7 +86,8 @@ def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
                 (n,) = struct.unpack("<Q", fh.read(8))
                 header = json.loads(fh.read(n))
                 for name, info in header.items():
-                    if name == "__metadata__":
+                    name = _layer_name(name)
+                    if name is None:
                         continue
                     dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
                     size = _SAFETENSORS_SIZES.get(dtype, 1)
@@ -100,10 +112,15 @@ def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
 def fingerprints_match(a: dict | None, b: dict | None) -> bool:
     """Two fingerprints agree on every part both carry. Parts: config_sha256 (structure), weights_sha256 (the
     weights in memory) and files_sha256 (the checkpoint files; only for models loaded from a directory, and in
-    plans made since it was added), so a plan from before a part existed still matches on the others."""
+    plans made since it was added), so a plan from before a part existed still matches on the others. Where both
+    carry the weights' checksum it decides, not the files': the same weights saved by another class (multimodal
+    vs text-only Qwen3.5) are other files."""
     if not a or not b:
         return a == b
-    return all(a[k] == b[k] for k in a.keys() & b.keys())
+    keys = a.keys() & b.keys()
+    if "weights_sha256" in keys:
+        keys -= {"files_sha256"}
+    return all(a[k] == b[k] for k in keys)
 
 
 def memory_fingerprint(fingerprint: dict) -> dict:

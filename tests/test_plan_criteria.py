@@ -203,8 +203,9 @@ def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
     save_file({n: tensors[n].float().contiguous() for n in names[::2]}, tmp_path / "c" / "model-00001.safetensors")
     save_file({n: tensors[n].float().contiguous() for n in names[1::2]}, tmp_path / "c" / "model-00002.safetensors")
     assert checkpoint_fingerprint(tmp_path / "c") == fp_a
-    # one value changed in the middle of a tensor is seen; unreadable or missing files give None
-    tensors[names[0]].view(-1)[tensors[names[0]].numel() // 2] += 1
+    # one value changed in the middle of a layer tensor is seen; unreadable or missing files give None
+    gate = next(n for n in names if n.endswith("mlp.gate.weight"))  # a router: what a plan depends on
+    tensors[gate].view(-1)[tensors[gate].numel() // 2] += 1
     save_file(tensors, tmp_path / "a2.safetensors")
     (tmp_path / "d").mkdir()
     shutil.move(tmp_path / "a2.safetensors", tmp_path / "d" / "model.safetensors")
@@ -215,5 +216,26 @@ def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
     full = model_fingerprint(load_model(a))
     assert full["files_sha256"] == fp_a and set(memory_fingerprint(full)) == {"config_sha256", "weights_sha256"}
     assert fingerprints_match(full, memory_fingerprint(full))  # a plan made before the files checksum existed
-    assert not fingerprints_match(full, {**full, "files_sha256": "0" * 16})
+    files_only = {"config_sha256": full["config_sha256"], "files_sha256": "0" * 16}  # what the preflight knows
+    assert not fingerprints_match(full, files_only) and fingerprints_match(full, {**files_only, "files_sha256": fp_a})
+    assert fingerprints_match(full, {**full, "files_sha256": "0" * 16})  # in memory the weights' checksum decides
+    assert not fingerprints_match(full, {**full, "weights_sha256": "0" * 16})
     assert fingerprints_match(None, None) and not fingerprints_match(full, None)
+
+
+def test_checkpoint_fingerprint_is_the_same_for_both_qwen3_5_layouts(tmp_path):
+    """The published multimodal class (model.language_model.*, a vision tower) and the text-only class saved from
+    it hold the same decoder weights: the same files checksum, so a plan made on one serves the other; a plan
+    made on the one fits the model loaded from the other in process too (the weights' checksum decides)."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from slimwise.models import load_model
+    from slimwise.plan import checkpoint_fingerprint, fingerprints_match, model_fingerprint
+    from slimwise.tiny import tiny_config
+
+    torch.manual_seed(0)
+    Qwen3_5MoeForConditionalGeneration(tiny_config("qwen3_5_moe")).save_pretrained(tmp_path / "multimodal")
+    model = load_model(tmp_path / "multimodal")
+    model.save_pretrained(tmp_path / "text")
+    assert checkpoint_fingerprint(tmp_path / "multimodal") == checkpoint_fingerprint(tmp_path / "text")
+    assert fingerprints_match(model_fingerprint(model), model_fingerprint(load_model(tmp_path / "text")))
