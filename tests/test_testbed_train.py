@@ -260,7 +260,7 @@ def test_a_few_steps_lower_the_loss(tmp_path, tok):
     with torch.no_grad():
         before = training_losses(model, capture, fixed, 0.0)[1].item()
     out = train(cfg)
-    state = torch.load(out / STATE_FILE, weights_only=False)
+    state = torch.load(out / STATE_FILE, weights_only=True)
     model.load_state_dict(state["model"])
     with torch.no_grad():
         after = training_losses(model, capture, fixed, 0.0)[1].item()
@@ -305,11 +305,11 @@ def test_resume_continues_the_same_run(tmp_path, tok):
     full = train(tiny_config(tmp_path / "full", max_steps=6))
     cut_cfg = tiny_config(tmp_path / "cut", max_steps=6, stop_at_step=3)
     cut = train(cut_cfg)
-    interrupted = torch.load(cut / STATE_FILE, weights_only=False)
+    interrupted = torch.load(cut / STATE_FILE, weights_only=True)
     assert interrupted["step"] == 3 and not (cut / "config.json").exists()  # no export when interrupted
     resumed = train(tiny_config(tmp_path / "cut", max_steps=6, resume=True))
-    a = torch.load(full / STATE_FILE, weights_only=False)
-    b = torch.load(resumed / STATE_FILE, weights_only=False)
+    a = torch.load(full / STATE_FILE, weights_only=True)
+    b = torch.load(resumed / STATE_FILE, weights_only=True)
     assert a["step"] == b["step"] == 6 and a["tokens"] == b["tokens"]
     # the same losses after the cut (same next batches, same optimizer state), hence the same weights
     assert [r["loss"] for r in a["history"]] == pytest.approx([r["loss"] for r in b["history"]], rel=1e-5)
@@ -320,6 +320,16 @@ def test_resume_continues_the_same_run(tmp_path, tok):
         torch.testing.assert_close(exp_b[k]["exp_avg_sq"], exp_a[k]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
     with pytest.raises(ValueError, match="cannot resume"):
         train(tiny_config(tmp_path / "cut", max_steps=6, resume=True, seq_len=128))
+    # a crafted state file (a pickle that writes a file when loaded) is refused in one line and runs nothing
+    from test_distill import _Payload
+
+    from slimwise.errors import SlimWiseError
+
+    marker = tmp_path / "pwned"
+    torch.save({"step": 1, "evil": _Payload(marker)}, cut / STATE_FILE)
+    with pytest.raises(SlimWiseError, match="unreadable"):
+        train(tiny_config(tmp_path / "cut", max_steps=6, resume=True))
+    assert not marker.exists()
 
 
 def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):

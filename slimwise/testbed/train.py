@@ -50,6 +50,7 @@ from transformers import AutoModelForCausalLM
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from slimwise.errors import SlimWiseError
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.models import is_hybrid
@@ -394,7 +395,11 @@ _ARCH_KEYS = ("backbone", "model_overrides", "seed", "samples_per_family", "fami
 
 
 def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: a crafted state file must not run code (tensors, numbers, strings, lists, dicts, tuples)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise SlimWiseError(f"training state {path} is unreadable ({type(exc).__name__}): delete it to start the run "
+                            "again, or resume from the directory that wrote it") from exc
     saved = state["config"]
     for key in _ARCH_KEYS:
         now = config.to_dict()[key]
