@@ -286,6 +286,20 @@ def test_max_tokens_semantics_follow_vllm():
     assert [body["max_tokens"] for _, body in decoded] == [4, 2]  # t1 came from the prefill instance
 
 
+def test_without_max_tokens_the_defaults_are_vllms():
+    """No max_tokens: vLLM's completions default to 16 tokens, its chat completions to the rest of the context
+    (max_model_len - prompt); the decode instance is asked for that less the prefill's first token."""
+
+    async def calls(client, prefill, decode):
+        for path, body in (("/v1/completions", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            assert (await client.post(path, json=body)).status_code == 200
+        return decode.requests
+
+    decoded = run_proxy(prefill_storing(None), decode_answering(), calls)
+    assert [body["max_tokens"] for _, body in decoded] == [15, MAX_MODEL_LEN - len(PROMPT_IDS) - 1]
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_stream_ending_at_the_first_token_is_still_sse(chat):
     """stream: true with max_tokens 1 is answered as a stream (vLLM does), not as one JSON object."""

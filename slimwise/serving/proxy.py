@@ -523,10 +523,12 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
 
     async def complete(body: dict, chat: bool, max_tokens: int | None, streaming: bool):
         stats["requests"] += 1
-        max_tokens = 16 if max_tokens is None else max_tokens
         path = "/v1/chat/completions" if chat else "/v1/completions"
         for _ in range(3):
             prompt_ids, t1, t1_text, finish, pre = await prefill(body, path)
+            if max_tokens is None:  # vLLM's defaults: completions 16; chat, up to the context length
+                limit = await max_model_len() if chat else None
+                max_tokens = limit - len(prompt_ids) if limit and limit > len(prompt_ids) else 16
             done = max_tokens <= 1 or finish == "stop" or t1 < 0
             if kv is None or done:
                 held = False
