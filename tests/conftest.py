@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,3 +34,25 @@ def random_prompts(n: int = 6, vocab: int = 512, seed: int = 0, lengths=(5, 9, 1
 
 
 ALL_FAMILIES = sorted(TINY_CONFIGS)
+
+
+@pytest.fixture(autouse=True)
+def _vllm_engine_in_process(request, monkeypatch):
+    """Tests marked `vllm_in_process` run vLLM's engine core inside the test process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same engine, scheduler, worker and SlimWise plugin, without spawning and
+    re-importing a process per engine. Measured on 2 cores: a tiny engine's start and first generate take 7 s (2 s
+    from the second on) instead of 23-26 s, and closing it 2 s instead of 5.5 s; memory is returned (RSS 859 ->
+    864 MiB over four engines). vLLM's CPU worker then replaces `torch.set_num_threads` process-wide and sets
+    VLLM_DIST_IDENT; both are restored after the test, so no process state leaks into the next one. Servers the
+    tests start (`slimwise serve`) never inherit the switch (tests/test_vllm_serve.py `start`)."""
+    if request.node.get_closest_marker("vllm_in_process") is None:
+        yield
+        return
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    set_num_threads, threads, env = torch.set_num_threads, torch.get_num_threads(), dict(os.environ)
+    yield
+    torch.set_num_threads = set_num_threads
+    torch.set_num_threads(threads)
+    for key in set(os.environ) - set(env):
+        del os.environ[key]
+    os.environ.update(env)

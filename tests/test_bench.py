@@ -271,6 +271,7 @@ def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.vllm_in_process
 def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     from slimwise.perf.bench import run_bench
 

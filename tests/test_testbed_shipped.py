@@ -23,6 +23,7 @@ from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import make_split
 
+pytestmark = pytest.mark.vllm_in_process  # its vLLM engines (tests/conftest.py)
 NAMES = sorted(EMBEDDED)  # testbed-a, testbed-b, testbed-c
 VLLM_NAMES = [n for n in NAMES if n != "testbed-c"]  # float32 token equality; testbed-c: bf16 only, checked below
 #: (target-domain accuracy, weakest family) each shipped card must reach. testbed-c ships below the issue's bars
@@ -86,7 +87,7 @@ def test_the_card_is_the_model_and_meets_the_bars(name):
     experts, bfloat16 as shipped) and check (1) the card's figures are this model's: per-family accuracy within
     3 points (bf16 kernels differ between CPUs) and the routing load within 0.05; (2) the issue's bars on the
     recomputed figures: >= 85% on the target domain, >= 60% on every family, the busiest expert <= 3x uniform.
-    About 40 s per model."""
+    30-50 s per model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     from slimwise.testbed.evaluate import evaluate_model
@@ -96,8 +97,11 @@ def test_the_card_is_the_model_and_meets_the_bars(name):
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     # next to a qwen3_5_moe_text config AutoTokenizer swaps in Qwen3.5's own tokenizer class (see the card)
     tok_class = PreTrainedTokenizerFast if name == "testbed-c" else AutoTokenizer
+    # batch 128 (the card used 32): 1.7x faster here (testbed-c 90 -> 51 s), per-family figures equal but one
+    # (testbed-a base 69% vs 68%: bf16 padding), inside the tolerance below
     r = evaluate_model(model=model, tokenizer=tok_class.from_pretrained(path), split="test",
-                       n_per_family=card["n_per_family"], seed=card["seed"], max_new_tokens=card["max_new_tokens"])
+                       n_per_family=card["n_per_family"], seed=card["seed"], max_new_tokens=card["max_new_tokens"],
+                       batch_size=128)
     got = {f: v["accuracy"] for f, v in r["families"].items()}
     want = {f: v["accuracy"] for f, v in card["families"].items()}
     assert got.keys() == want.keys()

@@ -10,7 +10,7 @@ from slimwise.cli import main as cli_main
 from slimwise.testbed import build_tokenizer
 from slimwise.tiny import save_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 
 def generations(cache_dir) -> dict[str, list[list[int]]]:

@@ -12,7 +12,7 @@ from slimwise.export import export_pruned, load_pruned
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])

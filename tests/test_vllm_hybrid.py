@@ -29,7 +29,7 @@ from slimwise.scoring import continue_on_cache
 from slimwise.serving.engine import VllmEngine
 from slimwise.tiny import tiny_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 CONFIG = GenerationConfig(max_new_tokens=12, eos_token_id=-1, batch_size=16)
 # a 1-token prompt, short ones, and 33 (= one 32-token chunk + a 1-token last chunk with chunked prefill)

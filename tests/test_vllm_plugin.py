@@ -22,7 +22,7 @@ from slimwise.models import load_model
 from slimwise.serving.engine import VllmEngine
 from slimwise.tiny import build_tiny_model
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 CONFIG = GenerationConfig(max_new_tokens=12, eos_token_id=-1, batch_size=16)
 # lengths: a 1-token prompt, short ones, and 33 (= one 32-token chunk + a 1-token last chunk when chunked)

@@ -12,7 +12,7 @@ from slimwise.criteria import plan_from_stats
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import TARGET_DOMAIN, make_split
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 
 def test_policy_quality_against_load(tmp_path, capsys):

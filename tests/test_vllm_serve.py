@@ -63,7 +63,9 @@ def served(tmp_path_factory):
 def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port),
                              "--served-model-name", "tiny", *vllm_args], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"})
+                            start_new_session=True, env={**{k: v for k, v in os.environ.items()  # a real server:
+                                                             if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},  # engine
+                                                         "VLLM_LOGGING_LEVEL": "INFO"})  # core in its own process
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         assert proc.poll() is None, "server exited during start-up"
