@@ -454,3 +454,39 @@ def test_a_refusal_after_the_weights_load_is_one_line_in_a_real_process(env):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("slimwise: error: plan fingerprint"), proc.stderr
     assert not out.parent.exists()
+
+
+def test_kill_9_of_prune_mid_write_leaves_no_target_and_the_next_run_cleans_up(env):
+    """kill -9 of a real `slimwise prune` while it writes: no partial target, and the next run removes the dead
+    process's temporary. The kill lands when the temporary directory appears (polled every millisecond); a run
+    that finishes first is retried with a new output, and at least one of ten must be killed mid-write."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = env / "runs" / "kill9"
+    root.mkdir(parents=True, exist_ok=True)
+    for attempt in range(10):
+        out = root / f"pruned-{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "slimwise.cli", "prune", str(env / "model"), "--plan",
+                                 str(env / "plan.json"), "--out", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        tmp = root / f".{out.name}.tmp-{proc.pid}"
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and not tmp.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if proc.poll() is None and tmp.exists():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            break
+        proc.wait()
+    else:
+        pytest.fail("prune finished before its temporary directory was seen in 10 runs")
+    assert not out.exists() and tmp.exists()  # killed mid-write: nothing under the real name, a stale temporary
+    again = subprocess.run([sys.executable, "-m", "slimwise.cli", "prune", str(env / "model"), "--plan",
+                            str(env / "plan.json"), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (out / "config.json").is_file() and not tmp.exists()
+    assert not [p.name for p in root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
