@@ -86,7 +86,10 @@ def evaluate_run(engine: PhaseSplitEngine, samples: list, mode: str, config: Bar
     correct = [grade(s, o.text or "", o.finish_reason == "eos").correct for s, o in zip(samples, outs, strict=True)]
     lengths = [len(o.token_ids) for o in outs]
     result = {"accuracy": 100 * sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths),
-              "seconds": round(time.perf_counter() - t0, 1)}
+              "seconds": round(time.perf_counter() - t0, 1),
+              # how generations end: the drift accuracy hides shows here first (75%: fewer EOS, more truncated)
+              "eos_pct": 100 * sum(o.finish_reason == "eos" for o in outs) / len(outs),
+              "truncated_pct": 100 * sum(o.finish_reason == "length" for o in outs) / len(outs)}
     if reference is not None:
         result |= teacher_forced_fidelity(engine, ids, reference, mode, config.batch_size)
     result |= {"correct": [int(c) for c in correct], "lengths": lengths, "families": [s.family for s in samples]}
@@ -381,6 +384,31 @@ def family_verdict(check: dict) -> str:
             f"one: {'yes' if check['halved'] else 'no'}; new drift from distillation: {new}")
 
 
+def length_distribution(run: dict) -> dict:
+    """Generated-length distribution of one run: mean, p10/median/p90/max, and how generations end (EOS share,
+    truncated at max_new_tokens). None for EOS/truncation on reports written before runs recorded them."""
+    n = np.asarray(run["lengths"], dtype=float)
+    return {"mean": float(n.mean()), "p10": float(np.percentile(n, 10)), "median": float(np.median(n)),
+            "p90": float(np.percentile(n, 90)), "max": int(n.max()), "eos_pct": run.get("eos_pct"),
+            "truncated_pct": run.get("truncated_pct")}
+
+
+def length_table(report: dict, split: str = "test") -> list[str]:
+    """Markdown: the length distribution and end of generation of every mode at every ratio (full first)."""
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.1f}"
+
+    full = report["full"][split]
+    lines = ["| ratio | mode | mean | p10 / median / p90 / max | EOS % | truncated % |", "|---|---|---|---|---|---|"]
+    rows = [("0", "full", full)] + [(ratio, mode, row[mode][split]) for ratio, row in report["ratios"].items()
+                                    for mode in BARS_MODES[1:] if mode in row]
+    for ratio, mode, run in rows:
+        d = length_distribution(run)
+        lines.append(f"| {ratio} | {mode} | {d['mean']:.2f} | {d['p10']:.0f} / {d['median']:.0f} / {d['p90']:.0f} / "
+                     f"{d['max']} | {pct(d['eos_pct'])} | {pct(d['truncated_pct'])} |")
+    return lines
+
+
 def bars_table(report: dict) -> str:
     """Markdown tables of a bars report: accuracy, mean length (deviation from full), teacher-forced KL."""
     lines = [f"## {report['model']}", ""]
@@ -400,6 +428,7 @@ def bars_table(report: dict) -> str:
                              f" / {drift['mean_abs_diff']:.2f} / {drift['changed_pct']:.1f} | {r['kl']:.5f} | "
                              f"{r['flip_pct']:.2f} |")
         lines.append("")
+    lines += ["### Generated length and end of generation (test split)", "", *length_table(report), ""]
     full = report["full"]["test"]
     fam_rows = [(f"{ratio} {mode}", row[mode]["test"]) for ratio, row in report["ratios"].items()
                 for mode in BARS_MODES[1:]]
@@ -438,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b = sub.add_parser("bars", help="full / uniform / slimwise / distilled / uniform-distilled, per backbone")
     b.add_argument("models", nargs="+")
     b.add_argument("--out", default="runs/distill-bars")
+    b.add_argument("--ratios", type=float, nargs="+", default=list(BarsConfig.ratios),
+                   help="pruning ratios; 0.75 is where SlimWise's generation length drifts")
     b.add_argument("--params", default=",".join(D.params))
     b.add_argument("--steps", type=int, default=D.steps)
     b.add_argument("--lr", type=float, default=D.lr)
@@ -480,7 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     dcfg = DistillConfig(params=tuple(x for x in args.params.split(",") if x), steps=args.steps, lr=args.lr,
                          max_minutes=args.minutes, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy,
                          teacher_batch_size=args.teacher_batch_size)
-    cfg = BarsConfig(test_per_family=args.test_per_family, heldout_per_family=args.heldout_per_family,
+    cfg = BarsConfig(ratios=tuple(args.ratios), test_per_family=args.test_per_family,
+                     heldout_per_family=args.heldout_per_family,
                      distill_per_family=args.distill_per_family, threads=args.threads, distill=dcfg)
     for name in args.models:
         run_bars(name, Path(args.out) / Path(str(name)).name, cfg)
