@@ -121,7 +121,9 @@ def cmd_generate(args) -> None:
 def cmd_serve(args) -> None:
     from slimwise.serving.server import ServeConfig, serve
 
-    code = serve(ServeConfig(model=args.model, plan=args.plan, delta=args.distilled, disaggregated=args.disaggregated,
+    plan, plans = serve_plans(args.plan or [])
+    code = serve(ServeConfig(model=args.model, plan=plan, plans=plans, default_plan=args.default_plan,
+                             delta=args.distilled, disaggregated=args.disaggregated,
                              decode_model=args.decode_model, prefill_url=args.prefill_url, decode_url=args.decode_url,
                              nixl=args.nixl, host=args.host, port=args.port, served_model_name=args.served_model_name,
                              min_decode_batch=args.min_decode_batch, log_every=args.log_every,
@@ -129,6 +131,26 @@ def cmd_serve(args) -> None:
                              vllm_args=list(args.vllm_args)))
     if code:
         raise SystemExit(code)
+
+
+def serve_plans(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """`--plan PLAN` (one plan) or `--plan NAME=PLAN ...` (several, each its own model name)."""
+    named = [v for v in values if "=" in v]
+    if not named:
+        if len(values) > 1:
+            raise SlimWiseError("several --plan values need names: --plan NAME=PLAN (each served as MODEL:NAME)")
+        return (values[0] if values else None), {}
+    if len(named) != len(values):
+        raise SlimWiseError("give plans either all named (--plan NAME=PLAN) or one unnamed (--plan PLAN)")
+    plans: dict[str, str] = {}
+    for value in named:
+        name, _, path = value.partition("=")
+        if not name or not path:
+            raise SlimWiseError(f"--plan {value!r}: expected NAME=PLAN_JSON")
+        if name in plans:
+            raise SlimWiseError(f"--plan name {name!r} given twice: each plan needs its own name")
+        plans[name] = path
+    return None, plans
 
 
 def cmd_distill(args) -> None:
@@ -337,7 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve MODEL with SlimWise in vLLM's OpenAI server. Unknown options are passed "
                                    "to `vllm serve` unchanged (e.g. --tensor-parallel-size, --max-num-seqs).")
     p.add_argument("model", help="the full model's checkpoint directory")
-    p.add_argument("--plan", help="prune plan; without it the model is served unpruned")
+    p.add_argument("--plan", action="append", metavar="[NAME=]PLAN",
+                   help="prune plan; without it the model is served unpruned. Repeat as NAME=PLAN to serve several "
+                        "plans in one engine, each request choosing by model name MODEL:NAME (MODEL:full: every "
+                        "expert)")
+    p.add_argument("--default-plan", metavar="NAME|full",
+                   help="with named plans: the plan of requests to plain MODEL (default: the first plan)")
     p.add_argument("--distilled", help="decode-only delta from `slimwise distill`")
     p.add_argument("--disaggregated", action="store_true",
                    help="full-model prefill instance + pruned decode instance + proxy behind one endpoint")

@@ -119,6 +119,40 @@ def test_colocated_equals_reference_with_exact_counters(setup):
         engine.close()
 
 
+def test_several_plans_in_one_engine_route_each_request_with_its_own(setup):
+    """Two plans and full in one engine, chosen per request: every request's tokens equal the reference engine's
+    slimwise mode with its plan, whether its batch is homogeneous or mixes plans (float32: exact); counters per plan."""
+    from slimwise.criteria import random_plan
+
+    model_dir, plan_a, ref, _ = setup("qwen3_moe")
+    model = load_model(model_dir)
+    plan_b = random_plan(model, 0.5, seed=3)
+    assert plan_b.kept_experts != plan_a.kept_experts
+    ref_b = [o.token_ids for o in PhaseSplitEngine(model, plan=plan_b).generate(PROMPTS, "slimwise", CONFIG)]
+    want = {"a": ref["slimwise"], "b": ref_b, "full": ref["full"]}
+    assert len({tuple(map(tuple, t)) for t in want.values()}) == 3  # the three routings differ on these prompts
+    engine = VllmEngine(model_dir, {"a": plan_a, "b": plan_b}, default_plan="full", share_engine=True)
+    names = ["a", "b", "full", None, "b", "a", None, "b"]  # None: the default plan (full here)
+    try:
+        for name in ("a", "b"):  # homogeneous batches: every request with one plan
+            assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG, plans=[name] * 8)] == want[name]
+        c = engine.counters()[0]
+        assert c["plan_tokens"] == {"a": sum(len(t) - 1 for t in want["a"]), "b": sum(len(t) - 1 for t in want["b"])}
+        engine.llm.reset_prefix_cache()
+        got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG, plans=names)]
+        assert got == [want[n or "full"][i] for i, n in enumerate(names)]  # mixed batch: each its own plan
+        c2 = engine.counters()[0]
+        fed_back = {k: sum(len(want[k][i]) - 1 for i, n in enumerate(names) if n == k) for k in ("a", "b")}
+        assert {k: c2["plan_tokens"][k] - c["plan_tokens"][k] for k in ("a", "b")} == fed_back
+        assert c2["position_mismatch_steps"] == 0 and c2["unknown_plan_requests"] == 0
+        with pytest.raises(Exception, match="one plan per engine"):
+            engine.generate(PROMPTS[:1], "uniform", CONFIG)
+        with pytest.raises(Exception, match="unknown plan names"):
+            engine.generate(PROMPTS[:1], "slimwise", CONFIG, plans=["c"])
+    finally:
+        engine.close()
+
+
 # qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py). An empty
 # plan installs nothing whatever the family (`engine.counters() == [{}]`), so one float32 family that is token-equal
 # to the reference suffices here (qwen3_next's bf16 engine could only be compared with itself).

@@ -25,21 +25,43 @@ from slimwise.generate import Generation, GenerationConfig
 from slimwise.plan import PrunePlan
 from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
 from slimwise.serving.plugin import require_known_vllm
-from slimwise.serving.routing import DELTA_KEY, LOG_EVERY_KEY, MASK_ALL_KEY, MIN_BATCH_KEY, PLAN_KEY
+from slimwise.serving.routing import (
+    DEFAULT_PLAN_KEY,
+    DELTA_KEY,
+    LOG_EVERY_KEY,
+    MASK_ALL_KEY,
+    MIN_BATCH_KEY,
+    PLAN_KEY,
+    PLANS_KEY,
+    REQUEST_PLAN_ARG,
+)
+
+PlanLike = PrunePlan | str | Path
 
 
-def slimwise_overrides(model_dir: str | Path, plan: PrunePlan | str | Path | None, *, mask_all: bool = False,
-                       min_decode_batch: int = 0, log_every: int = 0, delta: str | Path | None = None) -> dict:
-    """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one."""
+def _plan_value(plan: PlanLike) -> dict | str:
+    return plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
+
+
+def slimwise_overrides(model_dir: str | Path, plan: PlanLike | dict[str, PlanLike] | None, *, mask_all: bool = False,
+                       min_decode_batch: int = 0, log_every: int = 0, delta: str | Path | None = None,
+                       default_plan: str | None = None) -> dict:
+    """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one. `plan` a dict: several named
+    plans in one engine, each request choosing its own (`default_plan`: for requests that name none; a plan's name
+    or "full"; default the first)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (config.get("architectures") or [None])[0]
     if arch not in STOCK_ARCHS:
         raise SlimWiseError(f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}")
     if plan is None:  # the full model: stock, except where the SlimWise class carries a vLLM CPU fix
         return {"architectures": [slimwise_arch(arch)]} if slimwise_arch(arch) in CPU_ROPE_FIX else {}
-    plan_value = plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
-    out = {"architectures": [slimwise_arch(arch)], PLAN_KEY: plan_value, MASK_ALL_KEY: mask_all,
-           MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
+    if isinstance(plan, dict):
+        plans = {"architectures": [slimwise_arch(arch)], PLANS_KEY: {k: _plan_value(v) for k, v in plan.items()}}
+        if default_plan is not None:
+            plans[DEFAULT_PLAN_KEY] = default_plan
+    else:
+        plans = {"architectures": [slimwise_arch(arch)], PLAN_KEY: _plan_value(plan)}
+    out = {**plans, MASK_ALL_KEY: mask_all, MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
     if delta is not None:
         out[DELTA_KEY] = str(Path(delta).resolve())
     return out
@@ -55,10 +77,10 @@ def full_model_overrides(model_dir: str | Path) -> dict:
 class VllmEngine:
     """Generate with vLLM in full / uniform / slimwise mode (one engine alive at a time)."""
 
-    def __init__(self, model_dir: str | Path, plan: PrunePlan | None = None, tokenizer=None, *,
+    def __init__(self, model_dir: str | Path, plan: PrunePlan | dict[str, PlanLike] | None = None, tokenizer=None, *,
                  dtype: str = "float32", enforce_eager: bool = True, max_model_len: int | None = None,
                  min_decode_batch: int = 0, delta: str | Path | None = None, engine_kwargs: dict | None = None,
-                 share_engine: bool = False):
+                 share_engine: bool = False, default_plan: str | None = None):
         require_known_vllm()
         self.model_dir = str(model_dir)
         self.plan = plan
@@ -74,6 +96,7 @@ class VllmEngine:
         self.min_decode_batch = min_decode_batch
         self.delta = delta  # applied in mode "distilled" (= slimwise + decode-only delta)
         self.share_engine = share_engine and plan is not None
+        self.default_plan = default_plan  # several plans (`plan` a dict): the plan of prompts that name none
         self._mode: str | None = None
         self._kind: str | None = None  # the running engine: a mode, or "shared"
         self.llm = None
@@ -97,6 +120,7 @@ class VllmEngine:
             overrides = full_model_overrides(self.model_dir)
         else:
             overrides = slimwise_overrides(self.model_dir, self.plan, mask_all=mode == "uniform",
+                                           default_plan=self.default_plan,
                                            min_decode_batch=self.min_decode_batch,
                                            delta=self.delta if kind in ("distilled", "shared-delta") else None)
         self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
@@ -148,7 +172,9 @@ class VllmEngine:
         return self.llm.collective_rpc("slimwise_counters") if self.llm is not None else []
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], mode: str = "slimwise",
-                 config: GenerationConfig | None = None) -> list[Generation]:
+                 config: GenerationConfig | None = None, plans: Sequence[str | None] | None = None) -> list[Generation]:
+        """Greedy or sampled generation in `mode`; with several plans (`plan` a dict), `plans` names each prompt's
+        plan (None: the default), as the OpenAI server's model names do."""
         from vllm import SamplingParams
 
         config = config or GenerationConfig()
@@ -161,6 +187,14 @@ class VllmEngine:
             temperature=config.temperature, top_p=config.top_p, top_k=config.top_k if config.top_k > 0 else -1,
             max_tokens=config.max_new_tokens, seed=config.seed, stop=list(config.stop) or None,
             stop_token_ids=sorted(eos_ids) or None, ignore_eos=not eos_ids, detokenize=self.tokenizer is not None)
+        if plans is not None:
+            if len(plans) != len(ids):
+                raise SlimWiseError(f"{len(plans)} plan names for {len(ids)} prompts: give one per prompt")
+            known = set(self.plan) if isinstance(self.plan, dict) else set()
+            unknown = sorted({str(n) for n in plans if n is not None and n != "full" and n not in known})
+            if unknown:
+                raise SlimWiseError(f"unknown plan names {unknown}: this engine serves {sorted(known)} and 'full'")
+            params = [params.clone() if n is None else _with_plan(params, n) for n in plans]
         outs = self._engine(mode).generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=config.progress)
         results = []
         for p, out in zip(ids, outs, strict=True):
@@ -177,3 +211,9 @@ class VllmEngine:
                 text = self.tokenizer.decode(tokens[:-1])
             results.append(Generation(list(p), tokens, reason, text))
         return results
+
+
+def _with_plan(params, name: str):
+    out = params.clone()
+    out.extra_args = {**(out.extra_args or {}), REQUEST_PLAN_ARG: name}
+    return out

@@ -85,7 +85,12 @@ def _patch_model_runner() -> None:
             # request (prefix-cache hits and earlier chunks included) plus its offset in this step's query
             offsets = np.arange(int(starts[-1])) - np.repeat(starts[:-1], counts)
             token_positions = np.repeat(self.input_batch.num_computed_tokens_cpu[:num_reqs], counts) + offsets
-            routing.set_step(token_positions, prompt_lens, positions)
+            token_plans = None
+            if routing.multi_plan:  # each request's own plan (SamplingParams.extra_args), per token
+                req_ids = self.input_batch.req_ids[:num_reqs]
+                plans = routing.request_plans(req_ids, [self.requests[r].sampling_params for r in req_ids])
+                token_plans = np.repeat(plans, counts)
+            routing.set_step(token_positions, prompt_lens, positions, token_plans)
         return original(self, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                         inputs_embeds=inputs_embeds, **model_kwargs)
 

@@ -3,10 +3,15 @@
 A token is a *generated* (decode) token iff its position is at or past its request's prompt length; every
 prompt token — chunked-prefill chunks of any length, one-token prompts, prompt tokens recomputed after a
 prefix-cache hit — has a position below it. The model runner patch (`plugin.py`) computes that per-token
-flag on the CPU before each forward and copies it into a persistent bool buffer; each MoE gate's output is
-then always passed through `logits.masked_fill(decode[:n, None] & pruned[None, :], -inf)`. Because the
-mask is data, not a Python branch, the same graph serves eager mode, torch.compile and CUDA graphs (the
-buffer has a fixed address; only its contents change per step).
+flag on the CPU before each forward and copies it into a persistent buffer; each MoE gate's output is
+then always passed through `logits.masked_fill(pruned_table[row_plan[:n]], -inf)`. Because the mask is data,
+not a Python branch, the same graph serves eager mode, torch.compile and CUDA graphs (the buffers have fixed
+addresses; only their contents change per step).
+
+Several plans in one engine: `row_plan` holds, per token, the index of the plan it is routed with (0: every
+expert); row k of each gate's `pruned_table` is plan k's pruned set in that layer, row 0 all False. A request
+chooses its plan by name in `SamplingParams.extra_args["slimwise_plan"]` (the OpenAI server's `vllm_xargs`;
+`slimwise serve` maps model names to it); without one it gets the default plan. One plan is the case P = 1.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import logging
 import re
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +43,10 @@ MIN_BATCH_KEY = "slimwise_min_decode_batch"  # load-aware: prune only when >= th
 LOG_EVERY_KEY = "slimwise_log_every"  # log counters every N steps (0 = never)
 COUNT_EXPERTS_KEY = "slimwise_count_experts"  # count distinct experts per layer on decode steps (eager only)
 DELTA_KEY = "slimwise_delta"  # path to a `slimwise distill` delta: decode-only router / norm / LoRA overrides
+PLANS_KEY = "slimwise_plans"  # several named plans in one engine: {name: plan path or dict}
+DEFAULT_PLAN_KEY = "slimwise_default_plan"  # the plan of requests that name none: a name of PLANS_KEY, or "full"
+REQUEST_PLAN_ARG = "slimwise_plan"  # a request's plan: SamplingParams.extra_args key (OpenAI: vllm_xargs)
+DEFAULT_PLAN_NAME = "default"  # the name of a lone PLAN_KEY plan
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
 _NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
@@ -68,10 +78,14 @@ class RoutingCounters:
     # steps where the host-side token positions (what classifies tokens) disagreed with the positions vLLM passed
     # to the model; checked only where both are on the host (the CPU backend), so it costs no device sync
     position_mismatch_steps: int = 0
+    # pruned-routed tokens per plan name (several plans in one engine); requests naming an unknown plan (full-routed)
+    plan_tokens: dict = field(default_factory=dict)
+    unknown_plan_requests: int = 0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "pruned_tokens": self.pruned_tokens, "full_tokens": self.full_tokens,
-                "position_mismatch_steps": self.position_mismatch_steps,
+                "position_mismatch_steps": self.position_mismatch_steps, "plan_tokens": dict(self.plan_tokens),
+                "unknown_plan_requests": self.unknown_plan_requests,
                 "recent": list(self.recent), "decode_steps": self.decode_steps,
                 "experts_touched_sum": dict(self.experts_touched_sum),
                 "experts_counted_steps": dict(self.experts_counted_steps),
@@ -88,13 +102,51 @@ def load_plan_setting(value) -> PrunePlan | None:
     return PrunePlan.load(Path(value))
 
 
+def _setting(hf_config, text_config, key: str):
+    return getattr(hf_config, key, None) or getattr(text_config, key, None)
+
+
+def check_plan_name(name: str) -> None:
+    """A plan name becomes part of a model name (MODEL:NAME): plain characters, and not the reserved "full"."""
+    if name == "full" or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise SlimWiseError(f"plan name {name!r}: use letters, digits, '_', '.', '-' (and not 'full')")
+
+
+def load_plans(hf_config, text_config) -> tuple[dict[str, PrunePlan], str]:
+    """The engine's named plans and the default plan's name ("full": requests that name none keep every expert).
+    PLAN_KEY alone is one plan named DEFAULT_PLAN_NAME; PLANS_KEY holds several (not both)."""
+    one, many = _setting(hf_config, text_config, PLAN_KEY), _setting(hf_config, text_config, PLANS_KEY)
+    if one and many:
+        raise SlimWiseError(f"give either {PLAN_KEY} (one plan) or {PLANS_KEY} (named plans), not both")
+    if one:
+        plans = {DEFAULT_PLAN_NAME: load_plan_setting(one)}
+    else:
+        plans = {str(k): load_plan_setting(v) for k, v in (many or {}).items()}
+    for name in plans:
+        check_plan_name(name)
+    sizes = {p.num_experts for p in plans.values()}
+    if len(sizes) > 1:
+        raise SlimWiseError(f"the plans are for models with {sorted(sizes)} experts: every plan of one engine must be "
+                            "made for the served model")
+    default = _setting(hf_config, text_config, DEFAULT_PLAN_KEY) or (next(iter(plans)) if plans else "full")
+    if default != "full" and default not in plans:
+        raise SlimWiseError(f"default plan {default!r} is not among the plans ({', '.join(plans)}) or 'full'")
+    return plans, default
+
+
 class DecodeRouting(nn.Module):
     """Owns the per-step decode mask and the pruned-expert masks; installed on a vLLM model's gates."""
 
     def __init__(self, model: nn.Module, hf_config, max_tokens: int):
         super().__init__()
         text_config = getattr(hf_config, "text_config", hf_config)
-        self.plan = load_plan_setting(getattr(hf_config, PLAN_KEY, None) or getattr(text_config, PLAN_KEY, None))
+        self.plans, self.default_plan = load_plans(hf_config, text_config)
+        # plan index per name: row k of every gate's pruned table (0: every expert, the "full" routing)
+        self.plan_index = {"full": 0, **{name: i + 1 for i, name in enumerate(self.plans)}}
+        self.plan_names = ["full", *self.plans]
+        # the plan checks, the delta and the log refer to the default plan (the only one with a delta)
+        self.plan = self.plans.get(self.default_plan) or next(iter(self.plans.values()), None)
+        self._request_plans: dict[str, int] = {}  # req_id -> plan index, refreshed each step (multi-plan)
         # "uniform" with MASK_ALL_KEY (every token pruned), else "slimwise"; switched at run time by `set_mode`
         self.mode = "uniform" if getattr(hf_config, MASK_ALL_KEY, False) else "slimwise"
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
@@ -105,6 +157,8 @@ class DecodeRouting(nn.Module):
         self.counters = RoutingCounters()
         # fixed-address step buffer: True where the token is routed to the kept experts only
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
+        # per token: the plan it is routed with (0: every expert); indexes each gate's pruned table
+        self.register_buffer("row_plan", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
         self.gates: dict[int, nn.Module] = {}
         self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}  # module names
         self.lora_modules: dict[str, nn.Module] = {}  # vLLM module name -> module whose decode rows use W + sBA
@@ -113,8 +167,13 @@ class DecodeRouting(nn.Module):
         if self.plan is None:
             self._install_counting(model, text_config)
             return
-        self._check_plan(hf_config, text_config)
-        routers, norms = self._load_delta(getattr(hf_config, DELTA_KEY, None) or getattr(text_config, DELTA_KEY, None))
+        for plan in self.plans.values():
+            check_plan_config(plan, hf_config)
+        delta_setting = _setting(hf_config, text_config, DELTA_KEY)
+        if delta_setting and len(self.plans) > 1:
+            raise SlimWiseError("a distilled delta is tied to one plan: serve it with that plan alone (one engine per "
+                                "delta), not with several plans")
+        routers, norms = self._load_delta(delta_setting)
         self._install_lora(model)
         for name, module in model.named_modules():
             norm_match = _NORM_NAME.search(name)
@@ -125,9 +184,9 @@ class DecodeRouting(nn.Module):
             if match is None or not hasattr(module, "weight"):
                 continue
             layer = int(match.group(1))
-            if layer not in self.plan.kept_experts:
+            if all(layer not in p.kept_experts for p in self.plans.values()):
                 continue
-            pruned = self.plan.pruned_mask(layer)
+            pruned = self._pruned_table(layer)
             if not pruned.any() and layer not in routers:
                 continue
             router = _selection_router(model, name)
@@ -150,18 +209,24 @@ class DecodeRouting(nn.Module):
         if routers or norms:
             raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in this vLLM "
                                 "model: use the delta made for this model and plan")
-        missing = set(self.plan.kept_experts) - set(self.gates) - {
-            k for k, v in self.plan.kept_experts.items() if len(v) == self.plan.num_experts}
-        if missing:
-            raise SlimWiseError(f"plan layers {sorted(missing)} have no MoE gate in this vLLM model")
-        logger.info("SlimWise: decode routing on %d MoE layers, kept %s of %d experts (%s, ratio %s)%s",
-                    len(self.gates), sorted({len(v) for v in self.plan.kept_experts.values()}),
-                    self.plan.num_experts, self.plan.criterion, self.plan.ratio,
-                    ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
+        for name, plan in self.plans.items():
+            missing = set(plan.kept_experts) - set(self.gates) - {
+                k for k, v in plan.kept_experts.items() if len(v) == plan.num_experts}
+            if missing:
+                raise SlimWiseError(f"plan {name!r}: layers {sorted(missing)} have no MoE gate in this vLLM model")
+            logger.info("SlimWise: plan %r%s: decode routing on %d MoE layers, kept %s of %d experts (%s, ratio %s)%s",
+                        name, " (default)" if name == self.default_plan else "", len(self.gates),
+                        sorted({len(v) for v in plan.kept_experts.values()}), plan.num_experts, plan.criterion,
+                        plan.ratio, ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
         self._install_counting(model, text_config)
 
-    def _check_plan(self, hf_config, text_config) -> None:
-        check_plan_config(self.plan, hf_config)
+    def _pruned_table(self, layer: int) -> torch.Tensor:
+        """(plans + 1, experts) bool: row 0 (every expert) all False, row k plan k's pruned experts in `layer`."""
+        rows = [torch.zeros(self.plan.num_experts, dtype=torch.bool)]
+        for plan in self.plans.values():
+            rows.append(plan.pruned_mask(layer) if layer in plan.kept_experts
+                        else torch.zeros(plan.num_experts, dtype=torch.bool))
+        return torch.stack(rows)
 
     def _load_delta(self, value) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """Router and norm overrides of a distilled delta (decode tokens only); its LoRA pairs go to `self._lora`
@@ -245,8 +310,9 @@ class DecodeRouting(nn.Module):
             logger.info("SlimWise: decode-only LoRA merged into %d projections", len(self.lora_modules))
 
     def _install(self, gate: nn.Module, pruned: torch.Tensor | None, router: torch.Tensor | None = None) -> None:
-        """Gate output hook: decode rows get the distilled router (if any) and, with `pruned`, -inf logits for
-        the pruned experts (softmax routers). pruned=None: logits untouched (the selection is masked instead)."""
+        """Gate output hook: decode rows get the distilled router (if any) and, with `pruned` (the per-plan table),
+        -inf logits for the experts their plan prunes (softmax routers). pruned=None: logits untouched (the
+        selection is masked instead)."""
         if pruned is not None:
             gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
         if router is not None:
@@ -258,8 +324,8 @@ class DecodeRouting(nn.Module):
             decode = routing.decode_mask[: logits.shape[0], None]
             if router is not None:  # decode tokens route with the distilled router
                 logits = torch.where(decode, F.linear(args[0], module.slimwise_router).to(logits.dtype), logits)
-            masked = logits if pruned is None else logits.masked_fill(decode & module.slimwise_pruned[None, :],
-                                                                       float("-inf"))
+            masked = logits if pruned is None else logits.masked_fill(
+                module.slimwise_pruned[routing.row_plan[: logits.shape[0]]], float("-inf"))
             return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
         gate.register_forward_hook(hook)
@@ -338,6 +404,9 @@ class DecodeRouting(nn.Module):
             raise SlimWiseError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         if mode != "full" and self.plan is None:
             raise SlimWiseError(f"mode {mode!r} needs a plan: serve the model with one")
+        if mode == "uniform" and len(self.plans) > 1:
+            raise SlimWiseError("mode 'uniform' prunes prompt tokens, whose KV the prefix cache shares between "
+                                "requests: it runs with one plan per engine, not several")
         if mode == "uniform" and self.has_delta:
             raise SlimWiseError("this engine carries a SlimWise decode-only delta, which uniform pruning must not "
                                 "use: start an engine without --distilled for uniform")
@@ -349,20 +418,46 @@ class DecodeRouting(nn.Module):
 
     def describe(self) -> dict:
         """The vLLM modules this routing acts on, by kind (gates, norms, lora, selection), and the mode."""
-        return {"mode": self.mode, **{kind: list(names) for kind, names in self.hooked.items()}}
+        return {"mode": self.mode, "plans": list(self.plans), "default_plan": self.default_plan,
+                **{kind: list(names) for kind, names in self.hooked.items()}}
+
+    @property
+    def multi_plan(self) -> bool:
+        """Whether requests may choose their plan (more than one routing besides "full", or a "full" default)."""
+        return len(self.plans) > 1 or (bool(self.plans) and self.default_plan == "full")
+
+    def request_plans(self, req_ids: Sequence[str], params: Sequence) -> np.ndarray:
+        """Plan index per request from its `SamplingParams.extra_args[REQUEST_PLAN_ARG]` (or the default), cached by
+        request id for the request's life. An unknown name (a client bypassing the server's check) is full-routed
+        and counted, never an engine error."""
+        cache, out = {}, np.empty(len(req_ids), dtype=np.int64)
+        for i, (rid, sp) in enumerate(zip(req_ids, params, strict=True)):
+            idx = self._request_plans.get(rid)
+            if idx is None:
+                name = ((getattr(sp, "extra_args", None) or {}).get(REQUEST_PLAN_ARG) or self.default_plan)
+                idx = self.plan_index.get(str(name))
+                if idx is None:
+                    self.counters.unknown_plan_requests += 1
+                    logger.warning("SlimWise: request %s names plan %r, not one of %s: routed with every expert",
+                                   rid, name, ", ".join(self.plan_names))
+                    idx = 0
+            cache[rid] = out[i] = idx
+        self._request_plans = cache  # finished requests drop out
+        return out
 
     @property
     def active(self) -> bool:
         return bool(self.gates) or bool(self.lora_modules) or self.count_experts
 
     def set_step(self, token_positions: np.ndarray, prompt_lens: np.ndarray,
-                 model_positions: torch.Tensor | None = None) -> None:
+                 model_positions: torch.Tensor | None = None, token_plans: np.ndarray | None = None) -> None:
         """Fill the decode mask for this step.
 
         token_positions: per scheduled token, its index in its request's sequence, computed on the host from the
         scheduler's bookkeeping (no GPU->CPU copy of the positions tensor, so no synchronisation per step);
         prompt_lens: per scheduled token, its request's prompt length. `model_positions`, the positions tensor
         vLLM passes to the model, is compared with them when it lives on the host (CPU backend, text positions).
+        token_plans: per scheduled token, its request's plan index (see `request_plans`); None: the default plan.
         """
         if not self.active:
             return
@@ -379,19 +474,31 @@ class DecodeRouting(nn.Module):
             self.counters.decode_steps += self._count_batch > 0
             if not self.gates and not self.lora_modules:
                 return
+        plans = (np.full(n, self.plan_index.get(self.default_plan, 0), dtype=np.int64) if token_plans is None
+                 else np.asarray(token_plans[:n], dtype=np.int64))
         if self.mode == "full":
-            decode = np.zeros(n, dtype=bool)
+            rows = np.zeros(n, dtype=np.int64)
         elif self.mode == "uniform":
-            decode = np.ones(n, dtype=bool)
+            rows = plans
         else:
-            decode = generated.copy()
+            rows = np.where(generated, plans, 0)
+        decode = rows > 0
         n_decode = int(decode.sum())
+        # load-aware policy: small decode batches keep every expert. With several plans the threshold counts every
+        # token routed to a plan, whichever plan: the step's expert traffic is the union over the batch
         if self.min_decode_batch and self.mode == "slimwise" and n_decode < self.min_decode_batch:
-            decode[:] = False  # load-aware policy: small decode batches keep every expert
+            rows[:] = 0
+            decode[:] = False
             n_decode = 0
+        self.row_plan[:n].copy_(torch.from_numpy(rows), non_blocking=True)
+        self.row_plan[n:].zero_()
         self.decode_mask[:n].copy_(torch.from_numpy(decode), non_blocking=True)
         self.decode_mask[n:].zero_()
         c = self.counters
+        if n_decode and len(self.plans) > 1:
+            for idx, count in zip(*np.unique(rows[decode], return_counts=True), strict=True):
+                name = self.plan_names[int(idx)]
+                c.plan_tokens[name] = c.plan_tokens.get(name, 0) + int(count)
         c.steps += 1
         c.pruned_tokens += n_decode
         c.full_tokens += n - n_decode

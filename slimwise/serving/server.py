@@ -43,6 +43,9 @@ VLLM = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 class ServeConfig:
     model: str
     plan: str | None = None
+    # several plans in one colocated engine, each exposed as model name MODEL:NAME (MODEL: the default plan)
+    plans: dict[str, str] = field(default_factory=dict)
+    default_plan: str | None = None  # a name of `plans`, or "full" (default: the first plan)
     delta: str | None = None
     disaggregated: bool = False
     decode_model: str | None = None  # pruned checkpoint for the decode instance (exported if absent)
@@ -173,13 +176,23 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, what:
 
 def colocated_command(cfg: ServeConfig) -> list[str]:
     cmd = [*VLLM, cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
-    if cfg.plan:
-        overrides = slimwise_overrides(cfg.model, cfg.plan, min_decode_batch=cfg.min_decode_batch,
-                                       log_every=cfg.log_every, delta=cfg.delta)
+    if cfg.plan or cfg.plans:
+        overrides = slimwise_overrides(cfg.model, cfg.plans or cfg.plan, min_decode_batch=cfg.min_decode_batch,
+                                       log_every=cfg.log_every, delta=cfg.delta, default_plan=cfg.default_plan)
         cmd += ["--hf-overrides", json.dumps(overrides)]
-    if cfg.served_model_name:
+    if cfg.plans:  # every plan (and full) its own model name; the middleware maps names to plans
+        cmd += ["--served-model-name", *plan_model_names(cfg), "--middleware",
+                "slimwise.serving.plan_select.PlanSelectMiddleware"]
+    elif cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]
     return cmd + cfg.vllm_args
+
+
+def plan_model_names(cfg: ServeConfig) -> dict[str, str | None]:
+    """Model name -> plan for a multi-plan server (`MODEL` the default plan, `MODEL:full`, `MODEL:<plan>`)."""
+    from slimwise.serving.plan_select import served_names
+
+    return served_names(cfg.served_model_name or Path(cfg.model).name, list(cfg.plans))
 
 
 def _kv_config(role: str, kv_dir: str) -> str:
@@ -305,13 +318,13 @@ class Supervisor:
         self._note(f"dir {kv_dir}")
         return kv_dir
 
-    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
         # unbuffered: instance logs (e.g. the connector's KV loads) reach a redirected log file as they happen
         # own process group: stopping an instance also stops its EngineCore/worker processes, which outlive an
         # API server that crashed or was killed (they are re-parented to init and keep their memory)
         # offline: SlimWise serves local checkpoints only, and a model hub lookup would stall start-up for a minute
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_parent_death_signal())
         self._note(f"group {proc.pid}")
         self.procs.append((name, proc))
@@ -356,17 +369,35 @@ def preflight(cfg: ServeConfig) -> PrunePlan | None:
 
     from slimwise.models import resolve_model_dir
     from slimwise.serving.plugin import require_known_vllm
-    from slimwise.serving.routing import check_plan_config
+    from slimwise.serving.routing import check_plan_config, check_plan_name
 
     require_known_vllm()
 
     if not (cfg.prefill_url and cfg.decode_url):
         cfg.model = str(resolve_model_dir(cfg.model))
-    plan = PrunePlan.load(cfg.plan) if cfg.plan else None
-    if plan is not None and Path(cfg.model, "config.json").is_file():
-        check_plan_config(plan, AutoConfig.from_pretrained(cfg.model, local_files_only=True))
-        check_plan_for_checkpoints(plan, cfg.model, cfg.decode_model)
-    return plan
+    if cfg.plans:
+        if cfg.plan:
+            raise SlimWiseError("give plans either all named (--plan NAME=PLAN) or one unnamed (--plan PLAN)")
+        if cfg.disaggregated:
+            raise SlimWiseError("--disaggregated serves one pruned decode checkpoint, so one plan: run one "
+                                "`slimwise serve --disaggregated` per plan, or serve the plans colocated")
+        if cfg.delta:
+            raise SlimWiseError("--distilled is tied to one plan: serve it with that plan alone")
+        for name in cfg.plans:
+            check_plan_name(name)
+        if cfg.default_plan is not None and cfg.default_plan != "full" and cfg.default_plan not in cfg.plans:
+            raise SlimWiseError(f"--default-plan {cfg.default_plan!r} is not among the plans "
+                                f"({', '.join(cfg.plans)}) or 'full'")
+    elif cfg.default_plan is not None:
+        raise SlimWiseError("--default-plan chooses among named plans: give them as --plan NAME=PLAN")
+    paths = dict(cfg.plans) or ({"": cfg.plan} if cfg.plan else {})
+    plans = {name: PrunePlan.load(path) for name, path in paths.items()}
+    if plans and Path(cfg.model, "config.json").is_file():
+        config = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
+        for plan in plans.values():
+            check_plan_config(plan, config)
+            check_plan_for_checkpoints(plan, cfg.model, cfg.decode_model)
+    return plans.get("")  # the one unnamed plan; named plans are read by the engine (colocated only)
 
 
 def _take_kv_cap(cfg: ServeConfig) -> None:
@@ -395,9 +426,20 @@ def serve(cfg: ServeConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
         budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 1)}
-        _summary(cfg, plan, "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)",
-                 budget)
-        sup.start("vllm", colocated_command(cfg))
+        if cfg.plans:
+            names = plan_model_names(cfg)
+            budget["models"] = ", ".join(f"{n} ({p or 'default: ' + (cfg.default_plan or next(iter(cfg.plans)))})"
+                                         for n, p in names.items())
+            for name, path in cfg.plans.items():
+                budget[f"plan {name}"] = f"{path}: {describe_plan(PrunePlan.load(path))}"
+        _summary(cfg, None if cfg.plans else plan,
+                 "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)", budget)
+        env = {}
+        if cfg.plans:
+            from slimwise.serving.plan_select import PLAN_MODELS_ENV
+
+            env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
+        sup.start("vllm", colocated_command(cfg), env=env)
         try:
             return sup.wait_any()
         except KeyboardInterrupt:

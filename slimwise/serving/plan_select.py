@@ -1,0 +1,106 @@
+"""Per-request plan choice by model name in vLLM's OpenAI server (`slimwise serve --plan NAME=PLAN ...`).
+
+`slimwise serve` starts vLLM with every model name it exposes as a served name (`MODEL`, `MODEL:full`,
+`MODEL:<plan>`), so `/v1/models` lists them and vLLM answers 404 for any other. This ASGI middleware (vLLM's
+`--middleware`) reads the request's `model` and writes the plan it stands for into the request's `vllm_xargs`,
+which vLLM hands to the workers as `SamplingParams.extra_args` (what `DecodeRouting.request_plans` reads), and
+puts the requested name back into the response's `model` field (vLLM echoes its first served name). A client
+that sets `vllm_xargs.slimwise_plan` itself gets 400 for a name the engine does not serve.
+
+The name -> plan map comes from the environment variable `PLAN_MODELS_ENV` (JSON), set by `slimwise serve`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from slimwise.serving.routing import REQUEST_PLAN_ARG
+
+PLAN_MODELS_ENV = "SLIMWISE_PLAN_MODELS"  # {"served name": plan name or null (the default plan)}
+_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def served_names(base: str, plans: list[str]) -> dict[str, str | None]:
+    """Every model name a multi-plan server exposes and the plan it selects (None: the default plan)."""
+    return {base: None, f"{base}:full": "full", **{f"{base}:{name}": name for name in plans}}
+
+
+class PlanSelectMiddleware:
+    """ASGI middleware: `model` -> `vllm_xargs.slimwise_plan` on requests, and the requested name on responses."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.models: dict[str, str | None] = json.loads(os.environ.get(PLAN_MODELS_ENV) or "{}")
+        self.base = next(iter(self.models), None)
+        self.plans = {p for p in self.models.values() if p is not None}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _PATHS \
+                or not self.models:
+            await self.app(scope, receive, send)
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body, name = b"".join(chunks), None
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            request = None  # vLLM answers malformed JSON itself
+        if isinstance(request, dict):
+            xargs = request.get("vllm_xargs") if isinstance(request.get("vllm_xargs"), dict) else {}
+            asked = xargs.get(REQUEST_PLAN_ARG)
+            if asked is not None and asked not in self.plans:
+                await _error(send, 400, f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; choose a plan "
+                                        f"by model name: {', '.join(self.models)}")
+                return
+            name = request.get("model")
+            plan = self.models.get(name) if isinstance(name, str) else None
+            if plan is not None and asked is None:
+                request["vllm_xargs"] = {**xargs, REQUEST_PLAN_ARG: plan}
+                body = json.dumps(request).encode()
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()  # client disconnects etc. after the body
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        if not isinstance(name, str) or name == self.base or name not in self.models:
+            await self.app(scope, replay, send)
+            return
+        # responses echo vLLM's first served name: put the requested one back (JSON and SSE chunks alike)
+        old, new = f'"model":"{self.base}"'.encode(), f'"model":"{name}"'.encode()
+        start = None
+
+        async def send_renamed(message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] == "http.response.body":
+                data = message.get("body", b"").replace(old, new)
+                if start is not None:
+                    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                    if not message.get("more_body"):
+                        headers.append((b"content-length", str(len(data)).encode()))
+                    await send({**start, "headers": headers})
+                    start = None
+                await send({**message, "body": data})
+                return
+            await send(message)
+
+        await self.app(scope, replay, send_renamed)
+
+
+async def _error(send, status: int, text: str) -> None:
+    body = json.dumps({"error": {"message": text, "type": "BadRequestError", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
