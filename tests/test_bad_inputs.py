@@ -344,6 +344,17 @@ case("serve-disaggregated-no-plan", ["serve", M, "--disaggregated"], None)
 case("serve-decode-model-other-weights", ["serve", M, "--plan", P, "--disaggregated",
                                           "--decode-model", "{root}/pruned-other"], None)
 case("serve-kv-dir-max-gb-negative", ["serve", M, "--plan", P, "--disaggregated", "--kv-dir-max-gb", "-1"], None)
+# several plans in one engine (--plan NAME=PLAN)
+case("serve-plans-unnamed-twice", ["serve", M, "--plan", P, "--plan", P], None)
+case("serve-plans-named-and-unnamed", ["serve", M, "--plan", "a=" + P, "--plan", P], None)
+case("serve-plans-name-twice", ["serve", M, "--plan", "a=" + P, "--plan", "a=" + P], None)
+case("serve-plans-name-full", ["serve", M, "--plan", "full=" + P], None)
+case("serve-plans-name-with-colon", ["serve", M, "--plan", "a:b=" + P], None)
+case("serve-plans-default-unknown", ["serve", M, "--plan", "a=" + P, "--default-plan", "b"], None)
+case("serve-plans-default-without-names", ["serve", M, "--plan", P, "--default-plan", "full"], None)
+case("serve-plans-disaggregated", ["serve", M, "--plan", "a=" + P, "--plan", "b=" + P, "--disaggregated"], None)
+case("serve-plans-one-for-other-weights", ["serve", M, "--plan", "a=" + P, "--plan", "b=" + _plan("other-weights")],
+     None)
 
 # ----- roofline --------------------------------------------------------------------------------------------------
 for opt, value in [("--ratio", "1"), ("--ratio", "nan"), ("--batch", "0"), ("--context", "0"), ("--layers", "0"),

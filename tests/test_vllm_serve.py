@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -24,7 +25,7 @@ import pytest
 from openai import APIStatusError, OpenAI
 
 from slimwise.calibrate import CalibrationConfig, calibrate
-from slimwise.criteria import plan_from_stats
+from slimwise.criteria import plan_from_stats, random_plan
 from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import build_tokenizer, make_split
@@ -56,7 +57,12 @@ def served(tmp_path_factory):
     prompts = [s.prompt for s in make_split("test", 1)][:4]
     engine = PhaseSplitEngine(model, tok, plan=plan)
     ref = {m: engine.generate(prompts, m, GenerationConfig(max_new_tokens=MAX_TOKENS)) for m in ("full", "slimwise")}
-    assert [o.token_ids for o in ref["full"]] != [o.token_ids for o in ref["slimwise"]]
+    # a second plan, for serving several plans in one engine
+    plan_b = random_plan(model, 0.5, seed=3)
+    plan_b.save(root / "plan-b.json")
+    ref["b"] = PhaseSplitEngine(model, tok, plan=plan_b).generate(prompts, "slimwise",
+                                                                  GenerationConfig(max_new_tokens=MAX_TOKENS))
+    assert len({tuple(tuple(o.token_ids) for o in ref[m]) for m in ("full", "slimwise", "b")}) == 3
     return root, prompts, ref
 
 
@@ -110,36 +116,57 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def check_completions(client: OpenAI, prompts, ref) -> None:
+def check_completions(client: OpenAI, prompts, ref, model: str = "tiny") -> None:
     for prompt, want in zip(prompts, ref, strict=True):
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                       extra_body={"return_token_ids": True})
         assert r.choices[0].text == want.text
         assert r.choices[0].model_extra["token_ids"] == want.token_ids
-    stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
+        assert r.model == model
+    stream = client.completions.create(model=model, prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True)
-    assert "".join(c.choices[0].text for c in stream) == ref[0].text
-    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[1].rstrip("\n")}],
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == ref[0].text and {c.model for c in chunks} == {model}
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[1].rstrip("\n")}],
                                           max_tokens=MAX_TOKENS, temperature=0)
-    assert chat.choices[0].message.content == ref[1].text
+    assert chat.choices[0].message.content == ref[1].text and chat.model == model
 
 
 def test_colocated_serve(served):
+    """Colocated, with two plans in the one engine: `tiny` (the default plan, the REAP one), `tiny:b` and `tiny:full`,
+    each request routed with the plan its model name chooses, in concurrent batches."""
     root, prompts, ref = served
     port = free_port()
     log = open(root / "colocated.log", "w")  # noqa: SIM115
     # no KV size given: on CPU SlimWise chooses one from the model and says so (the float32 dtype is for equality
     # with the reference engine, eager for start-up time)
-    proc = start([str(root / "model"), "--plan", str(root / "plan.json")], port, log,
-                 vllm_args=["--dtype", "float32", "--enforce-eager"])
+    proc = start([str(root / "model"), "--plan", f"main={root / 'plan.json'}", "--plan", f"b={root / 'plan-b.json'}",
+                  "--default-plan", "main"], port, log, vllm_args=["--dtype", "float32", "--enforce-eager"])
     try:
-        check_completions(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), prompts, ref["slimwise"])
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        assert [m.id for m in client.models.list().data] == ["tiny", "tiny:full", "tiny:main", "tiny:b"]
+        for model, want in (("tiny", ref["slimwise"]), ("tiny:b", ref["b"]), ("tiny:full", ref["full"]),
+                            ("tiny:main", ref["slimwise"])):
+            check_completions(client, prompts, want, model)
+        # the three plans at once, in one batch: each request still gets its own plan's tokens
+        with ThreadPoolExecutor(12) as pool:
+            jobs = [(m, i, pool.submit(client.completions.create, model=m, prompt=prompts[i], max_tokens=MAX_TOKENS,
+                                       temperature=0)) for m in ("tiny", "tiny:b", "tiny:full") for i in range(4)]
+            want = {"tiny": ref["slimwise"], "tiny:b": ref["b"], "tiny:full": ref["full"]}
+            assert all(job.result().choices[0].text == want[m][i].text for m, i, job in jobs)
+        with pytest.raises(APIStatusError) as err:  # an unknown name: vLLM's own 404
+            client.completions.create(model="tiny:c", prompt=prompts[0], max_tokens=2)
+        assert err.value.status_code == 404
+        with pytest.raises(APIStatusError) as err:  # a plan named past the model names: refused, not full-routed
+            client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2,
+                                      extra_body={"vllm_xargs": {"slimwise_plan": "c"}})
+        assert err.value.status_code == 400 and "'c' is not served here" in str(err.value)
         load_test(port)
     finally:
         stop(proc)
-    assert "GiB per instance on CPU" in (root / "colocated.log").read_text()
     text = (root / "colocated.log").read_text()
-    assert "mode:     PD-colocated" in text and "keeps 8/16 experts" in text
+    assert "GiB per instance on CPU" in text
+    assert "mode:     PD-colocated" in text and "plan main:" in text and "plan b:" in text
 
 
 def test_disaggregated_serve(served):
