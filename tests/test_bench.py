@@ -277,7 +277,8 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
 
     config = BenchConfig(synthetic="smoke", synthetic_dir=str(tmp_path / "model"), batches=(1, 4), repetitions=1,
                          prompt_len=6, output_len=5, warmup_tokens=2, count_output_len=4, hardware=None,
-                         variants=("full", "slimwise", "pruned", "slimwise-min4"), suggest_threshold=0.0,
+                         variants=("full", "slimwise", "pruned", "slimwise-min4", "mix-50", "mixfull-75"),
+                         suggest_threshold=0.0,
                          out_dir=str(tmp_path / "bench"))
     level = os.environ.get("VLLM_LOGGING_LEVEL")
     r = run_bench(config, log=lambda s: None)
@@ -290,7 +291,9 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
             assert r["runs"][name][b][0]["decode_tokens"] == int(b) * (config.output_len - 1)
     # the masked variants ran on one SlimWise engine (mode switched in place); full and pruned on their own
     assert r["engine_start_s"]["slimwise"] == r["engine_start_s"]["slimwise-min4"] != r["engine_start_s"]["full"]
-    assert [v["mode"] for v in r["variants"]] == [None, "slimwise", None, "slimwise"]
+    assert [v["mode"] for v in r["variants"]] == [None, "slimwise", None, "slimwise", "slimwise", "slimwise"]
+    # the mixes ran on one engine holding both plans, each request with its own (counted per plan below)
+    assert r["engine_start_s"]["mix-50"] == r["engine_start_s"]["mixfull-75"] != r["engine_start_s"]["slimwise"]
     t = r["traffic"]
     assert t["full"]["engine_start_s"] == t["slimwise"]["engine_start_s"] != t["pruned"]["engine_start_s"]
     k, e_full, kept = r["plan"]["top_k"], r["plan"]["num_experts"], r["plan"]["kept"][0]
@@ -301,6 +304,11 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     assert t["slimwise"]["batches"]["4"]["available_experts"] == kept < e_full
     assert t["pruned"]["batches"]["4"]["available_experts"] == kept
     assert t["slimwise-min4"]["batches"]["4"]["available_experts"] == kept  # 4 decode tokens >= threshold 4
+    plan_a, plan_b = (json.loads((tmp_path / "bench" / f).read_text())["kept_experts"] for f in ("plan.json",
+                                                                                             "plan-b.json"))
+    assert plan_b != plan_a  # the second plan keeps other experts
+    union = max(len(set(plan_a[i]) | set(plan_b[i])) for i in plan_b)
+    assert t["mix-50"]["batches"]["4"]["touched_mean"] <= union  # 2 requests per plan: the union of the two
     assert r["threshold"]["measured_batch"] == 1  # every speedup >= 0
     # bytes per step by kind: expert bytes from the counters, no state in an attention-only model
     split = r["bytes_split"]["batches"]["4"]

@@ -71,6 +71,27 @@ from slimwise.perf.timing import (
 DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
 POLICY_PREFIX = "slimwise-min"
+#: several plans in one engine (plans "a" = the bench's plan and "b" = --plan-b): `mix-P` sends P% of each batch's
+#: requests to plan a and the rest to plan b; `mixfull-P` the rest to full (every expert)
+MIX_PREFIXES = ("mix-", "mixfull-")
+
+
+def mix_of(name: str) -> tuple[int, str] | None:
+    """(percent of requests on plan a, the rest's plan) of a mix variant name, else None."""
+    for prefix, rest in zip(MIX_PREFIXES, ("b", "full"), strict=True):
+        value = name[len(prefix):]
+        if name.startswith(prefix) and value.isdigit() and 0 <= int(value) <= 100:
+            return int(value), rest
+    return None
+
+
+def variant_plans(variant: Variant, batch: int) -> list[str] | None:
+    """Each request's plan name for a mix variant at `batch` (None: not a mix): the first round(P% x B) on plan a."""
+    mix = variant.meta.get("mix")
+    if mix is None:
+        return None
+    n_a = int(round(mix[0] / 100 * batch))
+    return ["a"] * n_a + [mix[1]] * (batch - n_a)
 
 
 @dataclass
@@ -83,6 +104,7 @@ class BenchConfig:
     routing_skew: str | None = None  # synthetic: calibration stats whose usage shares the routers follow
     synthetic_dir: str | None = None  # where the synthetic model is built (default runs/synthetic-<preset>[...])
     plan: str | None = None  # plan JSON; default: from `stats`, else random (seeded), at `ratio`
+    plan_b: str | None = None  # mix variants' second plan; default: random (seed + 1) at `ratio`
     stats: str | None = None  # calibration stats for the plan (this model's, or usage shares for synthetic)
     criterion: str = "reap"
     ratio: float = 0.5
@@ -154,8 +176,10 @@ def _check_config(config: BenchConfig) -> None:
     if config.prompt_len < 1 or config.repetitions < 1:
         raise SlimWiseError("prompt_len and repetitions must be >= 1")
     for v in config.variants:
-        if v not in BASE_VARIANTS and not (v.startswith(POLICY_PREFIX) and v[len(POLICY_PREFIX):].isdigit()):
-            raise SlimWiseError(f"unknown variant {v!r}; have: {', '.join(BASE_VARIANTS)}, {POLICY_PREFIX}N")
+        if v not in BASE_VARIANTS and not (v.startswith(POLICY_PREFIX) and v[len(POLICY_PREFIX):].isdigit()) \
+                and mix_of(v) is None:
+            raise SlimWiseError(f"unknown variant {v!r}; have: {', '.join(BASE_VARIANTS)}, {POLICY_PREFIX}N, "
+                                "mix-P and mixfull-P (P = 0..100: percent of requests on the plan)")
     if "full" not in config.variants:
         raise SlimWiseError("variant 'full' is needed: every ratio is against the full model of the same round")
     if len(set(config.variants)) != len(config.variants):
@@ -288,11 +312,35 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, p
         elif name in ("slimwise", "uniform"):
             out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path), kept, arch,
                                mode=name))
+        elif mix_of(name) is not None:  # one engine with both plans; each request names its own
+            plans = {"a": plan_path, "b": plan_b_path(config, model_dir, plan_path)}
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plans), plan.num_experts, arch,
+                               mode="slimwise", meta={"mix": mix_of(name)}))
         else:
             n = int(name[len(POLICY_PREFIX):])
             out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path), kept, arch,
                                min_decode_batch=n, mode="slimwise"))
     return out
+
+
+def plan_b_path(config: BenchConfig, model_dir: Path, plan_path: Path) -> Path:
+    """The mix variants' second plan: --plan-b, else a random plan at the same ratio (seed + 1), made once."""
+    import torch
+
+    from slimwise.models import structure_model
+    from slimwise.plan import PrunePlan, make_plan
+
+    if config.plan_b:
+        plan = PrunePlan.load(config.plan_b)
+        plan.check_model(structure_model(model_dir), check_fingerprint=False)
+    else:  # plan a's layers, sizes and fingerprint, other experts
+        a = PrunePlan.load(plan_path)
+        layers = sorted(a.kept_experts)
+        scores = torch.rand(len(layers), a.num_experts, generator=torch.Generator().manual_seed(config.seed + 1))
+        plan = make_plan(scores, layers, a.ratio or config.ratio, family=a.family, top_k=a.top_k,
+                         num_groups=a.num_groups, criterion="random", fingerprint=a.fingerprint,
+                         meta={"seed": config.seed + 1})
+    return plan.save(Path(plan_path).with_name("plan-b.json"))
 
 
 # ----- engines -----------------------------------------------------------------------------------------------
@@ -395,11 +443,11 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
             prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
             for v in variants:
                 select(engines[v.name], v)
-                measure(engines[v.name], prompts, min(config.warmup_tokens, config.output_len))
+                measure(engines[v.name], prompts, min(config.warmup_tokens, config.output_len), variant_plans(v, b))
             for r, order in enumerate(_rounds(variants, config.repetitions)):
                 for v in order:
                     select(engines[v.name], v)
-                    m = measure(engines[v.name], prompts, config.output_len)
+                    m = measure(engines[v.name], prompts, config.output_len, variant_plans(v, b))
                     m.update(round=r, loadavg=os.getloadavg()[0])
                     runs[v.name][b].append(m)
                     log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
@@ -426,8 +474,8 @@ def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log
                     starts[v.name].append(s)
                     select(llm, v)
                     for b in config.batches:
-                        measure(llm, prompts[b], min(config.warmup_tokens, config.output_len))
-                        m = measure(llm, prompts[b], config.output_len)
+                        measure(llm, prompts[b], min(config.warmup_tokens, config.output_len), variant_plans(v, b))
+                        m = measure(llm, prompts[b], config.output_len, variant_plans(v, b))
                         m.update(round=r, loadavg=os.getloadavg()[0])
                         runs[v.name].setdefault(b, []).append(m)
                         log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
@@ -450,10 +498,11 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
     kw = dict(kwargs, enforce_eager=True)  # the counting hook runs in eager mode only
     vocab = _vocab(variants[0].model_dir)
     out: dict[str, dict] = {}
-    shared = next((v for v in variants if v.mode is not None), None)
+    shared = next((v for v in variants if v.mode is not None and not v.meta.get("mix")), None)
     groups: dict[str, list[Variant]] = {}
     for v in variants:  # full joins the shared engine of its checkpoint (mode "full" masks nothing)
-        on_shared = shared is not None and (v.mode is not None or v.model_dir == shared.model_dir)
+        on_shared = shared is not None and not v.meta.get("mix") and (
+            v.mode is not None or v.model_dir == shared.model_dir)
         groups.setdefault(shared.engine_key if on_shared else v.engine_key, []).append(v)
     for key, group in groups.items():
         base = shared if shared is not None and key == shared.engine_key else group[0]
@@ -468,7 +517,7 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
                 if base.mode is not None:  # the shared engine: this variant's mode ("full" for full)
                     llm.collective_rpc("slimwise_set_mode", args=(v.mode or "full", v.min_decode_batch))
                 before = llm.collective_rpc("slimwise_counters")[0]
-                measure(llm, prompts, config.count_output_len)
+                measure(llm, prompts, config.count_output_len, variant_plans(v, b))
                 after = llm.collective_rpc("slimwise_counters")[0]
                 # the load-aware variant routes small batches over every expert: E' is what it could reach
                 available = v.available_experts

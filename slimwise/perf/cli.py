@@ -243,7 +243,8 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
 # ----- slimwise bench / slimwise calib-cost --------------------------------------------------------------------
 
 BENCH_VARIANTS_HELP = ("full | slimwise | pruned | uniform | slimwise-minN (load-aware: prune only on steps with "
-                       ">= N decode tokens); default: full slimwise pruned uniform")
+                       ">= N decode tokens) | mix-P (one engine with two plans: P%% of requests on the plan, the "
+                       "rest on --plan-b) | mixfull-P (the rest on full); default: full slimwise pruned uniform")
 
 
 def _print_threshold(rep: dict) -> None:
@@ -272,7 +273,7 @@ def cmd_bench(args) -> None:
         raise SlimWiseError("give exactly one of MODEL and --synthetic PRESET (or --from-json BENCH_JSON)")
     config = BenchConfig(
         model=args.model, synthetic=args.synthetic, layers=args.layers, routing_skew=args.routing_skew,
-        synthetic_dir=args.synthetic_dir, plan=args.plan, stats=args.stats, criterion=args.criterion,
+        synthetic_dir=args.synthetic_dir, plan=args.plan, plan_b=args.plan_b, stats=args.stats, criterion=args.criterion,
         ratio=args.ratio, pruned_model=args.pruned_model, variants=tuple(args.variants),
         batches=tuple(args.batch), prompt_len=args.prompt_len, output_len=args.output_len,
         repetitions=args.repetitions, warmup_tokens=args.warmup_tokens, dtype=args.dtype,
@@ -329,6 +330,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stats", help="calibration stats for the plan")
     p.add_argument("--criterion", default="reap", help="with --stats of this model (default reap)")
     p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of experts pruned (default 0.5)")
+    p.add_argument("--plan-b", help="mix variants' second plan (default: random per layer at the plan's ratio, seed+1)")
     p.add_argument("--pruned-model", help="exported pruned checkpoint (default: exported into --out/pruned)")
     p.add_argument("--variants", nargs="+", default=["full", "slimwise", "pruned", "uniform"],
                    help=BENCH_VARIANTS_HELP)

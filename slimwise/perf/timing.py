@@ -45,11 +45,17 @@ def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[lis
     return torch.randint(4, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def measure(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """One timed generate: decode throughput and time per output token from vLLM's engine-core timestamps."""
+def measure(llm, prompts: list[list[int]], output_len: int, plans: list[str] | None = None) -> dict:
+    """One timed generate: decode throughput and time per output token from vLLM's engine-core timestamps.
+    `plans`: each request's plan name on a several-plan engine (SamplingParams.extra_args)."""
     from vllm import SamplingParams
 
+    from slimwise.serving.routing import REQUEST_PLAN_ARG
+
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    if plans is not None:
+        params = [SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False,
+                                 extra_args={REQUEST_PLAN_ARG: name}) for name in plans]
     requests = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     # scheduler paused while the requests are added, so the engine core cannot start a step with only the first
