@@ -207,6 +207,9 @@ def _csv(kind):
 def cmd_eval(args) -> None:
     from slimwise.evaluation import EvalConfig, run_eval
 
+    if args.route:
+        _eval_mix(args)
+        return
     config = EvalConfig(
         criteria=args.criteria, ratios=args.ratios, phases=args.phases, plans=tuple(args.plan or ()),
         stats=tuple(args.stats or ()), scope="global" if args.global_budget else "layer", modes=args.modes,
@@ -218,6 +221,32 @@ def cmd_eval(args) -> None:
         traffic=not args.no_traffic, out_dir=args.out, plots=not args.no_plots, cache=not args.no_cache,
         cache_dir=args.cache_dir)
     run_eval(args.models, config)
+
+
+def _eval_mix(args) -> None:
+    from slimwise.evaluation.mix import MixConfig, evaluate_mix, mix_table
+    from slimwise.hardware import resolve_dtype
+    from slimwise.models import resolve_model_dir
+
+    if args.engine != "vllm":
+        raise SlimWiseError("--route evaluates a traffic mix in one vLLM engine: add --engine vllm")
+    if len(args.models) != 1:
+        raise SlimWiseError("--route evaluates one model at a time")
+    unnamed, plans = serve_plans(args.plan or [])
+    if unnamed:
+        raise SlimWiseError("--route needs named plans: --plan NAME=PLAN")
+    routes: dict[str, str] = {}
+    for value in args.route:
+        domain, _, name = value.partition("=")
+        if not domain or not name:
+            raise SlimWiseError(f"--route {value!r}: expected DOMAIN=NAME (NAME a --plan name or full)")
+        routes[domain] = name
+    model_dir = resolve_model_dir(args.models[0])
+    config = MixConfig(plans=plans, routes=routes, data=args.data, grader=args.grader, split=args.split,
+                       n_per_family=args.per_family, max_samples=args.max_samples, seed=args.seed,
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                       dtype=resolve_dtype(args.dtype, model_dir)[0], out_dir=args.out)
+    print(mix_table(evaluate_mix(str(model_dir), config)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -353,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-cache", action="store_true", help="recompute calibration and runs cached in --out")
     p.add_argument("--cache-dir", help="where cached stats and generations go (default: OUT/cache)")
+    p.add_argument("--route", action="append", metavar="DOMAIN=NAME",
+                   help="evaluate a traffic mix instead of the grid (--engine vllm): plans given as --plan NAME=PLAN "
+                        "served in one engine, each problem routed by its domain to plan NAME (or full); DOMAIN * "
+                        "routes the rest (default full). Problems of every domain; writes OUT/mix.json and mix.md")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve", help="OpenAI-compatible server in vLLM: colocated (one engine) or disaggregated PD",

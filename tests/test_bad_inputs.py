@@ -314,6 +314,14 @@ for opt, value in [("--ratios", "nan"), ("--ratios", "1.5"), ("--ratios", "x"), 
     case(f"eval-{opt[2:]}-{value}", [*EVAL, opt, value, "--out", OUT])
 case("eval-stats-garbage", [*EVAL, "--stats", "{root}/stats-garbage.safetensors", "--out", OUT])
 case("eval-out-under-file", [*EVAL, "--plan", P, "--out", IN_FILE], IN_FILE)
+# a traffic mix (--route): refused before any engine starts
+case("eval-route-without-vllm", [*EVAL, "--plan", "m=" + P, "--route", "arithmetic=m", "--out", OUT])
+case("eval-route-unnamed-plan", [*EVAL, "--engine", "vllm", "--plan", P, "--route", "arithmetic=m", "--out", OUT])
+case("eval-route-unknown-plan", [*EVAL, "--engine", "vllm", "--plan", "m=" + P, "--route", "arithmetic=x",
+                                 "--out", OUT])
+case("eval-route-malformed", [*EVAL, "--engine", "vllm", "--plan", "m=" + P, "--route", "arithmetic", "--out", OUT])
+case("eval-route-plan-for-other-model", [*EVAL, "--engine", "vllm", "--plan", "m=" + _plan("layer-extra"),
+                                         "--route", "arithmetic=m", "--out", OUT])
 
 # ----- distill ---------------------------------------------------------------------------------------------------
 DIS = ["distill", M, "--data", D, "--steps", "1"]

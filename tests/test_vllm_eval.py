@@ -37,3 +37,43 @@ def test_eval_engine_parity(tmp_path):
     for a, b in zip(hf_report["runs"], vllm_report["runs"], strict=True):
         assert a["metrics"]["correct"] == b["metrics"]["correct"]
         assert a["metrics"]["lengths"] == b["metrics"]["lengths"]
+
+
+def test_eval_traffic_mix_routes_each_domain_to_its_plan(tmp_path):
+    """`slimwise eval --engine vllm --route`: one engine holding two plans; each problem's tokens equal the reference
+    engine's for the plan its domain routes to (float32), the full run's the full model's; per-plan token counts."""
+    from slimwise.criteria import random_plan
+    from slimwise.evaluation.mix import MixConfig, evaluate_mix
+    from slimwise.generate import GenerationConfig, PhaseSplitEngine
+    from slimwise.models import load_model, load_tokenizer
+
+    tok = build_tokenizer(tmp_path / "model")
+    save_tiny_model("qwen3_moe", tmp_path / "model", initializer_range=0.15, vocab_size=len(tok),
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model, tok = load_model(tmp_path / "model"), load_tokenizer(tmp_path / "model")
+    plans = {"math": random_plan(model, 0.5, seed=1), "lists": random_plan(model, 0.5, seed=2)}
+    for name, plan in plans.items():
+        plan.save(tmp_path / f"{name}.json")
+    config = MixConfig(plans={n: str(tmp_path / f"{n}.json") for n in plans},
+                       routes={"arithmetic": "math", "lists": "lists", "*": "full"}, n_per_family=1,
+                       max_new_tokens=10, out_dir=str(tmp_path / "mix"))
+    report = evaluate_mix(str(tmp_path / "model"), config, keep_outputs=True)
+    domains, routed = report["per_sample"]["domains"], report["per_sample"]["plans"]
+    assert set(domains) == {"arithmetic", "lists", "text"}
+    assert {d: p for d, p in zip(domains, routed, strict=True)} == {"arithmetic": "math", "lists": "lists",
+                                                                     "text": "full"}
+    from slimwise.evaluation.samples import load_samples
+
+    prompts = [s.prompt for s in load_samples(n_per_family=1, domain="all")]
+    gen = GenerationConfig(max_new_tokens=10)
+    ref = {name: [o.token_ids for o in PhaseSplitEngine(model, tok, plan=plan).generate(prompts, "slimwise", gen)]
+           for name, plan in plans.items()}
+    ref["full"] = [o.token_ids for o in PhaseSplitEngine(model, tok).generate(prompts, "full", gen)]
+    assert len({tuple(map(tuple, v)) for v in ref.values()}) == 3  # the routings differ on these prompts
+    assert report["outputs"]["routed"] == [ref[p][i] for i, p in enumerate(routed)]
+    assert report["outputs"]["full"] == ref["full"]
+    fed_back = {n: sum(len(ref[n][i]) - 1 for i, p in enumerate(routed) if p == n) for n in plans}
+    assert report["runs"]["routed"]["plan_tokens"] == fed_back
+    assert report["runs"]["full"]["plan_tokens"] == {"math": 0, "lists": 0}
+    assert (tmp_path / "mix" / "mix.md").read_text().startswith("# Traffic mix")
+    assert "outputs" not in json.loads((tmp_path / "mix" / "mix.json").read_text())
