@@ -91,3 +91,46 @@ def describe() -> dict:
 
 __all__ = ["BF16_FLAGS", "BF16_ONLY_ON_CPU", "bf16_support", "choose_cpu_dtype", "cpu_info", "describe", "resolve_dtype",
            "vllm_on_cpu"]
+
+
+#: vLLM's CPU backend: per-rank OpenMP core lists, "a-b|c-d" (one entry per local rank)
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_thread_binding(ranks: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` local CPU workers (tensor x pipeline parallel): the allowed cores split
+    into equal contiguous blocks, one per rank. vLLM's own "auto" binds one NUMA node per rank and refuses to start
+    with more ranks than nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), which is
+    every single-socket machine."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if len(cpus) < ranks:  # fewer cores than ranks: ranks share cores round-robin (slow, but it runs)
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(ranks))
+    per = len(cpus) // ranks
+    blocks = [cpus[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(",".join(map(str, b)) for b in blocks)
+
+
+def parallel_ranks(args: list[str]) -> int:
+    """Local ranks of one vLLM instance from its command-line options: tensor x pipeline parallel size."""
+    ranks = 1
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg in names and i + 1 < len(args) else (
+                arg.split("=", 1)[1] if arg.split("=", 1)[0] in names and "=" in arg else None)
+            if value is not None and value.isdigit():  # vLLM reports a malformed size itself
+                ranks *= max(1, int(value))
+                break
+    return ranks
+
+
+def cpu_binding_env(args: list[str], on_cpu: bool | None = None, environ=None) -> dict[str, str]:
+    """On vLLM's CPU backend with tensor or pipeline parallel ranks: the per-rank core binding vLLM needs on a
+    single-NUMA-node machine, where its default ("auto": one node per rank) refuses to start. The user's own
+    VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed."""
+    environ = os.environ if environ is None else environ
+    ranks = parallel_ranks(args)
+    if ranks == 1 or THREADS_BIND_ENV in environ or not (vllm_on_cpu() if on_cpu is None else on_cpu):
+        return {}
+    return {THREADS_BIND_ENV: cpu_thread_binding(ranks)}

@@ -153,6 +153,28 @@ def test_several_plans_in_one_engine_route_each_request_with_its_own(setup):
         engine.close()
 
 
+def test_tensor_parallel_2_colocated(setup):
+    """--tensor-parallel-size 2 on the CPU backend (two worker processes, one core each, shared-memory all-reduce):
+    the plan, the mask and the counters act on both ranks; full / slimwise / uniform in one engine equal the reference
+    (and so TP=1); the load-aware policy holds on both ranks. The core binding is SlimWise's (one NUMA node here)."""
+    model_dir, plan, ref, _ = setup("qwen3_moe")
+    engine = VllmEngine(model_dir, plan, share_engine=True,
+                        engine_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
+    n_prompt = sum(len(p) for p in PROMPTS)
+    n_fed_back = sum(len(t) - 1 for t in ref["slimwise"])
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["slimwise"]
+        ranks = engine.counters()
+        assert len(ranks) == 2 and all(totals([c]) == (n_fed_back, n_prompt) for c in ranks)
+        assert [o.token_ids for o in engine.generate(PROMPTS, "uniform", CONFIG)] == ref["uniform"]
+        assert [o.token_ids for o in engine.generate(PROMPTS, "full", CONFIG)] == ref["full"]
+        engine.set_min_decode_batch(len(PROMPTS) + 1)  # every step has fewer decode tokens: every expert
+        assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["full"]
+        assert all(totals([c])[0] == 0 for c in engine.counters())
+    finally:
+        engine.close()
+
+
 # qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py). An empty
 # plan installs nothing whatever the family (`engine.counters() == [{}]`), so one float32 family that is token-equal
 # to the reference suffices here (qwen3_next's bf16 engine could only be compared with itself).

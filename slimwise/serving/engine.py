@@ -15,8 +15,10 @@ vLLM spawns workers: construct this under an `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -123,8 +125,9 @@ class VllmEngine:
                                            default_plan=self.default_plan,
                                            min_decode_batch=self.min_decode_batch,
                                            delta=self.delta if kind in ("distilled", "shared-delta") else None)
-        self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
-                       skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
+        with _cpu_rank_binding(self.kwargs):
+            self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
+                           skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
         self._mode, self._kind = mode, kind
         if kind.startswith("shared"):
             self._switch()
@@ -217,3 +220,25 @@ def _with_plan(params, name: str):
     out = params.clone()
     out.extra_args = {**(out.extra_args or {}), REQUEST_PLAN_ARG: name}
     return out
+
+
+@contextlib.contextmanager
+def _cpu_rank_binding(kwargs: dict):
+    """While the engine starts its workers: the per-rank core binding vLLM's CPU backend needs for tensor / pipeline
+    parallel ranks on a single-NUMA-node machine (`slimwise.hardware.cpu_binding_env`), then the environment
+    as it was."""
+    from slimwise.hardware import cpu_binding_env
+
+    args = [f"--tensor-parallel-size={kwargs.get('tensor_parallel_size', 1)}",
+            f"--pipeline-parallel-size={kwargs.get('pipeline_parallel_size', 1)}"]
+    env = cpu_binding_env(args)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 
 from slimwise.errors import SlimWiseError
+from slimwise.hardware import cpu_binding_env
 from slimwise.io import pid_alive
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving.engine import slimwise_overrides
@@ -434,7 +435,10 @@ def serve(cfg: ServeConfig) -> int:
                 budget[f"plan {name}"] = f"{path}: {describe_plan(PrunePlan.load(path))}"
         _summary(cfg, None if cfg.plans else plan,
                  "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)", budget)
-        env = {}
+        env = cpu_binding_env(cfg.vllm_args)  # (slimwise.hardware)
+        if env:
+            print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
+                  "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
         if cfg.plans:
             from slimwise.serving.plan_select import PLAN_MODELS_ENV
 
