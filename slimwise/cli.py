@@ -48,7 +48,8 @@ def _plan_from_args(args):
     if not args.stats:
         raise SlimWiseError("give --plan PLAN, or --stats STATS with --criterion and --ratio")
     return plan_from_stats(ExpertStats.load(args.stats), args.criterion, args.ratio,
-                           scope="global" if args.global_budget else "layer")
+                           scope="global" if args.global_budget else "layer", ep_size=getattr(args, "ep_size", 1),
+                           ep_placement=getattr(args, "ep_placement", "linear"))
 
 
 def _add_plan_source(p: argparse.ArgumentParser, plan_option: bool = True) -> None:
@@ -67,7 +68,8 @@ def cmd_plan(args) -> None:
     plan.save(args.out)
     sizes = sorted({len(v) for v in plan.kept_experts.values()})
     print(f"wrote {args.out}: {plan.criterion} at ratio {plan.ratio}, keeps {sizes} of {plan.num_experts} "
-          f"experts in {len(plan.kept_experts)} layers ({plan.scope} scope)")
+          f"experts in {len(plan.kept_experts)} layers ({plan.scope} scope"
+          + (f", {plan.meta['ep_size']} EP ranks alike" if plan.meta.get("ep_size") else "") + ")")
 
 
 def cmd_prune(args) -> None:
@@ -272,6 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="score experts with a criterion and write a prune plan (JSON)")
     _add_plan_source(p, plan_option=False)
+    p.add_argument("--ep-size", type=integer(1), default=1,
+                   help="expert-parallel size to balance for: keep the same number of experts in every EP rank's "
+                        "block, so no rank's decode step waits on a fuller one (default 1: unbalanced)")
+    p.add_argument("--ep-placement", default="linear", choices=["linear", "round_robin"],
+                   help="vLLM's expert placement the plan balances for (--expert-placement-strategy)")
     p.add_argument("--out", required=True, help="plan JSON to write")
     p.set_defaults(func=cmd_plan)
 

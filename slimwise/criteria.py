@@ -65,16 +65,24 @@ def score_experts(stats: ExpertStats, criterion: str) -> torch.Tensor:
     return CRITERIA[criterion](stats)
 
 
-def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str = "layer") -> PrunePlan:
-    """Score experts with `criterion` and prune `ratio` of them; the plan inherits the stats' model fingerprint."""
+def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str = "layer", ep_size: int = 1,
+                    ep_placement: str = "linear") -> PrunePlan:
+    """Score experts with `criterion` and prune `ratio` of them; the plan inherits the stats' model fingerprint.
+    `ep_size` > 1: keep the same number of experts in every expert-parallel rank's block (`slimwise.parallel`)."""
     meta = stats.meta
     if "family" not in meta or "top_k" not in meta:
         raise SlimWiseError("stats file lacks model metadata (family, top_k); recalibrate with `slimwise calibrate`")
-    return make_plan(score_experts(stats, criterion), stats.layers, ratio, family=meta["family"],
-                     top_k=int(meta["top_k"]), num_groups=int(meta.get("num_groups", 1)),
-                     min_kept_per_group=int(meta.get("min_kept_per_group", 1)), scope=scope, criterion=criterion,
-                     phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
-                     meta={"stats_tokens": stats.tokens.tolist(), "calibration": meta.get("config")})
+    kwargs = dict(family=meta["family"], top_k=int(meta["top_k"]), num_groups=int(meta.get("num_groups", 1)),
+                  min_kept_per_group=int(meta.get("min_kept_per_group", 1)), scope=scope, criterion=criterion,
+                  phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
+                  meta={"stats_tokens": stats.tokens.tolist(), "calibration": meta.get("config")})
+    if ep_size > 1:
+        from slimwise.parallel import balanced_plan
+
+        if scope != "layer":
+            raise SlimWiseError("an EP-balanced plan prunes per layer: drop --global")
+        return balanced_plan(score_experts(stats, criterion), stats.layers, ratio, ep_size, ep_placement, **kwargs)
+    return make_plan(score_experts(stats, criterion), stats.layers, ratio, **kwargs)
 
 
 def random_plan(model, ratio: float, seed: int) -> PrunePlan:

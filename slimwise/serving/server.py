@@ -421,8 +421,14 @@ def _take_kv_cap(cfg: ServeConfig) -> None:
 
 
 def serve(cfg: ServeConfig) -> int:
+    from slimwise.parallel import ep_mismatch
+
     _take_kv_cap(cfg)
     plan = preflight(cfg)
+    for path in [cfg.plan] if cfg.plan else list(cfg.plans.values()):
+        warning = ep_mismatch(PrunePlan.load(path), cfg.vllm_args)
+        if warning:
+            print(f"warning: {path}: {warning}", flush=True)
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
