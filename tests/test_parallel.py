@@ -100,3 +100,21 @@ def test_plan_cli_writes_an_ep_balanced_plan(tiny_dirs, tmp_path, capsys):
     assert "4 EP ranks alike" in capsys.readouterr().out
     plan = PrunePlan.load(tmp_path / "plan.json")
     assert plan.meta["ep_size"] == 4 and imbalance(plan, 4)["max"] == 1.0
+
+
+def test_ep_roofline_balanced_beats_free_and_full_equals_itself():
+    from slimwise.perf.ep import INTERCONNECTS, predict_ep, random_plan_imbalance
+    from slimwise.perf.presets import preset_config
+    from slimwise.perf.roofline import HARDWARE, RooflineConfig
+
+    rc = RooflineConfig.from_hf(preset_config("qwen3-30b-a3b"))
+    hw, link = HARDWARE["h200"], INTERCONNECTS["nvlink4"]
+    free = random_plan_imbalance(128, 64, 8)
+    assert 1.2 < free < 1.5  # chance alone: 8 experts per rank on average, the busiest ~1.36x
+    balanced = predict_ep(rc, hw, link, 0.5, [32, 256], 8, 1.0)
+    unbalanced = predict_ep(rc, hw, link, 0.5, [32, 256], 8, free)
+    for b, u in zip(balanced, unbalanced, strict=True):
+        assert b.time_full_s == u.time_full_s and b.speedup > u.speedup > 1.0
+        assert b.expert_bytes_pruned < u.expert_bytes_pruned  # the busiest rank reads more under the free plan
+    # ratio 0 with a balanced plan is the full model: speedup exactly 1
+    assert all(x.speedup == 1.0 for x in predict_ep(rc, hw, link, 0.0, [64], 8, 1.0))
