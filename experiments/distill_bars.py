@@ -254,8 +254,17 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
     tok = load_tokenizer(model_name)
     config = BarsConfig()
     out: dict = {"model": model_name, "run": str(run_dir), "per_family": per_family, "seeds": {}}
+    # replication samples are disjoint from the run's own test sample and from each other (issue #17: seeds 1
+    # and 2 drawn independently shared 161 of 1,000 prompts with seed 0); a family with fewer distinct problems
+    # left (base conversions: ~460 test problems in all) gives what remains, recorded per family
+    used = {s.prompt for s in make_split("test", report.get("config", {}).get("test_per_family", per_family),
+                                         domain=TARGET_DOMAIN)}
+    out["disjoint"] = True
     for seed in tqdm(seeds, desc="seeds"):
-        samples = make_split("test", per_family, seed=seed, domain=TARGET_DOMAIN)
+        samples = make_split("test", per_family, seed=seed, domain=TARGET_DOMAIN, exclude=used, allow_fewer=True)
+        used |= {s.prompt for s in samples}
+        out.setdefault("sizes", {})[str(seed)] = {f: sum(x.family == f for x in samples)
+                                                 for f in dict.fromkeys(x.family for x in samples)}
         full = evaluate_run(PhaseSplitEngine(model, tok), samples, "full", config)
         full.pop("token_ids")
         entry: dict = {"full": full}
@@ -283,7 +292,10 @@ def replicate_table(report: dict, rep: dict) -> str:
             fams = split_families("test", rep["per_family"], int(seed))
             for run in [entry["full"], *(m for r in report["ratios"] for m in entry[r].values())]:
                 run["families"] = fams
-    lines = [f"## {rep['model']}: fresh test samples ({rep['per_family']} per family)", "",
+    sizes = "; ".join(f"seed {k}: " + ", ".join(f"{f} {n}" for f, n in v.items()) for k, v in rep.get("sizes", {}).items())
+    kind = (f"disjoint from the run's sample and from each other ({sizes})" if rep.get("disjoint")
+            else "drawn independently: they may share problems with the run's sample")
+    lines = [f"## {rep['model']}: fresh test samples (up to {rep['per_family']} per family, {kind})", "",
              "| seed | ratio | full % | SlimWise % | distilled % | recovered / gap | length Δ tokens SlimWise → "
              "distilled (± se) | length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for seed, entry in rep["seeds"].items():

@@ -406,9 +406,18 @@ def test_replicate_on_fresh_samples(tmp_path):
     plan.save(run / "plan-0.5.json")
     perturbed_delta(model, plan).save(run / "delta-distilled-0.5")
     (run / "report.json").write_text(json.dumps({"ratios": {"0.5": {}}}))
-    out = replicate_bars(str(tmp_path / "model"), run, seeds=(1,), per_family=1, threads=1)
-    fresh = make_split("test", 1, seed=1, domain="arithmetic")
-    assert {s.prompt for s in fresh}.isdisjoint({s.prompt for s in make_split("test", 1, seed=0, domain="arithmetic")})
+    out = replicate_bars(str(tmp_path / "model"), run, seeds=(1, 2), per_family=1, threads=1)
+    # the replication samples: disjoint from the run's own sample (seed 0) and from each other
+    own = {s.prompt for s in make_split("test", 1, seed=0, domain="arithmetic")}
+    fresh = make_split("test", 1, seed=1, domain="arithmetic", exclude=own, allow_fewer=True)
+    second = make_split("test", 1, seed=2, domain="arithmetic", exclude=own | {s.prompt for s in fresh},
+                        allow_fewer=True)
+    assert own.isdisjoint(s.prompt for s in fresh) and own.isdisjoint(s.prompt for s in second)
+    assert {s.prompt for s in fresh}.isdisjoint(s.prompt for s in second)
+    assert out["disjoint"] and out["sizes"]["2"] == {f: 1 for f in ("add", "sub", "mul", "gcd", "base")}
+    assert out["seeds"]["2"]["0.5"]["slimwise"]["lengths"] == evaluate_run(
+        PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), second, "slimwise",
+        BarsConfig())["lengths"]
     want = evaluate_run(PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), fresh, "slimwise",
                      BarsConfig())
     got = out["seeds"]["1"]["0.5"]["slimwise"]
@@ -416,7 +425,7 @@ def test_replicate_on_fresh_samples(tmp_path):
     assert out["seeds"]["1"]["0.5"]["distilled"]["lengths"] != got["lengths"]  # the delta was applied
     md = (run / "replicate.md").read_text().splitlines()
     assert len([line for line in md if line.startswith("| 1 | 0.5 |")]) == 1
-    assert "### Pooled: seeds 1 (5 problems)" in md and "| run | add | sub | mul | gcd | base |" in md
+    assert "### Pooled: seeds 1, 2 (10 problems)" in md and "| run | add | sub | mul | gcd | base |" in md
     assert any(line.startswith("- 0.5: SlimWise drifts") for line in md)
     assert json.loads((run / "replicate.json").read_text())["per_family"] == 1 and not list(run.glob("*.tmp"))
 

@@ -440,3 +440,12 @@ def test_length_stats_fit_a_tiny_model(tok_dir):
     for fam, st in train.items():
         assert 30 <= st["total"] <= 150 and st["max_total"] <= 200, (fam, st)
         assert held[fam]["total"] > st["total"], fam
+
+
+def test_exclude_draws_a_disjoint_sample_from_the_same_stream():
+    base = make_split("test", 30, seed=0, domain="arithmetic")
+    assert make_split("test", 30, seed=0, domain="arithmetic", exclude=()) == base  # no exclusion: unchanged
+    other = make_split("test", 30, seed=1, domain="arithmetic", exclude={s.prompt for s in base})
+    assert {s.prompt for s in other}.isdisjoint(s.prompt for s in base) and len(other) == len(base)
+    again = make_split("test", 30, seed=1, domain="arithmetic", exclude={s.prompt for s in base})
+    assert [s.prompt for s in again] == [s.prompt for s in other]  # deterministic

@@ -405,13 +405,15 @@ def make_split(
     domain: str | None = None,
     difficulty: str | None = None,
     allow_fewer: bool = False,
+    exclude: Iterable[str] = (),
 ) -> list[Sample]:
     """Deterministic, deduplicated samples of one split, grouped by family (shuffle them for training).
 
     Problems are re-drawn until their prompt hashes into the split's buckets, so splits never share a
     problem. `difficulty` is "train" or "heldout" (default: "heldout" for the heldout split, else "train").
     `allow_fewer`: a family with fewer distinct problems in the split gives all it has instead of an error
-    (base conversions have about 1,400 calibration problems).
+    (base conversions have about 1,400 calibration problems). `exclude`: prompts never to draw, e.g. another
+    sample of the same split, so that replication samples are disjoint (drawn from the same seeded stream otherwise).
     """
     if split not in SPLIT_BUCKETS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -419,6 +421,7 @@ def make_split(
     if level not in LEVELS:
         raise ValueError(f"unknown difficulty {level!r}; expected one of {LEVELS}")
     lo, hi = SPLIT_BUCKETS[split]
+    excluded = set(exclude)
     max_attempts = 200 * n_per_family + 10_000
     samples = []
     for name in select_families(families, domain):
@@ -436,7 +439,7 @@ def make_split(
                 )
             knobs = fam.sample_difficulty(rng, level)
             prompt, target, answer = fam.generate(rng, knobs)
-            if prompt in seen or not lo <= split_bucket(prompt) < hi:
+            if prompt in seen or prompt in excluded or not lo <= split_bucket(prompt) < hi:
                 continue
             sid = f"{split}-{name}-{len(seen):05d}"
             samples.append(Sample(sid, name, fam.domain, prompt, target, answer, knobs, split, level))
