@@ -5,10 +5,11 @@ Variants (identical engine settings; the masked ones share one engine):
   slimwise      SlimWise colocated: full-model prefill, decode tokens routed to the kept experts (masking);
   pruned        the exported pruned checkpoint alone (what a PD-disaggregated decode instance runs);
   uniform       every token routed to the kept experts inside the full checkpoint (classic pruning);
-  slimwise-minN SlimWise with the load-aware policy: prune only on steps with >= N decode tokens.
-slimwise, uniform and slimwise-minN are one SlimWise engine (one weight copy, as colocated serving runs it)
-whose mode is switched before each measurement (`slimwise_set_mode`, outside the timed window); full and
-pruned are separate stock engines.
+  slimwise-minN SlimWise with the load-aware policy: prune only on steps with >= N decode tokens;
+  mix-P, mixfull-P  one engine with two plans, P% of each batch on the plan (`slimwise.perf.mixes`).
+slimwise, uniform and slimwise-minN are one SlimWise engine (one weight copy, as colocated serving runs it) whose
+mode is switched before each measurement (`slimwise_set_mode`, outside the timed window); the mixes share another;
+full and pruned are separate stock engines.
 
 Method: B random-token prompts of `prompt_len` tokens, `output_len` tokens each with ignore_eos and greedy
 sampling. Decode time comes from vLLM's per-request metrics (engine-core timestamps): from the first token
@@ -59,6 +60,7 @@ from slimwise.perf.bench_report import (
     summarize_runs,
     threshold_report,
 )
+from slimwise.perf.mixes import mix_of, plan_b_path, variant_plans
 from slimwise.perf.timing import (
     close_engine,
     engines_closed_on_sigterm,
@@ -66,34 +68,12 @@ from slimwise.perf.timing import (
     make_prompts,
     measure,
     state_bytes_per_layer,
+    vocab_size,
 )
 
 DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
 POLICY_PREFIX = "slimwise-min"
-#: several plans in one engine (plans "a" = the bench's plan and "b" = --plan-b): `mix-P` sends P% of each batch's
-#: requests to plan a and the rest to plan b; `mixfull-P` the rest to full (every expert)
-MIX_PREFIXES = ("mix-", "mixfull-")
-
-
-def mix_of(name: str) -> tuple[int, str] | None:
-    """(percent of requests on plan a, the rest's plan) of a mix variant name, else None."""
-    for prefix, rest in zip(MIX_PREFIXES, ("b", "full"), strict=True):
-        value = name[len(prefix):]
-        if name.startswith(prefix) and value.isdigit() and 0 <= int(value) <= 100:
-            return int(value), rest
-    return None
-
-
-def variant_plans(variant: Variant, batch: int) -> list[str] | None:
-    """Each request's plan name for a mix variant at `batch` (None: not a mix): the first round(P% x B) on plan a."""
-    mix = variant.meta.get("mix")
-    if mix is None:
-        return None
-    n_a = int(round(mix[0] / 100 * batch))
-    return ["a"] * n_a + [mix[1]] * (batch - n_a)
-
-
 @dataclass
 class BenchConfig:
     """What to benchmark and how. Exactly one of `model` (a checkpoint) and `synthetic` (a preset name)."""
@@ -323,26 +303,6 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, p
     return out
 
 
-def plan_b_path(config: BenchConfig, model_dir: Path, plan_path: Path) -> Path:
-    """The mix variants' second plan: --plan-b, else a random plan at the same ratio (seed + 1), made once."""
-    import torch
-
-    from slimwise.models import structure_model
-    from slimwise.plan import PrunePlan, make_plan
-
-    if config.plan_b:
-        plan = PrunePlan.load(config.plan_b)
-        plan.check_model(structure_model(model_dir), check_fingerprint=False)
-    else:  # plan a's layers, sizes and fingerprint, other experts
-        a = PrunePlan.load(plan_path)
-        layers = sorted(a.kept_experts)
-        scores = torch.rand(len(layers), a.num_experts, generator=torch.Generator().manual_seed(config.seed + 1))
-        plan = make_plan(scores, layers, a.ratio or config.ratio, family=a.family, top_k=a.top_k,
-                         num_groups=a.num_groups, criterion="random", fingerprint=a.fingerprint,
-                         meta={"seed": config.seed + 1})
-    return plan.save(Path(plan_path).with_name("plan-b.json"))
-
-
 # ----- engines -----------------------------------------------------------------------------------------------
 
 def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
@@ -388,11 +348,6 @@ def _rounds(variants: list[Variant], repetitions: int) -> list[list[Variant]]:
     return [variants[r % n:] + variants[:r % n] for r in range(repetitions)]
 
 
-def _vocab(model_dir: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("text_config", cfg)["vocab_size"])
-
-
 PARTIAL_FILE = "bench.partial.json"
 
 
@@ -429,7 +384,7 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
     starts: dict[str, list[float]] = {v.name: list(old_starts.get(v.name, [])) for v in variants}
     todo = [b for b in config.batches if any(len(runs[v.name].get(b, [])) < config.repetitions for v in variants)]
     engines = {}  # variant name -> its (possibly shared) engine
-    vocab = _vocab(variants[0].model_dir)
+    vocab = vocab_size(variants[0].model_dir)
     try:
         for group in engine_groups(variants).values() if todo else []:
             llm, s = start_engine(group[0], kwargs)
@@ -462,7 +417,7 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
 def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:
     runs: dict[str, dict[int, list]] = {v.name: {} for v in variants}
     starts: dict[str, list[float]] = {v.name: [] for v in variants}
-    vocab = _vocab(variants[0].model_dir)
+    vocab = vocab_size(variants[0].model_dir)
     prompts = {b: make_prompts(b, config.prompt_len, vocab, config.seed) for b in config.batches}
     groups = list(engine_groups(variants).values())
     for r in range(config.repetitions):
@@ -496,7 +451,7 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
     from slimwise.serving.routing import COUNT_EXPERTS_KEY
 
     kw = dict(kwargs, enforce_eager=True)  # the counting hook runs in eager mode only
-    vocab = _vocab(variants[0].model_dir)
+    vocab = vocab_size(variants[0].model_dir)
     out: dict[str, dict] = {}
     shared = next((v for v in variants if v.mode is not None and not v.meta.get("mix")), None)
     groups: dict[str, list[Variant]] = {}

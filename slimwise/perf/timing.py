@@ -37,6 +37,15 @@ def engines_closed_on_sigterm():
         signal.signal(signal.SIGTERM, previous)
 
 
+def vocab_size(model_dir: str) -> int:
+    """The vocabulary random prompts are drawn from (a multimodal config's text part)."""
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["vocab_size"])
+
+
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     """Random token-id prompts (ids >= 4 skip the synthetic tokenizer's specials), the same for every variant."""
     import torch
