@@ -9,6 +9,7 @@ vLLM falls back to torch linears for bf16, and float32 decodes about 1.5x faster
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from functools import lru_cache
@@ -134,3 +135,19 @@ def cpu_binding_env(args: list[str], on_cpu: bool | None = None, environ=None) -
     if ranks == 1 or THREADS_BIND_ENV in environ or not (vllm_on_cpu() if on_cpu is None else on_cpu):
         return {}
     return {THREADS_BIND_ENV: cpu_thread_binding(ranks)}
+
+
+@contextlib.contextmanager
+def scoped_environ(env: dict[str, str]):
+    """Set `env` in os.environ for the block (what processes started in it inherit), then restore every key as it
+    was: nothing leaks into the caller's later processes or the next test."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -118,3 +118,18 @@ def test_ep_roofline_balanced_beats_free_and_full_equals_itself():
         assert b.expert_bytes_pruned < u.expert_bytes_pruned  # the busiest rank reads more under the free plan
     # ratio 0 with a balanced plan is the full model: speedup exactly 1
     assert all(x.speedup == 1.0 for x in predict_ep(rc, hw, link, 0.0, [64], 8, 1.0))
+
+
+def test_scoped_environ_restores_set_and_unset_keys_even_on_error(monkeypatch):
+    import os
+
+    from slimwise.hardware import cpu_thread_binding, scoped_environ
+
+    monkeypatch.setenv("SLIMWISE_T_SET", "before")
+    monkeypatch.delenv("SLIMWISE_T_UNSET", raising=False)
+    with pytest.raises(RuntimeError), scoped_environ({"SLIMWISE_T_SET": "x", "SLIMWISE_T_UNSET": "y"}):
+        assert os.environ["SLIMWISE_T_SET"] == "x" and os.environ["SLIMWISE_T_UNSET"] == "y"
+        raise RuntimeError
+    assert os.environ["SLIMWISE_T_SET"] == "before" and "SLIMWISE_T_UNSET" not in os.environ
+    # one equal block of cores per rank; fewer cores than ranks share them
+    assert cpu_thread_binding(2, [0, 1, 2, 3]) == "0,1|2,3" and cpu_thread_binding(3, [5, 6]) == "5|6|5"

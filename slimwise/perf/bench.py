@@ -48,6 +48,7 @@ from pathlib import Path
 
 from slimwise.criteria import random_plan
 from slimwise.errors import SlimWiseError
+from slimwise.hardware import scoped_environ
 from slimwise.io import atomic_write_text
 from slimwise.perf.bench_report import (
     bytes_split_table,
@@ -101,6 +102,7 @@ class BenchConfig:
     max_num_batched_tokens: int | None = None  # default: max batch x prompt_len (one prefill step)
     restart: bool = False
     resume: bool = False  # resident mode: reuse batches already measured in out_dir/bench.partial.json
+    in_process: bool = False  # engine cores in the bench process: idle resident engines cannot poll (issue #18)
     count_experts: bool = True
     count_output_len: int = 16
     hardware: str | None = "cpu-measured"  # roofline hardware; None: no prediction
@@ -514,16 +516,11 @@ def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> 
     """Run the benchmark; write bench.json, bench.md and the PNG into config.out_dir; return the result."""
     log = log or (lambda s: print(s, flush=True))
     _check_config(config)
-    saved = os.environ.get("VLLM_LOGGING_LEVEL")
-    if not config.verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
+    env = {} if config.verbose else {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if config.in_process:  # engine cores in this process: an idle resident engine runs nothing (no polling loop)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    with scoped_environ(env):  # the caller's environment (and every process it starts later) stays its own
         return _run_bench(config, log)
-    finally:  # the caller's environment (and every process it starts later) keeps its own log level
-        if saved is None:
-            os.environ.pop("VLLM_LOGGING_LEVEL", None)
-        else:
-            os.environ["VLLM_LOGGING_LEVEL"] = saved
 
 
 def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:

@@ -279,7 +279,7 @@ def cmd_bench(args) -> None:
         repetitions=args.repetitions, warmup_tokens=args.warmup_tokens, dtype=args.dtype,
         enforce_eager=not args.compile,
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
-        max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart, resume=args.resume,
+        max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart, resume=args.resume, in_process=args.in_process,
         count_experts=not args.no_count, count_output_len=args.count_output_len,
         hardware=None if args.hardware == "none" else args.hardware, suggest_threshold=args.suggest_threshold,
         out_dir=args.out, plot=args.plot, seed=args.seed, verbose=args.verbose)
@@ -346,6 +346,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
     p.add_argument("--kv-cache-gb", type=number(0, lo_open=True), help="KV cache per engine (default: what the largest batch needs)")
     p.add_argument("--max-num-batched-tokens", type=integer(1), help="default: max batch x prompt length")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine cores in this process: a resident engine that is not being measured runs "
+                        "nothing, where a subprocess engine core keeps polling (25-40%% of a core each, issue #18)")
     p.add_argument("--restart", action="store_true",
                    help="one engine alive at a time, restarted every round (when the engines do not fit together)")
     p.add_argument("--resume", action="store_true",

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -227,18 +226,9 @@ def _cpu_rank_binding(kwargs: dict):
     """While the engine starts its workers: the per-rank core binding vLLM's CPU backend needs for tensor / pipeline
     parallel ranks on a single-NUMA-node machine (`slimwise.hardware.cpu_binding_env`), then the environment
     as it was."""
-    from slimwise.hardware import cpu_binding_env
+    from slimwise.hardware import cpu_binding_env, scoped_environ
 
     args = [f"--tensor-parallel-size={kwargs.get('tensor_parallel_size', 1)}",
             f"--pipeline-parallel-size={kwargs.get('pipeline_parallel_size', 1)}"]
-    env = cpu_binding_env(args)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with scoped_environ(cpu_binding_env(args)):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
