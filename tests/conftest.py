@@ -56,3 +56,20 @@ def _vllm_engine_in_process(request, monkeypatch):
     for key in set(os.environ) - set(env):
         del os.environ[key]
     os.environ.update(env)
+
+
+class _GateBlock(torch.nn.Module):
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.mlp = torch.nn.Module()
+        self.mlp.gate = torch.nn.Linear(hidden, experts, bias=False)
+
+
+class GateModel(torch.nn.Module):
+    """A stand-in with the module names of vLLM's MoE gates (`layers.N.mlp.gate`): all DecodeRouting hooks, so its
+    routing logic is tested without an engine (the engines' tests are tests/test_vllm_*.py)."""
+
+    def __init__(self, hidden=16, experts=8, layers=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_GateBlock(hidden, experts) for _ in range(layers))

@@ -16,8 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import random_prompts
-from torch import nn
+from conftest import GateModel, random_prompts
 from transformers import PretrainedConfig
 
 from slimwise.errors import SlimWiseError
@@ -164,28 +163,14 @@ def test_from_json_prints_tables_and_threshold(tmp_path, capsys):
 # ----- the counting hook of DecodeRouting on a stand-in model ---------------------------------------------------
 
 
-class _Block(nn.Module):
-    def __init__(self, hidden: int, experts: int):
-        super().__init__()
-        self.mlp = nn.Module()
-        self.mlp.gate = nn.Linear(hidden, experts, bias=False)
-
-
-class _Model(nn.Module):
-    def __init__(self, hidden=16, experts=8, layers=2):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(_Block(hidden, experts) for _ in range(layers))
-
-
-def _route(routing: DecodeRouting, model: _Model, x: torch.Tensor, positions, prompt_lens):
+def _route(routing: DecodeRouting, model: GateModel, x: torch.Tensor, positions, prompt_lens):
     routing.set_step(np.array(positions), np.array(prompt_lens), torch.tensor(positions))
     return [block.mlp.gate(x) for block in model.layers]
 
 
 @pytest.mark.parametrize("with_plan", [False, True])
 def test_counting_hook_counts_distinct_experts_of_decode_rows(with_plan):
-    model = _Model()
+    model = GateModel()
     kept = [0, 2, 4, 6]
     extra = {}
     if with_plan:
@@ -212,7 +197,7 @@ def test_counting_hook_counts_distinct_experts_of_decode_rows(with_plan):
 
 
 def test_counting_off_keeps_the_routing_inactive_without_a_plan():
-    routing = DecodeRouting(_Model(), PretrainedConfig(num_experts=8, num_experts_per_tok=2), max_tokens=16)
+    routing = DecodeRouting(GateModel(), PretrainedConfig(num_experts=8, num_experts_per_tok=2), max_tokens=16)
     assert not routing.active
 
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from conftest import GateModel
 from transformers import PretrainedConfig
 
 from slimwise.errors import SlimWiseError
@@ -22,31 +22,15 @@ from slimwise.serving.routing import DEFAULT_PLAN_KEY, DELTA_KEY, PLAN_KEY, PLAN
 A_KEPT, B_KEPT = [0, 2, 4, 6], [1, 3, 5, 7]
 
 
-class _Block(nn.Module):
-    def __init__(self, hidden: int, experts: int):
-        super().__init__()
-        self.mlp = nn.Module()
-        self.mlp.gate = nn.Linear(hidden, experts, bias=False)
-
-
-class _Model(nn.Module):
-    """A stand-in with the module names of vLLM's MoE gates (`layers.N.mlp.gate`), which is all the routing hooks."""
-
-    def __init__(self, hidden=16, experts=8, layers=2):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(_Block(hidden, experts) for _ in range(layers))
-
-
 def _plan(kept) -> dict:
     return PrunePlan(family="qwen3_moe", num_experts=8, top_k=2, kept_experts={0: kept, 1: kept}).to_dict()
 
 
-def _routing(default=None, **extra) -> tuple[DecodeRouting, _Model]:
+def _routing(default=None, **extra) -> tuple[DecodeRouting, GateModel]:
     settings = {PLANS_KEY: {"a": _plan(A_KEPT), "b": _plan(B_KEPT)}, **extra}
     if default is not None:
         settings[DEFAULT_PLAN_KEY] = default
-    model = _Model()
+    model = GateModel()
     return DecodeRouting(model, PretrainedConfig(num_experts=8, num_experts_per_tok=2, **settings), 16), model
 
 
@@ -96,7 +80,7 @@ def test_requests_choose_plans_by_extra_args_and_unknown_names_are_full_routed()
 
 
 def test_one_plan_is_the_single_plan_case():
-    model = _Model()
+    model = GateModel()
     routing = DecodeRouting(model, PretrainedConfig(num_experts=8, num_experts_per_tok=2,
                                                     **{PLAN_KEY: _plan(A_KEPT)}), 16)
     assert not routing.multi_plan and routing.plans.keys() == {"default"}
@@ -114,7 +98,7 @@ def test_one_plan_is_the_single_plan_case():
 ])
 def test_plan_settings_are_refused_with_the_fix(settings, message):
     with pytest.raises(SlimWiseError, match=message):
-        DecodeRouting(_Model(), PretrainedConfig(num_experts=8, num_experts_per_tok=2, **settings), 16)
+        DecodeRouting(GateModel(), PretrainedConfig(num_experts=8, num_experts_per_tok=2, **settings), 16)
 
 
 def test_uniform_mode_is_refused_with_several_plans():
