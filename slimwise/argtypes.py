@@ -46,3 +46,23 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def option_value(args: list[str], *names: str) -> str | None:
+    """The value of the first of `names` on a pass-through command line (`--name value` or `--name=value`), else
+    None: how SlimWise reads the vLLM options it must know about without parsing vLLM's whole command line."""
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if key in names:
+            if eq:
+                return value
+            if i + 1 < len(args):
+                return args[i + 1]
+    return None
+
+
+def option_count(args: list[str], *names: str) -> int:
+    """A positive integer option (a parallel size) from a pass-through command line; 1 when absent or malformed (vLLM
+    reports a malformed value itself)."""
+    value = option_value(args, *names)
+    return max(1, int(value)) if value is not None and value.isdigit() else 1

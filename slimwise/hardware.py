@@ -115,23 +115,16 @@ def cpu_thread_binding(ranks: int, cpus: list[int] | None = None) -> str:
 
 def parallel_ranks(args: list[str]) -> int:
     """Local ranks of one vLLM instance from its command-line options: tensor x pipeline parallel size."""
-    ranks = 1
-    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
-        for i, arg in enumerate(args):
-            value = args[i + 1] if arg in names and i + 1 < len(args) else (
-                arg.split("=", 1)[1] if arg.split("=", 1)[0] in names and "=" in arg else None)
-            if value is not None and value.isdigit():  # vLLM reports a malformed size itself
-                ranks *= max(1, int(value))
-                break
-    return ranks
+    from slimwise.argtypes import option_count
+
+    return option_count(args, "--tensor-parallel-size", "-tp") * option_count(args, "--pipeline-parallel-size", "-pp")
 
 
-def cpu_binding_env(args: list[str], on_cpu: bool | None = None, environ=None) -> dict[str, str]:
-    """On vLLM's CPU backend with tensor or pipeline parallel ranks: the per-rank core binding vLLM needs on a
-    single-NUMA-node machine, where its default ("auto": one node per rank) refuses to start. The user's own
-    VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed."""
+def cpu_binding_env(ranks: int, on_cpu: bool | None = None, environ=None) -> dict[str, str]:
+    """On vLLM's CPU backend with `ranks` local ranks (tensor x pipeline parallel): the per-rank core binding vLLM
+    needs on a single-NUMA-node machine, where its default ("auto": one node per rank) refuses to start. The user's
+    own VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed."""
     environ = os.environ if environ is None else environ
-    ranks = parallel_ranks(args)
     if ranks == 1 or THREADS_BIND_ENV in environ or not (vllm_on_cpu() if on_cpu is None else on_cpu):
         return {}
     return {THREADS_BIND_ENV: cpu_thread_binding(ranks)}

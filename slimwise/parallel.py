@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from slimwise.argtypes import option_count, option_value
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan, make_plan
 
@@ -84,15 +85,8 @@ def served_ep_size(vllm_args: list[str]) -> int:
     """The EP size a vLLM command line serves with: tensor x data parallel with --enable-expert-parallel, else 1."""
     if "--enable-expert-parallel" not in vllm_args and "-ep" not in vllm_args:
         return 1
-    size = 1
-    for names in (("--tensor-parallel-size", "-tp"), ("--data-parallel-size", "-dp")):
-        for i, arg in enumerate(vllm_args):
-            value = vllm_args[i + 1] if arg in names and i + 1 < len(vllm_args) else (
-                arg.split("=", 1)[1] if "=" in arg and arg.split("=", 1)[0] in names else None)
-            if value is not None and value.isdigit():
-                size *= max(1, int(value))
-                break
-    return size
+    return option_count(vllm_args, "--tensor-parallel-size", "-tp") * option_count(vllm_args, "--data-parallel-size",
+                                                                                   "-dp")
 
 
 def ep_mismatch(plan: PrunePlan, vllm_args: list[str]) -> str | None:
@@ -102,8 +96,7 @@ def ep_mismatch(plan: PrunePlan, vllm_args: list[str]) -> str | None:
     if not want:
         return None
     have = served_ep_size(vllm_args)
-    placement = next((vllm_args[i + 1] for i, a in enumerate(vllm_args[:-1]) if a == "--expert-placement-strategy"),
-                     "linear")
+    placement = option_value(vllm_args, "--expert-placement-strategy") or "linear"
     if have == want and placement == plan.meta.get("ep_placement", "linear"):
         return None
     return (f"the plan keeps equal experts per rank for EP size {want} ({plan.meta.get('ep_placement', 'linear')} "

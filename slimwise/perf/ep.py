@@ -77,8 +77,7 @@ def _gpu_step(config: RooflineConfig, hw: Hardware, link: Interconnect, batch: i
     per_gpu = batch / ep
     touched = experts_on_busiest * (expected_union(kept_total, config.top_k, batch) / kept_total)
     expert_bytes = config.moe_layers * touched * config.expert_params * config.weight_bytes
-    dense = config.weight_bytes_step(0, 0.0, kept_total) + per_gpu * config.hidden_size * config.weight_bytes * (
-        0 if config.tied else 1)
+    dense = config.weight_bytes_step(per_gpu, 0.0, kept_total)  # replicated weights, this GPU's lm_head rows
     cache = config.cache_bytes_step(1, context_len) * per_gpu
     flops = 2.0 * per_gpu * config.active_params(kept_total)
     a2a = config.moe_layers * 2 * (link.latency_s + per_gpu * config.top_k * config.hidden_size * config.weight_bytes

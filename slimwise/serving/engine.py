@@ -228,7 +228,6 @@ def _cpu_rank_binding(kwargs: dict):
     as it was."""
     from slimwise.hardware import cpu_binding_env, scoped_environ
 
-    args = [f"--tensor-parallel-size={kwargs.get('tensor_parallel_size', 1)}",
-            f"--pipeline-parallel-size={kwargs.get('pipeline_parallel_size', 1)}"]
-    with scoped_environ(cpu_binding_env(args)):
+    ranks = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
+    with scoped_environ(cpu_binding_env(ranks)):
         yield

@@ -141,9 +141,9 @@ class DecodeRouting(nn.Module):
         super().__init__()
         text_config = getattr(hf_config, "text_config", hf_config)
         self.plans, self.default_plan = load_plans(hf_config, text_config)
-        # plan index per name: row k of every gate's pruned table (0: every expert, the "full" routing)
-        self.plan_index = {"full": 0, **{name: i + 1 for i, name in enumerate(self.plans)}}
+        # row k of every gate's pruned table is plan_names[k] (row 0: every expert, the "full" routing)
         self.plan_names = ["full", *self.plans]
+        self.plan_index = {name: i for i, name in enumerate(self.plan_names)}
         # the plan checks, the delta and the log refer to the default plan (the only one with a delta)
         self.plan = self.plans.get(self.default_plan) or next(iter(self.plans.values()), None)
         self._request_plans: dict[str, int] = {}  # req_id -> plan index, refreshed each step (multi-plan)

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import httpx
 
+from slimwise.argtypes import option_value
 from slimwise.errors import SlimWiseError
-from slimwise.hardware import cpu_binding_env
+from slimwise.hardware import cpu_binding_env, parallel_ranks
 from slimwise.io import pid_alive
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving.engine import slimwise_overrides
@@ -68,15 +69,6 @@ MEMORY_OPTIONS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-
 CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM 0.32's OpenAI-server default on CPU (EngineArgs, per data-parallel rank)
 
 
-def _option(args: list[str], name: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _on_cpu() -> bool:
     from slimwise.hardware import vllm_on_cpu
 
@@ -101,9 +93,9 @@ def cpu_kv_budget(model_dir: str, args: list[str], instances: int = 1, available
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = config.get("text_config") or config
-    max_len = int(_option(args, "--max-model-len") or text.get("max_position_embeddings") or 4096)
-    seqs = int(_option(args, "--max-num-seqs") or CPU_DEFAULT_MAX_NUM_SEQS)
-    dtype = _option(args, "--dtype") or str(text.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    max_len = int(option_value(args, "--max-model-len") or text.get("max_position_embeddings") or 4096)
+    seqs = int(option_value(args, "--max-num-seqs") or CPU_DEFAULT_MAX_NUM_SEQS)
+    dtype = option_value(args, "--dtype") or str(text.get("dtype") or config.get("torch_dtype") or "bfloat16")
     per_token = kv_bytes_per_token(model_dir, dtype.removeprefix("torch."))
     need = int(1.25 * seqs * max_len * per_token) + (64 << 20)
     state = state_bytes_per_layer(model_dir)
@@ -123,7 +115,7 @@ def cpu_dtype(model_dir: str, args: list[str], on_cpu: bool | None = None) -> tu
     """(dtype, why) SlimWise passes to vLLM on a CPU backend when the user gave no --dtype (or auto), else None:
     the checkpoint's dtype, or float32 for a bf16 checkpoint on a CPU without bf16 matrix instructions
     (`slimwise.hardware.choose_cpu_dtype`)."""
-    if (_option(args, "--dtype") or "auto") != "auto" or not (_on_cpu() if on_cpu is None else on_cpu):
+    if (option_value(args, "--dtype") or "auto") != "auto" or not (_on_cpu() if on_cpu is None else on_cpu):
         return None
     from slimwise.hardware import resolve_dtype
 
@@ -363,9 +355,10 @@ class Supervisor:
             time.sleep(0.5)
 
 
-def preflight(cfg: ServeConfig) -> PrunePlan | None:
+def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names resolve
-    to theirs; nothing is looked up on a hub) and the plan was made for it."""
+    to theirs; nothing is looked up on a hub) and the plans were made for it. Returns the plans, loaded once, by
+    name ("" for the one unnamed `--plan`)."""
     from transformers import AutoConfig
 
     from slimwise.models import resolve_model_dir
@@ -398,7 +391,7 @@ def preflight(cfg: ServeConfig) -> PrunePlan | None:
         for plan in plans.values():
             check_plan_config(plan, config)
             check_plan_for_checkpoints(plan, cfg.model, cfg.decode_model)
-    return plans.get("")  # the one unnamed plan; named plans are read by the engine (colocated only)
+    return plans
 
 
 def _take_kv_cap(cfg: ServeConfig) -> None:
@@ -424,11 +417,12 @@ def serve(cfg: ServeConfig) -> int:
     from slimwise.parallel import ep_mismatch
 
     _take_kv_cap(cfg)
-    plan = preflight(cfg)
-    for path in [cfg.plan] if cfg.plan else list(cfg.plans.values()):
-        warning = ep_mismatch(PrunePlan.load(path), cfg.vllm_args)
+    plans = preflight(cfg)
+    plan = plans.get("")  # the one unnamed plan
+    for name, loaded in plans.items():
+        warning = ep_mismatch(loaded, cfg.vllm_args)
         if warning:
-            print(f"warning: {path}: {warning}", flush=True)
+            print(f"warning: {cfg.plans.get(name, cfg.plan)}: {warning}", flush=True)
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
@@ -438,10 +432,10 @@ def serve(cfg: ServeConfig) -> int:
             budget["models"] = ", ".join(f"{n} ({p or 'default: ' + (cfg.default_plan or next(iter(cfg.plans)))})"
                                          for n, p in names.items())
             for name, path in cfg.plans.items():
-                budget[f"plan {name}"] = f"{path}: {describe_plan(PrunePlan.load(path))}"
+                budget[f"plan {name}"] = f"{path}: {describe_plan(plans[name])}"
         _summary(cfg, None if cfg.plans else plan,
                  "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)", budget)
-        env = cpu_binding_env(cfg.vllm_args)  # (slimwise.hardware)
+        env = cpu_binding_env(parallel_ranks(cfg.vllm_args))
         if env:
             print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
                   "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
