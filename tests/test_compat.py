@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,50 @@ def test_nixl_connector_for_hybrids_resolves_as_vllm_loads_it():
     assert cls is connector.SlimWiseNixlConnector and issubclass(cls, NixlPullConnector) and issubclass(cls, SupportsHMA)
     for name in ("SlimWiseConnector", "SlimWiseNixlConnector"):
         assert issubclass(getattr(connector, name), SupportsHMA)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_shared_directory_connector_waits_for_every_rank_and_refuses_another_tp_size(tmp_path, tp_size):
+    """The decode side of `SlimWiseConnector` (scheduler role, built from the vLLM config of a real tiny model) loads a
+    prompt only once every layer's file of every rank of its tensor-parallel size is stored, and refuses, in one line
+    naming the fix, a prompt stored at another size (whose shards do not fit its ranks). The files' writing and
+    loading by real ranks is test_vllm_serve::test_disaggregated_serve_tensor_parallel_2."""
+    import torch
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from slimwise.errors import SlimWiseError
+    from slimwise.serving.connector import SlimWiseConnector, state_file_name
+    from slimwise.tiny import save_tiny_model
+
+    model = save_tiny_model("qwen3_moe", tmp_path / "model")
+    kv_dir = tmp_path / "kv"
+    config = EngineArgs(model=str(model), tensor_parallel_size=tp_size, kv_transfer_config=KVTransferConfig(
+        kv_connector="SlimWiseConnector", kv_connector_module_path="slimwise.serving.connector", kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(kv_dir)})).create_engine_config()
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(config.model_config.hf_config.num_hidden_layers)]
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    kv_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    connector = SlimWiseConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config=kv_config)
+
+    prompt = [5, 6, 7, 8]
+    folder = Path(connector._generate_foldername_debug(torch.tensor(prompt), [], create_folder=True))
+    assert not connector._stored(prompt, [])
+    files = [state_file_name(layer, tp_size, rank) for layer in layers for rank in range(tp_size)]
+    for name in files[:-1]:
+        (folder / name).write_bytes(b"")
+    assert not connector._stored(prompt, [])  # one rank's last layer is not on disk yet: not loaded
+    (folder / files[-1]).write_bytes(b"")
+    assert connector._stored(prompt, [])
+
+    other = [9, 10, 11]
+    folder = Path(connector._generate_foldername_debug(torch.tensor(other), [], create_folder=True))
+    for layer in layers:
+        for rank in range(3 - tp_size):  # stored by a prefill instance at the other size
+            (folder / state_file_name(layer, 3 - tp_size, rank)).write_bytes(b"")
+    with pytest.raises(SlimWiseError, match=rf"at --tensor-parallel-size {3 - tp_size} and this decode instance "
+                                            rf"runs {tp_size}.*same --tensor-parallel-size") as err:
+        connector._stored(other, [])
+    assert "\n" not in str(err.value)

@@ -206,6 +206,7 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
     from vllm import SamplingParams
 
     from slimwise.export import export_pruned
+    from slimwise.serving.connector import state_file_name
     from slimwise.serving.proxy import kv_folder
 
     model, plan = hybrid["model"], hybrid["plan"]
@@ -227,7 +228,7 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
         with torch.no_grad():
             full, pruned = reference.prefill([prompt], "full")[0], reference.prefill([prompt], "uniform")[0]
         for i in linear:
-            stored = safetensors.torch.load_file(kv_folder(kv, prompt) / f"model.layers.{i}.linear_attn.safetensors")
+            stored = safetensors.torch.load_file(kv_folder(kv, prompt) / state_file_name(f"model.layers.{i}.linear_attn"))
             for key in ("state_0", "state_1"):
                 # vLLM keeps the last kernel-1 conv inputs as [state, dim]; the recurrent state is [heads, k, v] as here
                 want, other = ((c.layers[i].conv_states[0][0, :, 1:].T if key == "state_0"
@@ -247,7 +248,7 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
         # control: the same request with the stored linear-attention state zeroed (attention KV intact)
         for prompt in PROMPTS:
             for i in linear:
-                path = kv_folder(kv, prompt) / f"model.layers.{i}.linear_attn.safetensors"
+                path = kv_folder(kv, prompt) / state_file_name(f"model.layers.{i}.linear_attn")
                 safetensors.torch.save_file({k: torch.zeros_like(v) for k, v in safetensors.torch.load_file(path).items()},
                                             path)
         zeroed = [[t, *o.outputs[0].token_ids] for t, o in zip(firsts, decode.generate(requests, params, use_tqdm=False),

@@ -169,6 +169,27 @@ def test_colocated_serve(served):
     assert "mode:     PD-colocated" in text and "plan main:" in text and "plan b:" in text
 
 
+def test_disaggregated_serve_tensor_parallel_2(served):
+    """PD-disaggregated with --tensor-parallel-size 2 on both instances (4 CPU workers on 2 cores; SlimWise binds each
+    instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads its own shard, and
+the tokens are the reference engine's SlimWise tokens."""
+    root, prompts, ref = served
+    port = free_port()
+    log = open(root / "disagg-tp2.log", "w")  # noqa: SIM115
+    proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--disaggregated", "--tensor-parallel-size",
+                  "2"], port, log, vllm_args=["--dtype", "float32", "--enforce-eager"])
+    try:
+        check_completions(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), prompts, ref["slimwise"])
+        deadline = time.monotonic() + 60  # the decode engine process's log line may reach the file late
+        while "SlimWise: loading the full model's state" not in (text := (root / "disagg-tp2.log").read_text()):
+            assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
+            time.sleep(0.5)
+    finally:
+        stop(proc)
+    text = (root / "disagg-tp2.log").read_text()
+    assert "threads:" in text and "tensor_parallel_size=2" in text
+
+
 def test_disaggregated_serve(served):
     root, prompts, ref = served
     port = free_port()

@@ -18,11 +18,19 @@ A linear-attention layer's cache is a (conv_state, ssm_state) pair indexed by th
 block of its group in Mamba cache mode "none" (prefix caching off), which both instances must use. The prefill
 instance must run a prompt in one step (`--no-enable-chunked-prefill`); `slimwise serve --disaggregated` passes
 both flags.
+
+Tensor parallelism: each rank holds its shard of the KV heads (and of the linear-attention state), so each rank
+stores and loads its own file, `<layer>.tp<size>-r<rank>.safetensors`, and the producer's ranks meet at a barrier
+after storing, so the first token leaves the prefill instance only once every shard is on disk. Shards are copied
+rank to rank, so both instances must run the same `--tensor-parallel-size` (`slimwise serve --disaggregated` gives
+both the same options); a decode instance that finds a prompt stored at another size refuses with a message naming
+the fix instead of decoding from the wrong shards. Pipeline stages need nothing: their layers have distinct names.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +78,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
 
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         # layer name -> (group index, tokens per block, is a linear-attention state layer)
         self._layers: dict[str, tuple[int, int, bool]] = {}
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -109,6 +118,14 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                 out[name] = tuple(kv)  # linear attention: (conv_state, ssm_state), first dim = state block
         return out
 
+    def _path(self, layer_name: str, request: PromptState) -> str:
+        """This rank's file for one layer of one prompt (worker side: the rank is known once distributed is up)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        path = self._generate_filename_debug(layer_name, torch.tensor(request.token_ids), request.mm_hashes)
+        return os.path.join(os.path.dirname(path), state_file_name(layer_name, self._tp_size,
+                                                                   get_tensor_model_parallel_rank()))
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         """Nothing per layer: `wait_for_save` stores every layer once the forward is done, so linear-attention
         layers (which never call this hook) are saved with their final state too."""
@@ -128,9 +145,14 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                     tensors = {f"state_{i}": t[index].detach().cpu().contiguous() for i, t in enumerate(kv)}
                 else:
                     tensors = {"kv_cache": kv[torch.tensor(blocks, device=kv.device)].detach().cpu().contiguous()}
-                path = self._generate_filename_debug(layer_name, torch.tensor(request.token_ids), request.mm_hashes)
-                safetensors.torch.save_file(tensors, path + ".tmp")
-                os.replace(path + ".tmp", path)
+                path = self._path(layer_name, request)
+                tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: two writers never rename each other's file
+                safetensors.torch.save_file(tensors, tmp)
+                os.replace(tmp, path)
+        if self._tp_size > 1:  # rank 0 returns the first token: only once every rank's shard is stored
+            from vllm.distributed import get_tp_group
+
+            get_tp_group().barrier()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs) -> None:
         loads = [r for r in self._get_connector_metadata().requests if not r.is_store]
@@ -140,8 +162,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         for request in loads:
             for layer_name, kv in layers.items():
                 blocks, state = self._where(layer_name, request)
-                path = self._generate_filename_debug(layer_name, torch.tensor(request.token_ids), request.mm_hashes)
-                src = safetensors.torch.load_file(path)
+                src = safetensors.torch.load_file(self._path(layer_name, request))
                 if state:
                     index = torch.tensor(blocks, device=kv[0].device)
                     for i, t in enumerate(kv):
@@ -150,8 +171,22 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                     kv[torch.tensor(blocks, device=kv.device)] = src["kv_cache"].to(kv.device)
 
     def _stored(self, token_ids: list[int], mm_hashes: list[str]) -> bool:
+        """Whether every rank's file of every layer is stored for this prompt at this instance's tensor-parallel
+        size. A prompt stored only at another size is refused: its shards do not fit this instance's ranks."""
         folder = self._generate_foldername_debug(torch.tensor(token_ids), mm_hashes, create_folder=False)
-        return os.path.isdir(folder) and any(name.endswith(".safetensors") for name in os.listdir(folder))
+        names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        if not self._layers:  # no KV-cache config (older single-group path): any file of this size
+            return any(name.endswith(f".{_tag(self._tp_size, 0)}") for name in names)
+        want = {state_file_name(layer, self._tp_size, rank) for layer in self._layers for rank in range(self._tp_size)}
+        if want <= names:
+            return True
+        sizes = {m.group(1) for name in names if (m := _TAG.search(name))} - {str(self._tp_size)}
+        if sizes and not self._kv_transfer_config.is_kv_producer:
+            raise SlimWiseError(f"SlimWiseConnector: the prefill instance stored this prompt's state at "
+                                f"--tensor-parallel-size {', '.join(sorted(sizes))} and this decode instance runs "
+                                f"{self._tp_size}; the connector copies each rank's shard to the same rank: start both "
+                                "instances with the same --tensor-parallel-size")
+        return False
 
     # ----- scheduler side ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -185,6 +220,19 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
     def _found_match_for_request(self, request: Request) -> bool:  # used by the base class's helpers
         prompt = list(request.prompt_token_ids or [])
         return self._stored(prompt[:-1], [f.identifier for f in request.mm_features])
+
+
+_TAG = re.compile(r"\.tp(\d+)-r\d+\.safetensors$")
+
+
+def _tag(tp_size: int, rank: int) -> str:
+    """File suffix of one tensor-parallel rank's shard: the size is part of the name so mismatches are visible."""
+    return f"tp{tp_size}-r{rank}.safetensors"
+
+
+def state_file_name(layer_name: str, tp_size: int = 1, rank: int = 0) -> str:
+    """The name of one layer's stored state, by one rank, in a prompt's folder (`proxy.kv_folder`)."""
+    return f"{layer_name}.{_tag(tp_size, rank)}"
 
 
 def _nixl_connector():

@@ -470,6 +470,9 @@ def serve(cfg: ServeConfig) -> int:
         p_port, d_port = cfg.port + 1, cfg.port + 2
         prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 2)}
+        binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))  # each instance's ranks over the cores (the instances share them)
+        if binding:
+            budget["threads"] = f"{binding} per instance (VLLM_CPU_OMP_THREADS_BIND to choose)"
         _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
                  {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
                   "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
@@ -480,12 +483,12 @@ def serve(cfg: ServeConfig) -> int:
         hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
         pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
                                     "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
-                                    "--no-enable-chunked-prefill", *hybrid, *common])
+                                    "--no-enable-chunked-prefill", *hybrid, *common], env=binding)
         dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
                                    "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
                                    # every prompt position is loaded from the full model; a local prefix cache
                                    # could share blocks holding pruned-model KV of earlier generated tokens
-                                   "--no-enable-prefix-caching", *common])
+                                   "--no-enable-prefix-caching", *common], env=binding)
         try:
             _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
             _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
