@@ -208,6 +208,7 @@ def _csv(kind):
 
 def cmd_eval(args) -> None:
     from slimwise.evaluation import EvalConfig, run_eval
+    from slimwise.evaluation.config import DEFAULT_CALIB_MIXES
 
     if args.route:
         _eval_mix(args)
@@ -218,7 +219,10 @@ def cmd_eval(args) -> None:
         distilled=args.distilled, engine=args.engine, data=args.data, grader=args.grader, domain=args.domain,
         families=args.families, split=args.split, n_per_family=args.per_family, max_samples=args.max_samples,
         calib_data=args.calib_data, calib_domain=args.calib_domain, calib_per_family=args.calib_per_family,
-        calib_max_new_tokens=args.calib_max_new_tokens, calib_seed=args.calib_seed, max_new_tokens=args.max_new_tokens,
+        calib_max_new_tokens=args.calib_max_new_tokens, calib_seed=args.calib_seed,
+        calib_mixes=() if args.no_calib_mixes else tuple(args.calib_mix or DEFAULT_CALIB_MIXES),
+        other_domains=not args.no_other_domains, other_per_family=args.other_per_family,
+        max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, threads=args.threads, kl=not args.no_kl,
         traffic=not args.no_traffic, out_dir=args.out, plots=not args.no_plots, cache=not args.no_cache,
         cache_dir=args.cache_dir)
@@ -380,6 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-max-new-tokens", type=integer(1), default=128)
     p.add_argument("--calib-seed", type=integer(0), default=0,
                    help="seed of the calibration split and sampling (apart from --seed, so the plans stay fixed)")
+    p.add_argument("--calib-mix", action="append", metavar="MIX",
+                   help="a mixed-domain calibration of the headline criterion and phase, at every ratio: 'all' or "
+                        "domain:weight,... (repeatable; default: all and arithmetic:3,lists:1,text:1)")
+    p.add_argument("--no-calib-mixes", action="store_true", help="no mixed-domain calibrations")
+    p.add_argument("--no-other-domains", action="store_true",
+                   help="do not also score every plan on the testbed's other domains")
+    p.add_argument("--other-per-family", type=integer(1), default=24,
+                   help="other-domain problems per family (default: 24)")
     p.add_argument("--max-new-tokens", type=integer(1), default=160)
     p.add_argument("--batch-size", type=integer(1), default=32, help="decode batch size (traffic is measured at it)")
     p.add_argument("--seed", type=integer(0), default=0, help="seed of the test sample and the bootstrap intervals")

@@ -39,7 +39,7 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     config = EvalConfig(criteria=(criterion,), ratios=(ratio,), phases=("decode",), modes=MODES,
                         n_per_family=per_family, max_samples=samples, seed=seed, max_new_tokens=max_new_tokens,
                         batch_size=batch_size, out_dir=str(out_dir), cache=False, headline=(criterion, ratio, "decode"),
-                        threads=threads, **overrides)
+                        threads=threads, calib_mixes=(), other_per_family=per_family, **overrides)
     console.rule("[bold]1/4 load")
     sweep = Sweep(model_dir, config, out_dir, console)
     console.print(f"model: {model_dir} ({sum(p.numel() for p in sweep.model.parameters()) / 1e6:.1f}M parameters, "
@@ -60,6 +60,12 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     console.rule("[bold]4/4 result")
     Console(width=max(console.width, 130)).print(console_table(report, f"SlimWise demo: {criterion} {ratio:.0%} on {report['tasks']['n']} "
                                         f"{TARGET_DOMAIN} test problems"))
+    if report.get("other_domains"):
+        od = report["other_domains"]
+        acc = {r["mode"]: r["other_metrics"]["accuracy"] for r in report["runs"] if "other_metrics" in r}
+        console.print(f"outside {TARGET_DOMAIN} ({od['n']} problems of {', '.join(od['domains'])}): full "
+                      f"{od['full']['accuracy']:.1%}, " + ", ".join(f"{m} {a:.1%}" for m, a in acc.items())
+                      + f" -- a plan calibrated on {TARGET_DOMAIN} costs the other domains this much")
     report["demo_seconds_total"] = round(time.perf_counter() - t0, 1)
     console.print(f"report: {out_dir / 'report.md'} (+ report.json, plots)  total {report['demo_seconds_total']}s")
     return report

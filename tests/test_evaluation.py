@@ -269,7 +269,11 @@ def model_dir(tmp_path_factory):
 
 
 SMALL = dict(criteria=("reap",), ratios=(0.5,), phases=("prompt", "decode"), n_per_family=1, max_new_tokens=8,
-             batch_size=8, calib_per_family=1, calib_max_new_tokens=4, n_boot=200, progress=False)
+             batch_size=8, calib_per_family=1, calib_max_new_tokens=4, n_boot=200, progress=False, calib_mixes=(),
+             other_domains=False)
+# the default sweep's extras, small: every plan also scored on the other domains, and two mixed calibrations
+CROSS = dict(calib_mixes=("all", "arithmetic:3,lists:1,text:1"), other_domains=True, other_per_family=1,
+             calib_per_family=3)
 
 RUN_METRICS = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "length_mean", "length_median", "length_p90",
                "eos_share", "truncated_share", "length_ratio_mean", "length_ratio_p10", "length_ratio_p90",
@@ -280,10 +284,23 @@ TRAFFIC = ("distinct_experts_per_layer_step", "uniform_expectation", "expert_byt
 
 def test_end_to_end_eval(model_dir, tmp_path):
     out = tmp_path / "out"
-    report = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL)).run()
+    report = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS)).run()
     assert {"schema", "model", "config", "tasks", "full", "runs", "comparisons", "summary", "timing",
-            "plots"} <= set(report)
-    assert report["tasks"]["n"] == 5 and len(report["runs"]) == 4  # 2 phases x (uniform, slimwise)
+            "plots", "other_domains"} <= set(report)
+    # 2 phases + 2 mixed calibrations (headline criterion and phase), each x (uniform, slimwise)
+    assert report["tasks"]["n"] == 5 and len(report["runs"]) == 8
+    assert [r["phase"] for r in report["runs"]][::2] == ["prompt", "decode", "decode@all",
+                                                         "decode@arithmetic3-lists1-text1"]
+    assert set(report["calibration"]) == {"prompt", "decode", "decode@all", "decode@arithmetic3-lists1-text1"}
+    mix = report["calibration"]["decode@arithmetic3-lists1-text1"]
+    assert "arithmetic 3/family, lists 1/family, text 1/family" in mix["source"] and mix["prompts"] == 5 * 3 + 8
+    assert report["calibration"]["decode@all"]["prompts"] == 13 * 3  # 3 per family of every domain
+    od = report["other_domains"]
+    assert od["domains"] == ["lists", "text"] and od["n"] == 8 and od["full"]["exact_match"] == 1.0
+    for r in report["runs"]:  # every plan scored on the other domains too, with per-domain accuracy
+        assert set(r["other_metrics"]["by_domain"]) == {"lists", "text"} and len(r["other_metrics"]["correct"]) == 8
+    assert {c["label"] for c in od["comparisons"]} == {r["label"] for r in report["runs"]}
+    assert all("slimwise_minus_uniform" in c for c in od["comparisons"])
     full = report["full"]
     assert full["exact_match"] == 1.0 and full["kl_mean"] == 0.0 and full["length_ratio_mean"] == 1.0
     for r in report["runs"]:
@@ -303,15 +320,18 @@ def test_end_to_end_eval(model_dir, tmp_path):
     md = (out / "report.md").read_text()
     for text in ("accuracy [95% CI]", "len mean / med / p90", "EOS", "truncated", "len ratio vs full",
                  "exact match", "first diff pos", "KL(full‖mode)", "experts/layer/step", "expert MiB/step",
-                 "slimwise − uniform", "Runtime:", "Sample size:", "## Plots"):
+                 "slimwise − uniform", "Runtime:", "Sample size:", "## Plots", "## Other domains",
+                 "other domains: full / uniform / SlimWise", "decode@all"):
         assert text in md, text
     assert report["plots"] == list(PLOTS)
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in md
-    assert len(list((out / "plans").glob("*.json"))) == 2
+    assert len(list((out / "plans").glob("*.json"))) == 4
     # rerun: everything from the cache, same numbers
-    again = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL)).run()
-    assert all(r["metrics"]["cached"] for r in again["runs"])
+    again = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS)).run()
+    assert all(r["metrics"]["cached"] and r["other_metrics"]["cached"] for r in again["runs"])
+    assert [r["other_metrics"]["correct"] for r in again["runs"]] == [r["other_metrics"]["correct"]
+                                                                       for r in report["runs"]]
     assert [r["metrics"]["correct"] for r in again["runs"]] == [r["metrics"]["correct"] for r in report["runs"]]
     assert [r["metrics"]["kl"] for r in again["runs"]] == [r["metrics"]["kl"] for r in report["runs"]]
 
@@ -346,13 +366,14 @@ def test_cli_eval(model_dir, tmp_path):
     rc = cli_main(["eval", str(model_dir), str(other), "--out", str(out), "--criteria", "soft", "--ratios", "0.25",
                    "--phases", "decode", "--per-family", "1", "--max-new-tokens", "6", "--calib-per-family", "1",
                    "--calib-max-new-tokens", "4", "--no-kl", "--no-plots", "--domain", "text", "--max-samples", "2",
-                   "--modes", "full,slimwise"])
+                   "--modes", "full,slimwise", "--other-per-family", "1"])
     assert rc == 0
     name = model_dir.name
     assert (out / name / "report.json").is_file() and (out / "other" / "report.md").is_file()
     assert (out / "index.md").is_file()
     rep = json.loads((out / name / "report.json").read_text())
     assert rep["tasks"]["domain"] == "text" and rep["runs"][0]["metrics"]["kl_mean"] is None
+    assert rep["other_domains"]["n"] == 2 and "text" not in rep["other_domains"]["domains"]  # capped, never the target
     rc = cli_main(["eval", str(model_dir), "--modes", "full,distilled", "--distilled", "d.pt", "--out", str(out)])
     assert rc == 2
 
@@ -365,6 +386,7 @@ def test_demo_on_a_given_model(model_dir, tmp_path):
     assert [r["mode"] for r in report["runs"]] == ["uniform", "slimwise"]
     assert report["runs"][0]["criterion"] == "reap" and report["runs"][0]["ratio"] == 0.5
     assert report["runs"][0]["phase"] == "decode" and report["tasks"]["n"] == 5
+    assert report["other_domains"]["n"] == 5  # the demo scores the other domains too (capped like the target)
     for name in ("report.json", "report.md", "pruned/config.json", *PLOTS):
         assert (tmp_path / "demo" / name).is_file(), name
 

@@ -261,10 +261,12 @@ def test_small_eval_run_on_a_backbone(tmp_path):
     out = tmp_path / "eval"
     assert cli_main(["eval", "testbed-b", "--criteria", "reap", "--ratios", "0.5", "--phases", "decode",
                      "--per-family", "8", "--calib-per-family", "8", "--threads", "1", "--out", str(out),
-                     "--cache-dir", str(tmp_path / "cache")]) == 0
+                     "--cache-dir", str(tmp_path / "cache"), "--other-per-family", "4", "--calib-mix", "all"]) == 0
     report = json.loads((out / "report.json").read_text())
-    acc = {r["mode"]: r["metrics"]["accuracy"] for r in report["runs"]}
+    acc = {r["mode"]: r["metrics"]["accuracy"] for r in report["runs"] if r["phase"] == "decode"}
     assert report["full"]["accuracy"] >= 0.6 and report["tasks"]["n"] == 40
     assert acc["slimwise"] >= acc["uniform"] - 0.05  # SlimWise does not lose to classic pruning
     assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
-    assert "## Plots" in (out / "report.md").read_text()
+    assert "## Plots" in (out / "report.md").read_text() and "transfer.png" in report["plots"]
+    # the default sweep's transfer view: the target-calibrated plan and the mixed one, on 32 other-domain problems
+    assert report["other_domains"]["n"] == 32 and {r["phase"] for r in report["runs"]} == {"decode", "decode@all"}

@@ -25,12 +25,12 @@ def test_eval_engine_parity(tmp_path):
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     common = ["eval", str(tmp_path / "model"), "--criteria", "reap", "--ratios", "0.5", "--phases", "decode",
               "--per-family", "2", "--max-new-tokens", "16", "--calib-per-family", "1", "--no-kl", "--no-traffic",
-              "--no-plots", "--threads", "1"]
+              "--no-plots", "--threads", "1", "--other-per-family", "1", "--no-calib-mixes"]
     assert cli_main([*common, "--out", str(tmp_path / "hf"), "--cache-dir", str(tmp_path / "hf-cache")]) == 0
     assert cli_main([*common, "--engine", "vllm", "--out", str(tmp_path / "vllm"),
                      "--cache-dir", str(tmp_path / "vllm-cache")]) == 0
     hf, vllm = generations(tmp_path / "hf-cache"), generations(tmp_path / "vllm-cache")
-    assert len(hf) == 3 and hf.keys() == vllm.keys()  # full, uniform, slimwise
+    assert len(hf) == 6 and hf.keys() == vllm.keys()  # full, uniform, slimwise; on the target and the other domains
     assert hf == vllm
     hf_report = json.loads((tmp_path / "hf" / "report.json").read_text())
     vllm_report = json.loads((tmp_path / "vllm" / "report.json").read_text())

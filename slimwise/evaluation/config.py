@@ -17,6 +17,9 @@ EVAL_MODES = ("full", "uniform", "slimwise", "distilled")
 DEFAULT_CRITERIA = ("frequency", "soft", "ean", "reap")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 DEFAULT_PHASES = ("prompt", "decode")
+# mixed-domain calibrations of the default sweep (headline criterion and phase, every ratio): every domain alike,
+# and the target weighted 3:1:1 -- a deployment whose traffic is mostly, not only, the target domain
+DEFAULT_CALIB_MIXES = ("all", "arithmetic:3,lists:1,text:1")
 KL_REFERENCE_BYTES = 1 << 30  # cache the full model's teacher-forced log-probs across plans below this size
 
 
@@ -48,6 +51,10 @@ class EvalConfig:
     calib_per_family: int = 16
     calib_max_new_tokens: int = 128
     calib_seed: int = 0  # the calibration split and sampling; apart from `seed` so a new test sample keeps the plan
+    calib_mixes: tuple[str, ...] = DEFAULT_CALIB_MIXES  # extra calibrations: "all" or "domain:weight,..." (testbed)
+    # transfer: every plan also scored on the testbed's other domains (the ones not evaluated as the target)
+    other_domains: bool = True
+    other_per_family: int = 24  # 192 problems over the 8 other families: about ±7 pp at 50% accuracy
     # generation
     max_new_tokens: int = 160
     batch_size: int = 32
@@ -92,8 +99,35 @@ class EvalConfig:
                     raise SlimWiseError(f"unknown calibration phase {p!r}; choose among {', '.join(PHASES)}")
         if self.grader not in GRADERS and ":" not in self.grader:
             raise SlimWiseError(f"unknown grader {self.grader!r}; choose one of {', '.join(GRADERS)} or module:function")
+        for mix in self.calib_mixes:
+            parse_calib_mix(mix)
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise SlimWiseError("batch size and max new tokens must be at least 1")
+
+
+def parse_calib_mix(mix: str) -> dict[str, float]:
+    """A calibration mix: "all" (every testbed domain alike) or "domain:weight,..." -> {domain: weight}."""
+    from slimwise.testbed import DOMAINS
+
+    if mix == "all":
+        return dict.fromkeys(DOMAINS, 1.0)
+    out: dict[str, float] = {}
+    for part in mix.split(","):
+        domain, sep, weight = part.partition(":")
+        try:
+            w = float(weight) if sep else 1.0
+        except ValueError:
+            w = -1.0
+        if domain not in DOMAINS or not w > 0:
+            raise SlimWiseError(f"calibration mix {mix!r}: give 'all' or domain:weight pairs with domains among "
+                                f"{', '.join(DOMAINS)} and positive weights, e.g. arithmetic:3,lists:1,text:1")
+        out[domain] = w
+    return out
+
+
+def calib_mix_label(mix: str) -> str:
+    """A file-name-safe label: "all", or "arithmetic3-lists1-text1"."""
+    return "all" if mix == "all" else "-".join(f"{d}{w:g}" for d, w in parse_calib_mix(mix).items())
 
 
 @dataclass

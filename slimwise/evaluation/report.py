@@ -14,7 +14,15 @@ from slimwise.io import atomic_write_text, save_figure
 
 MODE_COLORS = {"full": "black", "uniform": "tab:red", "slimwise": "tab:blue", "distilled": "tab:green"}
 PHASE_STYLES = {"decode": ("-", "o"), "prompt": ("--", "s"), "all": (":", "^"), None: ("-.", "D")}
-PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png", "traffic_vs_ratio.png")
+MIX_STYLES = ((":", "^"), ("-.", "v"), ((0, (1, 3)), "P"))  # calibrations "<phase>@<mix>", in order of appearance
+PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png", "traffic_vs_ratio.png", "transfer.png")
+
+
+def _phase_style(report: dict, phase) -> tuple:
+    if phase in PHASE_STYLES:
+        return PHASE_STYLES[phase]
+    mixes = [p for p in _phases(report) if p not in PHASE_STYLES]
+    return MIX_STYLES[mixes.index(phase) % len(MIX_STYLES)] if phase in mixes else ("-", "o")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -251,6 +259,15 @@ def write_markdown(report: dict, path: str | Path) -> Path:
         for c in sorted(report["comparisons"], key=lambda c: (c["criterion"], str(c["phase"]), c["ratio"])):
             rows.append([c["criterion"], str(c["phase"]), f"{c['ratio']:.2f}", *(_signed_pp(c.get(k)) for k in keys)])
         lines += _md_table(["criterion", "calib", "ratio", *(k.replace("_minus_", " − ") for k in keys)], rows)
+    if report.get("other_domains"):
+        od = report["other_domains"]
+        fams_o = ", ".join(f"{f} {n}" for f, n in od["per_family"].items())
+        lines += ["", "## Other domains: what a plan costs outside its calibration domain", "",
+                  f"Every plan is also run on {od['n']} problems of the other domains ({', '.join(od['domains'])}: "
+                  f"{fams_o}; same seed and split). Calibration `<phase>@<mix>` is a mixed-domain calibration "
+                  "(`all`: every domain alike; `arithmetic3-lists1-text1`: weights 3:1:1). SlimWise − uniform: "
+                  "paired bootstrap 95% interval on the other-domain problems.", ""]
+        lines += transfer_table(report)
     lines += ["", "## Accuracy per task family", ""]
     fams = t["families"]
     rows = [["full", "–", "–", "–", *(_pct(report["full"]["by_family"][f]["accuracy"], 0) for f in fams)]]
@@ -277,7 +294,8 @@ def write_markdown(report: dict, path: str | Path) -> Path:
         titles = {"accuracy_vs_ratio.png": "Accuracy against pruning ratio",
                   "lengths.png": "Generated-length distributions",
                   "fidelity_vs_ratio.png": "Fidelity to the full model against pruning ratio",
-                  "traffic_vs_ratio.png": "Decode expert traffic against pruning ratio"}
+                  "traffic_vs_ratio.png": "Decode expert traffic against pruning ratio",
+                  "transfer.png": "Target-domain against other-domain accuracy, per calibration"}
         for p in report["plots"]:
             lines += [f"![{titles.get(p, p)}]({p})", ""]
     if report.get("calibration"):
@@ -329,6 +347,41 @@ def readme_table(report: dict) -> list[str]:
                      f"{_num(tr_f, '.1f')} → {_num(tr_w, '.1f')}"])
     title = (f"{report['model']['name']} — {crit}, {phase} calibration, {report['tasks']['n']} problems "
              f"({report['tasks'].get('domain') or report['tasks']['source']})")
+    return [f"**{title}**", "", *_md_table(header, rows)]
+
+
+def transfer_table(report: dict, criterion: str | None = None) -> list[str]:
+    """Target-domain and other-domain accuracy side by side, per plan (the headline criterion's plans: every
+    calibration, including the mixed-domain ones), for the README and the report."""
+    od = report.get("other_domains")
+    if not od:
+        return []
+    crit = criterion or headline_runs(report)[0]
+    full, ofull = report["full"], od["full"]
+    comps = {c["label"]: c for c in od["comparisons"]}
+    plans: dict[str, dict[str, dict]] = {}
+    for r in report["runs"]:
+        if r["criterion"] == crit and "other_metrics" in r:
+            plans.setdefault(r["label"], {})[r["mode"]] = r
+    domains = od["domains"]
+    header = ["calibration", "pruned", "target: full / uniform / SlimWise", "other domains: full / uniform / SlimWise",
+              *(f"{d}: SlimWise" for d in domains), "other: SlimWise − uniform"]
+    rows = []
+    for label, modes in sorted(plans.items(), key=lambda kv: (str(next(iter(kv[1].values()))["phase"]),
+                                                              next(iter(kv[1].values()))["ratio"])):
+        any_run = next(iter(modes.values()))
+        u, w = modes.get("uniform"), modes.get("slimwise")
+
+        def acc(r: dict | None, key: str) -> str:
+            return _pct(r[key]["accuracy"]) if r else "–"
+
+        rows.append([str(any_run["phase"]), f"{any_run['ratio']:.0%}",
+                     f"{_pct(full['accuracy'])} / {acc(u, 'metrics')} / {acc(w, 'metrics')}",
+                     f"{_pct(ofull['accuracy'])} / {acc(u, 'other_metrics')} / {acc(w, 'other_metrics')}",
+                     *(_pct(w["other_metrics"]["by_domain"][d]["accuracy"]) if w else "–" for d in domains),
+                     _signed_pp(comps.get(label, {}).get("slimwise_minus_uniform"))])
+    title = (f"{report['model']['name']} — {crit}: target ({report['tasks'].get('domain')}, {report['tasks']['n']} "
+             f"problems) and other domains ({od['n']} problems)")
     return [f"**{title}**", "", *_md_table(header, rows)]
 
 
@@ -396,7 +449,7 @@ def plot_accuracy(report: dict, path: Path) -> None:
                 runs = _series(report, crit, mode, phase)
                 if not runs:
                     continue
-                ls, marker = PHASE_STYLES.get(phase, ("-", "o"))
+                ls, marker = _phase_style(report, phase)
                 x = [r["ratio"] + (0.006 if mode == "slimwise" else -0.006) for r in runs]
                 y = [r["metrics"]["accuracy"] for r in runs]
                 err = [[yy - r["metrics"]["accuracy_ci_low"] for yy, r in zip(y, runs, strict=True)],
@@ -529,14 +582,52 @@ def plot_traffic(report: dict, path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def plot_transfer(report: dict, path: Path) -> None:
+    """The trade-off: target-domain accuracy against other-domain accuracy, one line per calibration over the
+    ratios (headline criterion; SlimWise filled, uniform hollow, full a star)."""
+    plt = _plt()
+    od = report["other_domains"]
+    crit = headline_runs(report)[0]
+    fig, ax = plt.subplots(figsize=(7.4, 5.6))
+    ax.plot([od["full"]["accuracy"]], [report["full"]["accuracy"]], "*", color="black", ms=14, label="full")
+    phases = [p for p in _phases(report) if any(r["criterion"] == crit and r["phase"] == p and "other_metrics" in r
+                                                for r in report["runs"])]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, phase in enumerate(phases):
+        ls, marker = _phase_style(report, phase)
+        for mode, fill in (("slimwise", True), ("uniform", False)):
+            runs = [r for r in _series(report, crit, mode, phase) if "other_metrics" in r]
+            if not runs:
+                continue
+            x = [r["other_metrics"]["accuracy"] for r in runs]
+            y = [r["metrics"]["accuracy"] for r in runs]
+            color = colors[i % len(colors)]
+            ax.plot(x, y, ls=ls if fill else ":", marker=marker, color=color, ms=7,
+                    markerfacecolor=color if fill else "none", label=f"{mode}, {phase} calib")
+            if fill:
+                for xx, yy, r in zip(x, y, runs, strict=True):
+                    ax.annotate(f"{r['ratio']:.0%}", (xx, yy), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(f"other-domain accuracy ({', '.join(od['domains'])}; {od['n']} problems)")
+    ax.set_ylabel(f"target-domain accuracy ({report['tasks'].get('domain')}; {report['tasks']['n']} problems)")
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"{report['model']['name']}: what a plan keeps, in and outside its calibration ({crit}; labels: "
+                 "share pruned)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    save_figure(fig, path, dpi=110)
+
+
 def write_plots(report: dict, out_dir: str | Path) -> list[str]:
     """Every plot the report has data for; returns file names relative to out_dir."""
     out_dir = Path(out_dir)
     written = []
     if not report["runs"]:
         return written
-    for name, fn in zip(PLOTS, (plot_accuracy, plot_lengths, plot_fidelity, plot_traffic), strict=True):
+    for name, fn in zip(PLOTS, (plot_accuracy, plot_lengths, plot_fidelity, plot_traffic, plot_transfer), strict=True):
         if name == "traffic_vs_ratio.png" and not (report["full"].get("traffic") or {}).get("decode_steps"):
+            continue
+        if name == "transfer.png" and not report.get("other_domains"):
             continue
         fn(report, out_dir / name)
         written.append(name)

@@ -39,8 +39,11 @@ from slimwise.evaluation.config import (
     SCHEMA,
     EvalConfig,
     PlanSpec,
+    calib_mix_label,
+    parse_calib_mix,
 )
 from slimwise.evaluation.metrics import (
+    accuracy_metrics,
     paired_difference,
     teacher_forced_kl,
 )
@@ -112,6 +115,11 @@ class Sweep:
         self.grader = make_grader(config.grader)
         self.ref_engine = PhaseSplitEngine(self.model, self.tokenizer)
         self.prompt_ids = self.ref_engine.encode([s.prompt for s in self.samples])
+        # transfer: the testbed's other domains, scored for every plan beside the target domain
+        self.other_samples = self._other_samples()
+        self.other_prompt_ids = self.ref_engine.encode([s.prompt for s in self.other_samples]) \
+            if self.other_samples else []
+        self._other_full: dict[str, Any] | None = None
         self.gen_config = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
                                            seed=config.seed, progress=config.progress)
         self.calibration: dict[str, dict] = {}
@@ -145,8 +153,29 @@ class Sweep:
 
         return self.config.domain or TARGET_DOMAIN
 
+    def _other_samples(self) -> list:
+        """Problems of every testbed domain the main sample does not cover (none for --data, --families or
+        --domain all, which already score every domain)."""
+        cfg = self.config
+        if not cfg.other_domains or cfg.data or cfg.families or self._domain() == "all":
+            return []
+        from slimwise.evaluation.samples import load_samples
+        from slimwise.testbed import DOMAINS, families_in_domain
+
+        families = [f for d in DOMAINS if d != self._domain() for f in families_in_domain(d)]
+        return load_samples(None, split=cfg.split, n_per_family=cfg.other_per_family, seed=cfg.seed,
+                            families=families, max_samples=cfg.max_samples)
+
+    @staticmethod
+    def _domain_of(family: str) -> str:
+        from slimwise.testbed import FAMILIES
+
+        return FAMILIES[family].domain
+
     # ----- calibration and plans -------------------------------------------------------------------------
-    def _calibration_prompts(self) -> tuple[list[str], str]:
+    def _calibration_prompts(self, mix: str | None = None) -> tuple[list[str], str]:
+        """The calibration prompts and a description. `mix` ("all" or "domain:weight,..."): each domain's families
+        get calib_per_family x weight / (the largest weight) prompts each."""
         cfg = self.config
         if cfg.calib_data:
             from slimwise.data import load_prompts
@@ -154,16 +183,23 @@ class Sweep:
             return load_prompts(cfg.calib_data), str(cfg.calib_data)
         from slimwise.testbed import TARGET_DOMAIN, make_split
 
+        if mix is not None:
+            weights = parse_calib_mix(mix)
+            top = max(weights.values())
+            per = {d: max(1, round(cfg.calib_per_family * w / top)) for d, w in weights.items()}
+            prompts = [s.prompt for d, n in per.items() for s in make_split("calib", n, seed=cfg.calib_seed, domain=d)]
+            return prompts, "testbed calib split, " + ", ".join(f"{d} {n}/family" for d, n in per.items())
         domain = cfg.calib_domain or TARGET_DOMAIN  # the deployment's domain, whatever is evaluated
         calib = make_split("calib", cfg.calib_per_family, seed=cfg.calib_seed, domain=None if domain == "all" else domain)
         return [s.prompt for s in calib], f"testbed calib split, {domain}, {cfg.calib_per_family}/family"
 
-    def calibrate(self, phase: str):
-        """Stats for `phase`, from out_dir/cache when they match this model and calibration setup."""
+    def calibrate(self, phase: str, mix: str | None = None):
+        """Stats for `phase` (on calibration mix `mix`, else the calibration domain), from out_dir/cache when they
+        match this model and calibration setup."""
         from slimwise.calibrate import CalibrationConfig, calibrate
         from slimwise.stats import ExpertStats
 
-        prompts, source = self._calibration_prompts()
+        prompts, source = self._calibration_prompts(mix)
         ccfg = CalibrationConfig(phase=phase, max_new_tokens=self.config.calib_max_new_tokens, seed=self.config.calib_seed,
                                  batch_size=self.config.batch_size)
         key = _digest({"fp": self.fingerprint, "prompts": prompts, "config": asdict(ccfg)})
@@ -176,7 +212,8 @@ class Sweep:
             stats.meta["data"] = source
             stats.save(path)
             cached = False
-        self.calibration[phase] = {"stats": str(path), "cached": cached, "prompts": len(prompts), "source": source,
+        self.calibration[phase if mix is None else f"{phase}@{calib_mix_label(mix)}"] = {
+                                   "stats": str(path), "cached": cached, "prompts": len(prompts), "source": source,
                                    "tokens_counted": float(stats.tokens[0]) if len(stats.tokens) else 0.0,
                                    "seconds": 0.0 if cached else float(stats.meta.get("seconds", 0.0)),
                                    "original_seconds": float(stats.meta.get("seconds", 0.0))}
@@ -218,38 +255,67 @@ class Sweep:
                     label = f"{criterion}-{phase}-{ratio:g}"
                     path = plan.save(plan_dir / f"{label}.json")
                     specs.append(PlanSpec(label, plan, criterion, ratio, phase, str(path)))
+        specs += self._mix_plans(plan_dir)
         self.timing["calibration_s"] = time.perf_counter() - t0
         return specs
 
+    def _mix_plans(self, plan_dir: Path) -> list[PlanSpec]:
+        """Plans of the headline criterion and phase, at every ratio, calibrated on each mixed-domain calibration
+        (`calib_mixes`). Their reported phase is "<phase>@<mix>" (e.g. "decode@all"), so tables and plots show
+        them as calibrations of their own."""
+        from slimwise.criteria import plan_from_stats
+
+        cfg = self.config
+        criterion, _, phase = cfg.headline
+        if cfg.stats or cfg.calib_data or criterion not in cfg.criteria or phase not in cfg.phases:
+            return []
+        specs = []
+        for mix in cfg.calib_mixes:
+            name = calib_mix_label(mix)
+            if name == (cfg.calib_domain or ""):  # "all" as the main calibration domain already
+                continue
+            self.console.print(f"[bold]calibrating[/] ({phase} phase, mix {mix})")
+            stats = self.calibrate(phase, mix)
+            for ratio in cfg.ratios:
+                plan = plan_from_stats(stats, criterion, ratio, scope=cfg.scope)
+                plan.check_model(self.model, self.adapter)
+                label = f"{criterion}-{phase}@{name}-{ratio:g}"
+                path = plan.save(plan_dir / f"{label}.json")
+                specs.append(PlanSpec(label, plan, criterion, ratio, f"{phase}@{name}", str(path)))
+        return specs
+
     # ----- runs ------------------------------------------------------------------------------------------
-    def _run_key(self, mode: str, spec: PlanSpec | None) -> str:
+    def _run_key(self, mode: str, spec: PlanSpec | None, other: bool = False) -> str:
         g = self.gen_config
         delta = _digest(self.delta.manifest) if mode == "distilled" and self.delta is not None else None
-        return _digest({"fp": self.fingerprint, "prompts": self.prompt_ids, "mode": mode, "engine": self.config.engine,
-                        "delta": delta,
+        return _digest({"fp": self.fingerprint, "prompts": self.other_prompt_ids if other else self.prompt_ids,
+                        "mode": mode, "engine": self.config.engine, "delta": delta,
                         "kept": spec.kept_key if spec else None, "max_new": g.max_new_tokens, "bs": g.batch_size,
-                        "t": g.temperature, "seed": g.seed, "kl": self.config.kl, "traffic": self.config.traffic})
+                        "t": g.temperature, "seed": g.seed, "kl": self.config.kl and not other,
+                        "traffic": self.config.traffic and not other})
 
-    def _generate(self, mode: str, spec: PlanSpec | None) -> dict[str, Any]:
-        """Generations (+ traffic, KL, seconds) of one mode and plan, from the run cache when present."""
-        key = self._run_key(mode, spec)
+    def _generate(self, mode: str, spec: PlanSpec | None, other: bool = False) -> dict[str, Any]:
+        """Generations (+ traffic, KL, seconds) of one mode and plan, from the run cache when present. `other`: the
+        other-domain problems (accuracy and lengths only: no traffic, no KL)."""
+        key = self._run_key(mode, spec, other)
+        prompt_ids = self.other_prompt_ids if other else self.prompt_ids
         path = self.cache_dir / f"run-{mode}-{key}.json"
         if self.config.cache and path.is_file():
             rec = json.loads(path.read_text())
-            rec["gens"] = [_gen_from_json(d, p) for d, p in zip(rec["gens"], self.prompt_ids, strict=True)]
+            rec["gens"] = [_gen_from_json(d, p) for d, p in zip(rec["gens"], prompt_ids, strict=True)]
             rec["cached"] = True
             return rec
         plan = spec.plan if spec else None
         engine, owned = self._engine(mode, spec)
         hf = isinstance(engine, PhaseSplitEngine)
         meter = DecodeTrafficMeter(self.model, active_experts(plan, mode), self.config.batch_size) \
-            if self.config.traffic and hf else None
+            if self.config.traffic and hf and not other else None
         try:
             t0 = time.perf_counter()
             if hf:
-                gens = engine.generate(self.prompt_ids, mode=mode, config=self.gen_config, observer=meter)
+                gens = engine.generate(prompt_ids, mode=mode, config=self.gen_config, observer=meter)
             else:
-                gens = engine.generate(self.prompt_ids, mode, self.gen_config)
+                gens = engine.generate(prompt_ids, mode, self.gen_config)
             seconds = time.perf_counter() - t0
         finally:
             if meter is not None:
@@ -262,11 +328,11 @@ class Sweep:
                     g.text = self.tokenizer.decode(g.token_ids[:-1] if g.finish_reason == "eos" else g.token_ids)
         rec = {"gens": gens, "seconds": seconds, "traffic": meter.summary() if meter else None, "kl": None}
         rec["kl_seconds"] = 0.0
-        if self.config.kl and mode != "full":
+        if self.config.kl and not other and mode != "full":
             t0 = time.perf_counter()
             rec["kl"] = self._kl(mode, plan)
             rec["kl_seconds"] = time.perf_counter() - t0
-        elif self.config.kl:
+        elif self.config.kl and not other:
             rec["kl"] = [0.0] * len(gens)
         if self.config.cache:
             atomic_write_text(path, json.dumps({**rec, "gens": [_gen_to_json(g) for g in gens]}))
@@ -311,6 +377,20 @@ class Sweep:
             self._full = self._full_rec["gens"]
         return self._full
 
+    def _other_metrics(self, mode: str, spec: PlanSpec | None) -> dict[str, Any]:
+        """One run's accuracy (overall, per other domain, per family) and lengths on the other-domain problems."""
+        if self._other_full is None:
+            self._other_full = self._generate("full", None, other=True)
+        rec = self._other_full if mode == "full" else self._generate(mode, spec, other=True)
+        m = run_metrics(self.other_samples, rec["gens"], self._other_full["gens"], self.grader,
+                        self.gen_config.max_new_tokens, None, self.config.seed, self.config.n_boot)
+        domains = [self._domain_of(s.family) for s in self.other_samples]
+        m["by_domain"] = {d: accuracy_metrics([c for c, x in zip(m["correct"], domains, strict=True) if x == d],
+                                              self.config.seed, self.config.n_boot) for d in dict.fromkeys(domains)}
+        m["seconds"] = rec["seconds"]
+        m["cached"] = rec.get("cached", False)
+        return m
+
     def _metrics(self, rec: dict[str, Any]) -> dict[str, Any]:
         m = run_metrics(self.samples, rec["gens"], self.full(), self.grader, self.gen_config.max_new_tokens,
                         rec.get("kl"), self.config.seed, self.config.n_boot)
@@ -345,10 +425,12 @@ class Sweep:
         t0 = time.perf_counter()
         self.full()
         full_metrics = self._metrics(self._full_rec)
+        other_full = self._other_metrics("full", None) if self.other_samples else None
         self.timing["full_s"] = time.perf_counter() - t0
-        self._say(1, total, "full", None, full_metrics)
+        self._say(1, total, "full", None, full_metrics, other=other_full)
         runs: list[dict[str, Any]] = []
         shared: dict[tuple[str, str], dict] = {}
+        shared_other: dict[tuple[str, str], dict] = {}
         done = 1
         t0 = time.perf_counter()
         for spec, mode in todo:
@@ -356,10 +438,12 @@ class Sweep:
             key = (mode, spec.kept_key)
             if key not in shared:
                 shared[key] = self._metrics(self._generate(mode, spec))
+                if self.other_samples:
+                    shared_other[key] = self._other_metrics(mode, spec)
                 elapsed = time.perf_counter() - t0
                 eta = elapsed / (done - 1) * (total - done)
                 self._say(done, total, mode, spec, shared[key], f"elapsed {elapsed / 60:.1f} min, ETA "
-                          f"{eta / 60:.1f} min")
+                          f"{eta / 60:.1f} min", other=shared_other.get(key))
             else:
                 self.console.print(f"[{done}/{total}] {mode:8s} {spec.label}: same kept experts as an earlier "
                                    "plan, reusing its run")
@@ -367,20 +451,23 @@ class Sweep:
                          "label": spec.label, "plan": spec.path, "kept_key": spec.kept_key,
                          "kept_per_layer": spec.plan.num_kept if spec.plan.is_uniform else None,
                          "metrics": shared[key]})
+            if key in shared_other:
+                runs[-1]["other_metrics"] = shared_other[key]
         self.timing["pruned_runs_s"] = time.perf_counter() - t0
         self.timing["total_s"] = time.perf_counter() - t_start + self.timing.get("load_s", 0.0)
         self.timing["process_cpu_s"] = time.process_time() - cpu_start  # > wall when threads run in parallel
         # what the work costs without the cache: original seconds of every distinct run and calibration
         self.timing["uncached_estimate_s"] = (
             sum(m["seconds"] + m.get("kl_seconds", 0.0) for m in [full_metrics, *shared.values()])
+            + sum(m["seconds"] for m in [*([other_full] if other_full else []), *shared_other.values()])
             + sum(c.get("original_seconds", c.get("seconds", 0.0)) for c in self.calibration.values())
             + self.timing.get("load_s", 0.0))
-        report = self._assemble(full_metrics, runs)
+        report = self._assemble(full_metrics, runs, other_full)
         self.write(report)
         return report
 
     def _say(self, done: int, total: int, mode: str, spec: PlanSpec | None, m: dict[str, Any],
-             extra: str = "") -> None:
+             extra: str = "", other: dict[str, Any] | None = None) -> None:
         kl = m.get("kl_mean")
         tr = (m.get("traffic") or {}).get("distinct_experts_per_layer_step")
         took = "cached" if m.get("cached") else f"{m['seconds'] + m.get('kl_seconds', 0):.1f}s"
@@ -389,7 +476,8 @@ class Sweep:
             f"[{m['accuracy_ci_low']:.0%}, {m['accuracy_ci_high']:.0%}]  len {m['length_mean']:.1f}  "
             f"EM {m['exact_match']:.0%}  KL {'-' if kl is None else f'{kl:.3f}'}  "
             f"experts/step {'-' if tr is None else f'{tr:.1f}'}  "
-            f"({took}{'; ' + extra if extra else ''})", soft_wrap=True)
+            + (f"other domains {other['accuracy']:.1%}  " if other else "")
+            + f"({took}{'; ' + extra if extra else ''})", soft_wrap=True)
 
     # ----- report ----------------------------------------------------------------------------------------
     def _comparisons(self, full_metrics: dict, runs: list[dict]) -> list[dict]:
@@ -413,7 +501,26 @@ class Sweep:
             out.append(row)
         return out
 
-    def _assemble(self, full_metrics: dict, runs: list[dict]) -> dict[str, Any]:
+    def _other_comparisons(self, other_full: dict, runs: list[dict]) -> list[dict]:
+        """Paired differences on the other-domain problems: slimwise - uniform and each mode - full."""
+        by_plan: dict[str, dict[str, dict]] = {}
+        for r in runs:
+            if "other_metrics" in r:
+                by_plan.setdefault(r["label"], {})[r["mode"]] = r["other_metrics"]
+        out = []
+        for label, modes in by_plan.items():
+            row: dict[str, Any] = {"label": label}
+            for mode, m in modes.items():
+                row[f"{mode}_minus_full"] = paired_difference(m["correct"], other_full["correct"], self.config.n_boot,
+                                                              self.config.seed)
+            if "slimwise" in modes and "uniform" in modes:
+                row["slimwise_minus_uniform"] = paired_difference(modes["slimwise"]["correct"],
+                                                                  modes["uniform"]["correct"], self.config.n_boot,
+                                                                  self.config.seed)
+            out.append(row)
+        return out
+
+    def _assemble(self, full_metrics: dict, runs: list[dict], other_full: dict | None = None) -> dict[str, Any]:
         cfg = self.config
         params = sum(p.numel() for p in self.model.parameters())
         layers = self.adapter.moe_layers(self.model)
@@ -438,6 +545,12 @@ class Sweep:
                             "torch": torch.__version__, "python": platform.python_version(),
                             "platform": platform.platform()},
             "calibration": self.calibration,
+            "other_domains": None if other_full is None else {
+                "domains": list(dict.fromkeys(self._domain_of(s.family) for s in self.other_samples)),
+                "n": len(self.other_samples),
+                "per_family": {f: sum(s.family == f for s in self.other_samples)
+                               for f in dict.fromkeys(s.family for s in self.other_samples)},
+                "full": other_full, "comparisons": self._other_comparisons(other_full, runs)},
             "distilled": None if self.delta is None else {
                 "path": str(self.config.distilled),
                 **{k: self.delta.manifest.get(k) for k in ("mode", "params", "plan_hash", "steps", "trainable_params",
