@@ -9,12 +9,14 @@ over the target only once complete; on any error the temporary file is removed.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from slimwise.errors import SlimWiseError
 
@@ -154,5 +156,24 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
         raise
 
 
-__all__ = ["atomic_dir", "atomic_path", "atomic_torch_save", "atomic_write_text", "make_parent", "pid_alive",
-           "refuse_blocked_parent", "refuse_existing", "remove_stale_temporaries", "save_figure"]
+_NUMBER_LIST = re.compile(r"\[\s*(?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*\s*\]")
+
+
+def dumps_compact(obj: Any) -> str:
+    """Indented JSON with every list of numbers on one line (per-sample vectors stay readable and small)."""
+    text = json.dumps(obj, indent=1, default=_json_default)
+    return _NUMBER_LIST.sub(lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "), text)
+
+
+def _json_default(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, (np.floating, np.integer)):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+__all__ = ["atomic_dir", "atomic_path", "atomic_torch_save", "atomic_write_text", "dumps_compact", "make_parent",
+           "pid_alive", "refuse_blocked_parent", "refuse_existing", "remove_stale_temporaries", "save_figure"]

@@ -35,7 +35,7 @@ from slimwise.evaluation import (
     run_eval,
     teacher_forced_kl,
 )
-from slimwise.evaluation.report import PLOTS
+from slimwise.evaluation.plots import PLOTS
 from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import make_plan

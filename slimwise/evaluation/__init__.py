@@ -2,7 +2,8 @@
 
 One module per concern: `config` (EvalConfig, PlanSpec), `samples` (data and graders), `metrics` (pure metric functions, teacher-forced KL),
 `traffic` (distinct experts per decode step), `runs` (engines and one run's metrics), `sweep` (criterion x ratio x
-calibration-phase grids, resumable) and `report` (Markdown and PNG plots of a sweep).
+calibration-phase grids, resumable), `report` (Markdown) and `plots` (PNG) of a sweep, and `mix` (a traffic mix
+routed over several plans in one vLLM engine).
 """
 
 from slimwise.evaluation.config import (
@@ -26,8 +27,9 @@ from slimwise.evaluation.metrics import (
 )
 from slimwise.evaluation.runs import ENGINES, GenerationEngine, evaluate_modes, make_engine, run_metrics
 from slimwise.evaluation.samples import GRADERS, GradedSample, load_samples, make_grader
-from slimwise.evaluation.sweep import Sweep, dumps_compact, run_eval
+from slimwise.evaluation.sweep import Sweep, run_eval
 from slimwise.evaluation.traffic import DecodeTrafficMeter
+from slimwise.io import dumps_compact
 from slimwise.scoring import continuation_logprobs, kl_divergence
 from slimwise.stats import expected_union
 

@@ -21,14 +21,12 @@ import json
 import math
 import os
 import platform
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from slimwise.adapters import get_adapter
@@ -56,7 +54,7 @@ from slimwise.evaluation.runs import (
 from slimwise.evaluation.samples import load_samples, make_grader
 from slimwise.evaluation.traffic import DecodeTrafficMeter
 from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
-from slimwise.io import atomic_write_text
+from slimwise.io import atomic_write_text, dumps_compact
 from slimwise.plan import PrunePlan, memory_fingerprint, model_fingerprint
 
 
@@ -480,43 +478,24 @@ class Sweep:
             + f"({took}{'; ' + extra if extra else ''})", soft_wrap=True)
 
     # ----- report ----------------------------------------------------------------------------------------
-    def _comparisons(self, full_metrics: dict, runs: list[dict]) -> list[dict]:
-        """Paired accuracy differences per plan: slimwise - uniform and each pruned mode - full."""
+    def _comparisons(self, full_metrics: dict, runs: list[dict], key: str = "metrics") -> list[dict]:
+        """Paired accuracy differences per plan: slimwise - uniform and each pruned mode - full, on the main sample
+        (`key` "metrics") or on the other-domain problems ("other_metrics")."""
         by_plan: dict[str, dict[str, dict]] = {}
         for r in runs:
-            by_plan.setdefault(r["label"], {})[r["mode"]] = r
+            if key in r:
+                by_plan.setdefault(r["label"], {})[r["mode"]] = r[key]
         out = []
+        n_boot, seed = self.config.n_boot, self.config.seed
         for label, modes in by_plan.items():
-            any_run = next(iter(modes.values()))
+            any_run = next(r for r in runs if r["label"] == label)
             row = {"label": label, "criterion": any_run["criterion"], "ratio": any_run["ratio"],
                    "phase": any_run["phase"]}
-            for mode, r in modes.items():
-                row[f"{mode}_minus_full"] = paired_difference(r["metrics"]["correct"], full_metrics["correct"],
-                                                              self.config.n_boot, self.config.seed)
+            for mode, m in modes.items():
+                row[f"{mode}_minus_full"] = paired_difference(m["correct"], full_metrics["correct"], n_boot, seed)
             for a, b in (("slimwise", "uniform"), ("distilled", "slimwise"), ("distilled", "uniform")):
                 if a in modes and b in modes:
-                    row[f"{a}_minus_{b}"] = paired_difference(modes[a]["metrics"]["correct"],
-                                                              modes[b]["metrics"]["correct"],
-                                                              self.config.n_boot, self.config.seed)
-            out.append(row)
-        return out
-
-    def _other_comparisons(self, other_full: dict, runs: list[dict]) -> list[dict]:
-        """Paired differences on the other-domain problems: slimwise - uniform and each mode - full."""
-        by_plan: dict[str, dict[str, dict]] = {}
-        for r in runs:
-            if "other_metrics" in r:
-                by_plan.setdefault(r["label"], {})[r["mode"]] = r["other_metrics"]
-        out = []
-        for label, modes in by_plan.items():
-            row: dict[str, Any] = {"label": label}
-            for mode, m in modes.items():
-                row[f"{mode}_minus_full"] = paired_difference(m["correct"], other_full["correct"], self.config.n_boot,
-                                                              self.config.seed)
-            if "slimwise" in modes and "uniform" in modes:
-                row["slimwise_minus_uniform"] = paired_difference(modes["slimwise"]["correct"],
-                                                                  modes["uniform"]["correct"], self.config.n_boot,
-                                                                  self.config.seed)
+                    row[f"{a}_minus_{b}"] = paired_difference(modes[a]["correct"], modes[b]["correct"], n_boot, seed)
             out.append(row)
         return out
 
@@ -550,7 +529,7 @@ class Sweep:
                 "n": len(self.other_samples),
                 "per_family": {f: sum(s.family == f for s in self.other_samples)
                                for f in dict.fromkeys(s.family for s in self.other_samples)},
-                "full": other_full, "comparisons": self._other_comparisons(other_full, runs)},
+                "full": other_full, "comparisons": self._comparisons(other_full, runs, "other_metrics")},
             "distilled": None if self.delta is None else {
                 "path": str(self.config.distilled),
                 **{k: self.delta.manifest.get(k) for k in ("mode", "params", "plan_hash", "steps", "trainable_params",
@@ -573,7 +552,8 @@ class Sweep:
         }
 
     def write(self, report: dict[str, Any]) -> None:
-        from slimwise.evaluation.report import write_markdown, write_plots
+        from slimwise.evaluation.plots import write_plots
+        from slimwise.evaluation.report import write_markdown
 
         if self.config.plots:
             report["plots"] = write_plots(report, self.out_dir)
@@ -587,23 +567,6 @@ class Sweep:
     def close(self) -> None:
         self._close_engine()
         self._kl_reference.clear()
-
-
-_NUMBER_LIST = re.compile(r"\[\s*(?:-?[\d.eE+-]+|null)(?:,\s*(?:-?[\d.eE+-]+|null))*\s*\]")
-
-
-def dumps_compact(obj: Any) -> str:
-    """Indented JSON with every list of numbers on one line (per-sample vectors stay readable and small)."""
-    text = json.dumps(obj, indent=1, default=_json_default)
-    return _NUMBER_LIST.sub(lambda m: re.sub(r"\s+", "", m.group(0)).replace(",", ", "), text)
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, (np.floating, np.integer)):
-        return obj.item()
-    if isinstance(obj, Path):
-        return str(obj)
-    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
 def run_eval(models: Sequence[str | Path], config: EvalConfig, console=None) -> list[dict[str, Any]]:
