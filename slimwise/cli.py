@@ -374,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grader", default="testbed", help="testbed | exact | contains | module:function")
     p.add_argument("--domain", help="testbed domain: arithmetic (default, the target), lists, text, or all")
     p.add_argument("--families", type=_csv(str), default=(), help="comma-separated testbed families")
-    p.add_argument("--split", default="test", choices=["test", "heldout", "calib"], help="testbed split")
+    p.add_argument("--split", default="test", choices=["test", "edge", "heldout", "calib"],
+                   help="testbed split: test; edge (the hardest trained sizes, e.g. 4-digit operands, never a test "
+                        "problem); heldout (beyond training: 5-6 digits, which the testbeds cannot solve); calib")
     p.add_argument("--per-family", type=integer(1), default=48, help="testbed problems per family (default: 48)")
     p.add_argument("--max-samples", type=integer(1), default=None, help="cap on problems (round-robin over families)")
     p.add_argument("--calib-data", help="calibration prompts (JSONL) instead of the testbed calib split")

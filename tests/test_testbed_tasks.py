@@ -218,6 +218,25 @@ def test_heldout_knobs_lie_beyond_training_range():
         assert any(fam.heldout[k][0] > fam.train[k][1] for k in fam.train), name
 
 
+def test_edge_split_is_the_hardest_trained_difficulty_and_never_a_test_problem():
+    """The edge level sets every knob the held-out level moves to its training maximum (a conversion's base keeps its
+    range), so problems are harder than the test average yet of sizes the models were trained on; the split shares
+    the test buckets but never one of the test sample's problems (same seed and size)."""
+    assert FAMILIES["add"].edge == {"digits": (4, 4)} and FAMILIES["gcd"].edge == {"digits": (3, 3)}
+    assert FAMILIES["base"].edge == {"out_digits": (4, 4), "base": (2, 9)}
+    for name, fam in FAMILIES.items():
+        assert set(fam.edge) == set(fam.train), name
+        assert all(fam.train[k][0] <= fam.edge[k][0] <= fam.edge[k][1] == fam.train[k][1] for k in fam.train), name
+    edge, test = make_split("edge", 40, seed=3), make_split("test", 40, seed=3)
+    assert len(edge) == 40 * len(FAMILIES) and check_disjoint(edge, test)
+    lo, hi = SPLIT_BUCKETS["test"]
+    for s in edge:
+        assert s.split == "edge" and s.level == "edge" and lo <= split_bucket(s.prompt) < hi
+        assert all(s.difficulty[k] == FAMILIES[s.family].train[k][1] for k in s.difficulty if k != "base")
+    assert [s.prompt for s in make_split("edge", 40, seed=3, domain="lists")] == \
+        [s.prompt for s in edge if s.domain == "lists"]  # a domain's edge sample is the full sample's
+
+
 def test_sample_difficulty_within_ranges(samples):
     for split, ss in samples.items():
         for s in ss:

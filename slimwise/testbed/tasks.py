@@ -28,14 +28,15 @@ TARGET_DOMAIN = "arithmetic"
 DOMAINS = ("arithmetic", "lists", "text")
 ANSWER_MARKER = "#### "
 EOS_TOKEN = "<|endoftext|>"
-LEVELS = ("train", "heldout")
-SPLITS = ("train", "calib", "test", "heldout")
-# Half-open bucket ranges of sha256(prompt) % 100; "heldout" shares the test buckets (harder difficulty).
+LEVELS = ("train", "heldout", "edge")
+SPLITS = ("train", "calib", "test", "heldout", "edge")
+# Half-open bucket ranges of sha256(prompt) % 100; "heldout" and "edge" share the test buckets (other difficulty).
 SPLIT_BUCKETS: dict[str, tuple[int, int]] = {
     "train": (0, 80),
     "calib": (80, 90),
     "test": (90, 100),
     "heldout": (90, 100),
+    "edge": (90, 100),
 }
 
 Difficulty = dict[str, int]
@@ -61,10 +62,18 @@ class TaskFamily:
         """One problem at concrete knob values -> (prompt, target, answer)."""
         return self.fn(rng, difficulty)
 
+    @property
+    def edge(self) -> Ranges:
+        """The hardest trained difficulty: every knob the held-out level changes at its training maximum (knobs it
+        keeps, like a conversion's base, keep their range). One step beyond it (the held-out level's first step) the
+        trained testbeds score 0% on add, sub, mul and base: length extrapolation fails, so harder-than-test problems
+        that a model can still solve sit here."""
+        return {k: (hi, hi) if self.heldout[k] != (lo, hi) else (lo, hi) for k, (lo, hi) in self.train.items()}
+
     def ranges(self, level: str = "train") -> Ranges:
         if level not in LEVELS:
             raise ValueError(f"unknown difficulty level {level!r}; expected one of {LEVELS}")
-        return self.train if level == "train" else self.heldout
+        return {"train": self.train, "heldout": self.heldout, "edge": self.edge}[level]
 
     def sample_difficulty(self, rng: random.Random, level: str = "train") -> Difficulty:
         return {k: rng.randint(lo, hi) for k, (lo, hi) in sorted(self.ranges(level).items())}
@@ -410,18 +419,23 @@ def make_split(
     """Deterministic, deduplicated samples of one split, grouped by family (shuffle them for training).
 
     Problems are re-drawn until their prompt hashes into the split's buckets, so splits never share a
-    problem. `difficulty` is "train" or "heldout" (default: "heldout" for the heldout split, else "train").
+    problem. `difficulty` is "train", "heldout" or "edge" (default: the split's own level for the heldout and edge
+    splits, else "train"). The edge split (the hardest trained difficulty) excludes the test split's problems of the
+    same seed and size, with which it shares hash buckets.
     `allow_fewer`: a family with fewer distinct problems in the split gives all it has instead of an error
     (base conversions have about 1,400 calibration problems). `exclude`: prompts never to draw, e.g. another
     sample of the same split, so that replication samples are disjoint (drawn from the same seeded stream otherwise).
     """
     if split not in SPLIT_BUCKETS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    level = difficulty or ("heldout" if split == "heldout" else "train")
+    level = difficulty or (split if split in ("heldout", "edge") else "train")
     if level not in LEVELS:
         raise ValueError(f"unknown difficulty {level!r}; expected one of {LEVELS}")
     lo, hi = SPLIT_BUCKETS[split]
     excluded = set(exclude)
+    if split == "edge":  # its problems are of trained sizes, in the test buckets: never one of the test sample's
+        families = list(families) if families is not None else None
+        excluded |= {s.prompt for s in make_split("test", n_per_family, seed, families, domain, allow_fewer=True)}
     max_attempts = 200 * n_per_family + 10_000
     samples = []
     for name in select_families(families, domain):
