@@ -207,7 +207,7 @@ def plot_transfer(report: dict, path: Path) -> None:
                                                 for r in report["runs"])]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, phase in enumerate(phases):
-        ls, marker = _phase_style(report, phase)
+        marker = _phase_style(report, phase)[1]  # color and marker: the calibration; line: the mode
         for mode, fill in (("slimwise", True), ("uniform", False)):
             runs = [r for r in _series(report, crit, mode, phase) if "other_metrics" in r]
             if not runs:
@@ -215,7 +215,7 @@ def plot_transfer(report: dict, path: Path) -> None:
             x = [r["other_metrics"]["accuracy"] for r in runs]
             y = [r["metrics"]["accuracy"] for r in runs]
             color = colors[i % len(colors)]
-            ax.plot(x, y, ls=ls if fill else ":", marker=marker, color=color, ms=7,
+            ax.plot(x, y, ls="-" if fill else ":", lw=1.8 if fill else 1.0, marker=marker, color=color, ms=7,
                     markerfacecolor=color if fill else "none", label=f"{mode}, {phase} calib")
             if fill:
                 for xx, yy, r in zip(x, y, runs, strict=True):
