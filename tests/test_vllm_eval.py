@@ -13,10 +13,14 @@ from slimwise.tiny import save_tiny_model
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 
-def generations(cache_dir) -> dict[str, list[list[int]]]:
-    """mode -> generated token ids per sample, from the eval run cache (one plan, so one run per mode)."""
-    return {f.name.split("-")[1]: [g["token_ids"] for g in json.loads(f.read_text())["gens"]]
-            for f in sorted(cache_dir.glob("*/run-*.json"))}
+def generations(cache_dir) -> dict[tuple[str, int], list[list[int]]]:
+    """(mode, problems) -> generated token ids per sample, from the eval run cache (one plan, so one run per mode
+    and sample set: the target problems and the other domains')."""
+    out = {}
+    for f in sorted(cache_dir.glob("*/run-*.json")):
+        gens = [g["token_ids"] for g in json.loads(f.read_text())["gens"]]
+        out[(f.name.split("-")[1], len(gens))] = gens
+    return out
 
 
 def test_eval_engine_parity(tmp_path):
