@@ -119,7 +119,9 @@ def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8
                 select(llm, v)
                 for b in batches:
                     prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
-                    profile_generate(llm, prompts, 8)  # warm-up (and the profiler's own first-use cost)
+                    # warm-up at full length: a short one left the first engine's first repetitions 20% slow
+                    # (B = 32: 89-98 ms per step, then 78; the weights' first touches and the profiler's first use)
+                    profile_generate(llm, prompts, tokens)
                     step = decode_step(llm, prompts, tokens, repetitions)
                     result["steps"].setdefault(v.name, {})[str(b)] = {**step, "split": split(step)}
                     print(f"{v.name:9s} B={b:<3d} {1e3 * step['wall_s']:7.2f} ms/step  " + ", ".join(
