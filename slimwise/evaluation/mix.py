@@ -15,7 +15,7 @@ from pathlib import Path
 
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.metrics import accuracy_metrics, length_metrics, paired_difference
-from slimwise.evaluation.samples import GradedSample, load_samples, make_grader
+from slimwise.evaluation.samples import domain_of, load_samples, make_grader
 from slimwise.generate import GenerationConfig
 from slimwise.io import atomic_write_text
 
@@ -40,11 +40,6 @@ class MixConfig:
     dtype: str = "float32"
     out_dir: str | None = None
     engine_kwargs: dict = field(default_factory=dict)
-
-
-def domain_of(sample: GradedSample) -> str:
-    raw = sample.raw or {}
-    return str(raw.get("domain") or sample.family)
 
 
 def check_mix(config: MixConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimwise.evaluation.report import _criteria, _modes, _phases, headline_runs
+from slimwise.evaluation.report import headline_runs, run_criteria, run_modes, run_phases
 from slimwise.io import save_figure
 
 MODE_COLORS = {"full": "black", "uniform": "tab:red", "slimwise": "tab:blue", "distilled": "tab:green"}
@@ -20,7 +20,7 @@ PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png", "traff
 def _phase_style(report: dict, phase) -> tuple:
     if phase in PHASE_STYLES:
         return PHASE_STYLES[phase]
-    mixes = [p for p in _phases(report) if p not in PHASE_STYLES]
+    mixes = [p for p in run_phases(report) if p not in PHASE_STYLES]
     return MIX_STYLES[mixes.index(phase) % len(MIX_STYLES)] if phase in mixes else ("-", "o")
 
 
@@ -50,7 +50,7 @@ def _legend_below(fig, axes) -> None:
 
 def plot_accuracy(report: dict, path: Path) -> None:
     plt = _plt()
-    crits, phases, modes = _criteria(report), _phases(report), _modes(report)
+    crits, phases, modes = run_criteria(report), run_phases(report), run_modes(report)
     full = report["full"]
     fig, axes = plt.subplots(1, len(crits), figsize=(max(4.2 * len(crits), 9.0), 4.8), sharey=True, squeeze=False)
     ratios = sorted({r["ratio"] for r in report["runs"]})
@@ -103,7 +103,7 @@ def plot_lengths(report: dict, path: Path) -> None:
     ax1.grid(alpha=0.3)
     # per-sample length ratio to full across ratios, headline criterion and phase
     data, labels, colors = [], [], []
-    for mode in [m for m in _modes(report) if m != "full"]:
+    for mode in [m for m in run_modes(report) if m != "full"]:
         for r in _series(report, crit, mode, phase):
             data.append(r["metrics"]["length_ratios"])
             labels.append(f"{mode}\n{r['ratio']:.2f}")
@@ -129,8 +129,8 @@ def plot_lengths(report: dict, path: Path) -> None:
 
 def plot_fidelity(report: dict, path: Path) -> None:
     plt = _plt()
-    crits, phases = _criteria(report), _phases(report)
-    modes = [m for m in _modes(report) if m != "full"]
+    crits, phases = run_criteria(report), run_phases(report)
+    modes = [m for m in run_modes(report) if m != "full"]
     metrics = [("exact_match", "exact match with full"), ("first_diff_mean", "first differing token (mean pos.)"),
                ("kl_mean", "KL(full ‖ mode) per token")]
     fig, axes = plt.subplots(len(metrics), len(crits), figsize=(max(4.2 * len(crits), 9.0), 3.0 * len(metrics)),
@@ -170,8 +170,8 @@ def plot_traffic(report: dict, path: Path) -> None:
                    label="full (uniform-routing expectation)")
     markers = "osD^v<>"
     expect: dict[float, float] = {}
-    for n, crit in enumerate(_criteria(report)):
-        for phase in _phases(report):
+    for n, crit in enumerate(run_criteria(report)):
+        for phase in run_phases(report):
             runs = [r for r in _series(report, crit, "slimwise", phase)
                     if (r["metrics"].get("traffic") or {}).get("distinct_experts_per_layer_step") is not None]
             if not runs:
@@ -203,7 +203,7 @@ def plot_transfer(report: dict, path: Path) -> None:
     crit = headline_runs(report)[0]
     fig, ax = plt.subplots(figsize=(7.4, 5.6))
     ax.plot([od["full"]["accuracy"]], [report["full"]["accuracy"]], "*", color="black", ms=14, label="full")
-    phases = [p for p in _phases(report) if any(r["criterion"] == crit and r["phase"] == p and "other_metrics" in r
+    phases = [p for p in run_phases(report) if any(r["criterion"] == crit and r["phase"] == p and "other_metrics" in r
                                                 for r in report["runs"])]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, phase in enumerate(phases):

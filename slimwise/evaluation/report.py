@@ -32,15 +32,15 @@ def _signed_pp(d: dict | None) -> str:
     return f"{100 * d['diff']:+.1f} pp [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]{mark}"
 
 
-def _criteria(report: dict) -> list[str]:
+def run_criteria(report: dict) -> list[str]:
     return list(dict.fromkeys(r["criterion"] for r in report["runs"]))
 
 
-def _phases(report: dict) -> list[str | None]:
+def run_phases(report: dict) -> list[str | None]:
     return list(dict.fromkeys(r["phase"] for r in report["runs"]))
 
 
-def _modes(report: dict) -> list[str]:
+def run_modes(report: dict) -> list[str]:
     return list(dict.fromkeys(r["mode"] for r in report["runs"]))
 
 
@@ -101,7 +101,7 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
 
 
 def _sorted_runs(report: dict) -> list[dict]:
-    order = {m: i for i, m in enumerate(_modes(report))}
+    order = {m: i for i, m in enumerate(run_modes(report))}
     return sorted(report["runs"], key=lambda r: (r["criterion"], str(r["phase"]), r["ratio"], order[r["mode"]]))
 
 

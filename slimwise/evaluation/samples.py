@@ -49,6 +49,12 @@ def make_grader(name: str) -> Grader:
     raise SlimWiseError(f"unknown grader {name!r}; choose one of {', '.join(GRADERS)} or module:function")
 
 
+def domain_of(sample: GradedSample) -> str:
+    """The sample's testbed domain (from its record), else its family."""
+    raw = sample.raw or {}
+    return str(raw.get("domain") or sample.family)
+
+
 def load_samples(data: str | None = None, *, split: str = "test", n_per_family: int = 40, seed: int = 0,
                  domain: str | None = None, families: Sequence[str] = (), max_samples: int | None = None
                  ) -> list[GradedSample]:

@@ -51,7 +51,7 @@ from slimwise.evaluation.runs import (
     make_engine,
     run_metrics,
 )
-from slimwise.evaluation.samples import load_samples, make_grader
+from slimwise.evaluation.samples import domain_of, load_samples, make_grader
 from slimwise.evaluation.traffic import DecodeTrafficMeter
 from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_write_text, dumps_compact
@@ -157,18 +157,11 @@ class Sweep:
         cfg = self.config
         if not cfg.other_domains or cfg.data or cfg.families or self._domain() == "all":
             return []
-        from slimwise.evaluation.samples import load_samples
         from slimwise.testbed import DOMAINS, families_in_domain
 
         families = [f for d in DOMAINS if d != self._domain() for f in families_in_domain(d)]
         return load_samples(None, split=cfg.split, n_per_family=cfg.other_per_family, seed=cfg.seed,
                             families=families, max_samples=cfg.max_samples)
-
-    @staticmethod
-    def _domain_of(family: str) -> str:
-        from slimwise.testbed import FAMILIES
-
-        return FAMILIES[family].domain
 
     # ----- calibration and plans -------------------------------------------------------------------------
     def _calibration_prompts(self, mix: str | None = None) -> tuple[list[str], str]:
@@ -382,7 +375,7 @@ class Sweep:
         rec = self._other_full if mode == "full" else self._generate(mode, spec, other=True)
         m = run_metrics(self.other_samples, rec["gens"], self._other_full["gens"], self.grader,
                         self.gen_config.max_new_tokens, None, self.config.seed, self.config.n_boot)
-        domains = [self._domain_of(s.family) for s in self.other_samples]
+        domains = [domain_of(s) for s in self.other_samples]
         m["by_domain"] = {d: accuracy_metrics([c for c, x in zip(m["correct"], domains, strict=True) if x == d],
                                               self.config.seed, self.config.n_boot) for d in dict.fromkeys(domains)}
         m["seconds"] = rec["seconds"]
@@ -525,7 +518,7 @@ class Sweep:
                             "platform": platform.platform()},
             "calibration": self.calibration,
             "other_domains": None if other_full is None else {
-                "domains": list(dict.fromkeys(self._domain_of(s.family) for s in self.other_samples)),
+                "domains": list(dict.fromkeys(domain_of(s) for s in self.other_samples)),
                 "n": len(self.other_samples),
                 "per_family": {f: sum(s.family == f for s in self.other_samples)
                                for f in dict.fromkeys(s.family for s in self.other_samples)},

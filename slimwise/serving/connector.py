@@ -118,13 +118,16 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                 out[name] = tuple(kv)  # linear attention: (conv_state, ssm_state), first dim = state block
         return out
 
-    def _path(self, layer_name: str, request: PromptState) -> str:
-        """This rank's file for one layer of one prompt (worker side: the rank is known once distributed is up)."""
+    def _folder(self, request: PromptState, create: bool = False) -> str:
+        """The prompt's folder (hashed once per request, not once per layer)."""
+        return self._generate_foldername_debug(torch.tensor(request.token_ids), request.mm_hashes, create_folder=create)
+
+    @staticmethod
+    def _rank() -> int:
+        """This worker's tensor-parallel rank (worker side: known once distributed is up)."""
         from vllm.distributed import get_tensor_model_parallel_rank
 
-        path = self._generate_filename_debug(layer_name, torch.tensor(request.token_ids), request.mm_hashes)
-        return os.path.join(os.path.dirname(path), state_file_name(layer_name, self._tp_size,
-                                                                   get_tensor_model_parallel_rank()))
+        return get_tensor_model_parallel_rank()
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         """Nothing per layer: `wait_for_save` stores every layer once the forward is done, so linear-attention
@@ -137,7 +140,9 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         if not stores:
             return
         layers = self._cache_layers(get_forward_context())
+        rank = self._rank()
         for request in stores:
+            folder = self._folder(request, create=True)
             for layer_name, kv in layers.items():
                 blocks, state = self._where(layer_name, request)
                 if state:
@@ -145,7 +150,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                     tensors = {f"state_{i}": t[index].detach().cpu().contiguous() for i, t in enumerate(kv)}
                 else:
                     tensors = {"kv_cache": kv[torch.tensor(blocks, device=kv.device)].detach().cpu().contiguous()}
-                path = self._path(layer_name, request)
+                path = os.path.join(folder, state_file_name(layer_name, self._tp_size, rank))
                 tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: two writers never rename each other's file
                 safetensors.torch.save_file(tensors, tmp)
                 os.replace(tmp, path)
@@ -159,10 +164,12 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         if not loads:
             return
         layers = self._cache_layers(forward_context)
+        rank = self._rank()
         for request in loads:
+            folder = self._folder(request)
             for layer_name, kv in layers.items():
                 blocks, state = self._where(layer_name, request)
-                src = safetensors.torch.load_file(self._path(layer_name, request))
+                src = safetensors.torch.load_file(os.path.join(folder, state_file_name(layer_name, self._tp_size, rank)))
                 if state:
                     index = torch.tensor(blocks, device=kv[0].device)
                     for i, t in enumerate(kv):
@@ -176,7 +183,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         folder = self._generate_foldername_debug(torch.tensor(token_ids), mm_hashes, create_folder=False)
         names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
         if not self._layers:  # no KV-cache config (older single-group path): any file of this size
-            return any(name.endswith(f".{_tag(self._tp_size, 0)}") for name in names)
+            return any(name.endswith(state_file_name("", self._tp_size, 0)) for name in names)
         want = {state_file_name(layer, self._tp_size, rank) for layer in self._layers for rank in range(self._tp_size)}
         if want <= names:
             return True
@@ -225,14 +232,10 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
 _TAG = re.compile(r"\.tp(\d+)-r\d+\.safetensors$")
 
 
-def _tag(tp_size: int, rank: int) -> str:
-    """File suffix of one tensor-parallel rank's shard: the size is part of the name so mismatches are visible."""
-    return f"tp{tp_size}-r{rank}.safetensors"
-
-
 def state_file_name(layer_name: str, tp_size: int = 1, rank: int = 0) -> str:
-    """The name of one layer's stored state, by one rank, in a prompt's folder (`proxy.kv_folder`)."""
-    return f"{layer_name}.{_tag(tp_size, rank)}"
+    """The name of one layer's stored state, by one rank, in a prompt's folder (`proxy.kv_folder`); the size is
+    part of the name, so a decode instance of another size sees the mismatch (`_TAG`)."""
+    return f"{layer_name}.tp{tp_size}-r{rank}.safetensors"
 
 
 def _nixl_connector():
