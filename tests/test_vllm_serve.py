@@ -74,14 +74,16 @@ def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS) -> 
                                                          "VLLM_LOGGING_LEVEL": "INFO"})  # core in its own process
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited during start-up"
+        if proc.poll() is not None:  # the server's log says why (CI shows only this message)
+            raise AssertionError(f"server exited with code {proc.returncode} during start-up; log tail:\n"
+                                 + Path(log.name).read_text()[-6000:])
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise AssertionError("server did not become healthy")
+    raise AssertionError("server did not become healthy within 600 s; log tail:\n" + Path(log.name).read_text()[-6000:])
 
 
 LOAD_TEST = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
