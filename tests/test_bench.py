@@ -84,6 +84,17 @@ def test_threshold_bars_and_roofline_comparison(tmp_path):
     b8 = bars["colocated_reaches_95pct_of_pruned"][8]
     assert (b8["slimwise"], b8["pruned"]) == pytest.approx((1.15, 1.185)) and b8["met"]
     assert b8["ratio"] == pytest.approx(0.9705, abs=1e-4)
+    # with the rounds: slimwise / pruned paired within each round, 110/112 and 96/100 -> median 0.971
+    paired = check_bars(s, "cpu", r["runs"])["colocated_reaches_95pct_of_pruned"]
+    assert paired[8]["paired"] == pytest.approx({"median": (110 / 112 + 96 / 100) / 2, "min": 0.96,
+                                                 "max": 110 / 112, "n": 2})
+    assert paired[8]["met"] and paired[8]["ratio"] == b8["ratio"]
+    assert paired[32]["paired"]["min"] == pytest.approx(260 / 270)
+    r["bars"] = check_bars(s, "cpu", r["runs"])
+    assert "| 8 | 0.971 (0.960-0.982) | 0.970 | met |" in format_tables(json.loads(json.dumps(r)))
+    slow = {"slimwise": {8: [_m(90, 0), _m(91, 1)]}, "pruned": {8: [_m(100, 0), _m(100, 1)]}}
+    assert check_bars({"slimwise": {8: {"speedup": {"median": 1.0}}}, "pruned": {8: {"speedup": {"median": 1.0}}}},
+                      None, slow)["colocated_reaches_95pct_of_pruned"][8]["met"] is False  # paired 0.905 decides
     short = check_bars({"slimwise": {16: {"speedup": {"median": 1.0}}},
                         "pruned": {16: {"speedup": {"median": 1.1}}}}, None)
     assert short["colocated_reaches_95pct_of_pruned"][16]["met"] is False  # 0.909 < 0.95
@@ -263,7 +274,7 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     config = BenchConfig(synthetic="smoke", synthetic_dir=str(tmp_path / "model"), batches=(1, 4), repetitions=1,
                          prompt_len=6, output_len=5, warmup_tokens=2, count_output_len=4, hardware=None,
                          variants=("full", "slimwise", "pruned", "slimwise-min4", "mix-50", "mixfull-75"),
-                         suggest_threshold=0.0,
+                         suggest_threshold=0.0, kernel_roofline=True,
                          out_dir=str(tmp_path / "bench"))
     level = os.environ.get("VLLM_LOGGING_LEVEL")
     r = run_bench(config, log=lambda s: None)
@@ -307,6 +318,20 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
             base = {m["round"]: m["tokens_per_s"] for m in r["runs"]["full"][b]}
             paired = [m["tokens_per_s"] / base[m["round"]] for m in r["runs"][name][b]]
             assert bar[name] == pytest.approx(statistics.median(paired))
+        pruned = {m["round"]: m["tokens_per_s"] for m in r["runs"]["pruned"][b]}
+        assert bar["paired"]["median"] == pytest.approx(statistics.median(
+            m["tokens_per_s"] / pruned[m["round"]] for m in r["runs"]["slimwise"][b]))
+    # the kernel roofline: vLLM's fused-MoE op timed at the smoke model's shapes (16 experts, top-4: 4, 8 or 16
+    # available at each batch), the pruned step predicted from the measured full one with the counted experts
+    kr = r["kernel_roofline"]
+    assert kr["unions"] == "traffic counters" and len(kr["samples"]) == 2 * 3
+    for row in kr["rows"]:
+        b = str(row["batch"])
+        assert row["union_full"] == t["full"]["batches"][b]["touched_mean"]
+        assert row["union_pruned"] == t["slimwise"]["batches"][b]["touched_mean"]
+        assert row["full_step_s"] == pytest.approx(r["summary"]["full"][b]["tpot_ms"]["median"] / 1e3)
+        assert 0 <= row["pair_share_full"] <= 1 and row["measured_speedup_slimwise"] > 0
+    assert "Kernel roofline" in (tmp_path / "bench" / "bench.md").read_text()
     for f in r["files"].values():
         assert (tmp_path / "bench" / f.split("/")[-1]).stat().st_size > 0
     # --dtype auto (the default) resolved for this machine before any engine started, and recorded with it

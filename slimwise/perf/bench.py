@@ -106,6 +106,7 @@ class BenchConfig:
     count_experts: bool = True
     count_output_len: int = 16
     hardware: str | None = "cpu-measured"  # roofline hardware; None: no prediction
+    kernel_roofline: bool = False  # time vLLM's CPU fused-MoE op at the model's shapes; predict from it (issue #18)
     suggest_threshold: float | None = None  # print the smallest batch where slimwise reaches this speedup
     out_dir: str = "runs/bench"
     plot: str | None = None  # PNG path (default out_dir/bench.png)
@@ -510,6 +511,55 @@ def roofline_predictions(config: BenchConfig, model_dir: Path, ratio: float, bat
     return rc, hw, preds, ctx
 
 
+def _roofline_config(model_dir: Path, config: BenchConfig):
+    from transformers import AutoConfig
+
+    from slimwise.perf.roofline import RooflineConfig
+
+    return RooflineConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True), name=model_dir.name,
+                                  dtype=config.dtype if config.dtype != "auto" else "bfloat16")
+
+
+def _by_batch(per: dict, b: int):
+    return per[b] if b in per else per[str(b)]  # int keys in a run, str keys once written as JSON
+
+
+def kernel_roofline(config: BenchConfig, rc, plan, summary: dict, traffic: dict | None, log) -> dict:
+    """`--kernel-roofline`: time vLLM's fused-MoE op at this model's expert shapes (up to 8 layers' weights, so
+    they exceed the caches as the model's do), fit t = a U + b P + c (slimwise.perf.kernels), and predict each
+    batch's pruned step from the measured full step. Experts read per step from the traffic counters where they
+    ran (slimwise, else pruned), else the uniform expectation."""
+    from slimwise.perf.kernels import fit_moe_kernel, measure_fused_moe, predict_from_full
+    from slimwise.perf.roofline import expected_union
+
+    inter = rc.expert_params // (3 * rc.hidden_size)
+    log(f"kernel roofline: timing the fused-MoE op (hidden {rc.hidden_size}, experts of {inter}, top-{rc.top_k})")
+    samples = measure_fused_moe(rc.hidden_size, inter, rc.num_experts, rc.top_k, config.batches,
+                                layers=min(rc.moe_layers, 8), dtype=config.dtype, rounds=3, steps=5, seed=config.seed)
+    model = fit_moe_kernel(samples, int(rc.expert_params * rc.weight_bytes))
+    kept = min(len(v) for v in plan.kept_experts.values()) if plan.kept_experts else rc.num_experts
+    counted = traffic or {}
+    pruned_counter = next((n for n in ("slimwise", "pruned") if n in counted), None)
+    rows = []
+    for b in config.batches:
+        full = summary["full"].get(b)
+        if not full:
+            continue
+        union_full = (_by_batch(counted["full"]["batches"], b)["touched_mean"] if "full" in counted
+                      else expected_union(rc.num_experts, rc.top_k, b))
+        union_pruned = (_by_batch(counted[pruned_counter]["batches"], b)["touched_mean"] if pruned_counter
+                        else expected_union(kept, rc.top_k, b))
+        row = predict_from_full(model, rc.moe_layers, rc.top_k, b, full["tpot_ms"]["median"] / 1e3, union_full,
+                                union_pruned)
+        for name in ("slimwise", "pruned"):
+            measured = summary.get(name, {}).get(b, {}).get("speedup")
+            if measured:
+                row[f"measured_speedup_{name}"] = measured["median"]
+        rows.append(row)
+    return {"model": model.as_dict(), "samples": [vars(s) for s in samples], "rows": rows,
+            "unions": "traffic counters" if counted else "uniform expectation"}
+
+
 # ----- entry point -------------------------------------------------------------------------------------------
 
 def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> dict:
@@ -564,11 +614,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     }
     if config.count_experts:
         if rc is None:
-            from transformers import AutoConfig
-
-            from slimwise.perf.roofline import RooflineConfig
-
-            rc = RooflineConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+            rc = _roofline_config(model_dir, config)
         with engines_closed_on_sigterm():
             result["traffic"] = count_traffic(config, variants, kwargs, rc.expert_params * rc.weight_bytes,
                                               plan.top_k, log)
@@ -580,7 +626,10 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
         result["bytes_split"] = bytes_split_table(rc, plan.top_k, plan.num_experts, result.get("traffic"),
                                                   config.batches, ctx or config.prompt_len + config.output_len // 2,
                                                   plan.num_kept if plan.is_uniform else None)
-    result["bars"] = check_bars(summary, config.synthetic)
+    if config.kernel_roofline:
+        rc = rc or _roofline_config(model_dir, config)
+        result["kernel_roofline"] = kernel_roofline(config, rc, plan, summary, result.get("traffic"), log)
+    result["bars"] = check_bars(summary, config.synthetic, runs)
     if config.suggest_threshold is not None:
         result["threshold"] = threshold_report(result, config.suggest_threshold, rc, hw, ctx, plan.ratio)
     result = jsonable(result)

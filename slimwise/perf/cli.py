@@ -281,7 +281,8 @@ def cmd_bench(args) -> None:
         kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
         max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart, resume=args.resume, in_process=args.in_process,
         count_experts=not args.no_count, count_output_len=args.count_output_len,
-        hardware=None if args.hardware == "none" else args.hardware, suggest_threshold=args.suggest_threshold,
+        hardware=None if args.hardware == "none" else args.hardware, kernel_roofline=args.kernel_roofline,
+        suggest_threshold=args.suggest_threshold,
         out_dir=args.out, plot=args.plot, seed=args.seed, verbose=args.verbose)
     result = run_bench(config)
     print()
@@ -356,6 +357,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-count", action="store_true", help="skip the expert-traffic pass")
     p.add_argument("--count-output-len", type=integer(1), default=16, help="tokens per sequence in the traffic pass")
     p.add_argument("--hardware", default="cpu-measured", help="roofline hardware (cpu-measured, h100, h200, none)")
+    p.add_argument("--kernel-roofline", action="store_true",
+                   help="also time vLLM's CPU fused-MoE op at the model's expert shapes (about a minute) and predict "
+                        "each batch's pruned step from the measured full step (slimwise.perf.kernels)")
     p.add_argument("--suggest-threshold", type=number(0), metavar="MIN_SPEEDUP",
                    help="print the smallest batch where SlimWise reaches this speedup (for --min-decode-batch)")
     p.add_argument("--from-json", help="re-print tables (and --suggest-threshold) from a bench.json; runs nothing")
