@@ -40,6 +40,14 @@ def test_fit_recovers_the_coefficients_of_exact_data():
     assert model.as_dict()["streaming_bandwidth"] == model.streaming_bandwidth
 
 
+def test_no_fitted_cost_is_negative():
+    """Data whose free fit would put the per-call cost below zero: it is fixed at 0 and a, b refitted."""
+    data = exact_samples(1e-4, 2e-5, -2e-5)
+    model = fit_moe_kernel(data, 1)
+    assert model.per_call_s == 0 and model.per_expert_s > 0 and model.per_pair_s > 0
+    assert model.max_rel_error < 0.5
+
+
 def test_fit_needs_three_samples():
     with pytest.raises(ValueError, match="at least 3 samples"):
         fit_moe_kernel(exact_samples(1e-4, 2e-5, 3e-5)[:2], 1)

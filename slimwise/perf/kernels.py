@@ -69,13 +69,23 @@ class MoEKernelModel:
 
 
 def fit_moe_kernel(samples: Sequence[KernelSample], bytes_per_expert: int) -> MoEKernelModel:
-    """Least-squares fit of t = a U + b P + c, weighted by 1/t so that small calls count as much as large ones."""
+    """Least-squares fit of t = a U + b P + c, weighted by 1/t so that small calls count as much as large ones.
+    No cost is negative: a coefficient the free fit puts below zero (the kernel is not exactly linear, so a noisy
+    run can trade the per-call cost against the others) is fixed at 0 and the others refitted."""
     if len(samples) < 3:
         raise ValueError(f"need at least 3 samples to fit 3 coefficients, got {len(samples)}")
     x = np.array([[s.experts_read, s.pairs, 1.0] for s in samples])
     t = np.array([s.seconds for s in samples])
     w = 1.0 / t
-    coef, *_ = np.linalg.lstsq(x * w[:, None], t * w, rcond=None)
+    free = [0, 1, 2]
+    coef = np.zeros(3)
+    while free:
+        coef = np.zeros(3)
+        sol, *_ = np.linalg.lstsq(x[:, free] * w[:, None], t * w, rcond=None)
+        coef[free] = sol
+        if (sol >= 0).all():
+            break
+        free.pop(int(np.argmin(sol)))
     fitted = x @ coef
     r2 = 1.0 - float(((t - fitted) ** 2).sum() / ((t - t.mean()) ** 2).sum())
     return MoEKernelModel(float(coef[0]), float(coef[1]), float(coef[2]), int(bytes_per_expert), r2,
