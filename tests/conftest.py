@@ -36,6 +36,19 @@ def random_prompts(n: int = 6, vocab: int = 512, seed: int = 0, lengths=(5, 9, 1
 ALL_FAMILIES = sorted(TINY_CONFIGS)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_vllm_shared_memory_left():
+    """vLLM's killed tensor-parallel workers leave shared-memory segments in /dev/shm (slimwise/serving/shm.py):
+    about 8 MB per TP=2 engine, for good. Before the session, remove what earlier runs left (segments no live
+    process maps), so a small /dev/shm filled by past runs cannot make this run's TP engines die at start-up;
+    after it, what this run left."""
+    from slimwise.serving import shm
+
+    shm.remove_leftovers()
+    yield
+    shm.remove_after_exit()
+
+
 @pytest.fixture(autouse=True)
 def _vllm_engine_in_process(request, monkeypatch):
     """Tests marked `vllm_in_process` run vLLM's engine core inside the test process

@@ -157,7 +157,10 @@ def test_tensor_parallel_2_colocated(setup):
     """--tensor-parallel-size 2 on the CPU backend (two worker processes, one core each, shared-memory all-reduce):
     the plan, the mask and the counters act on both ranks; full / slimwise / uniform in one engine equal the reference
     (and so TP=1); the load-aware policy holds on both ranks. The core binding is SlimWise's (one NUMA node here)."""
+    from slimwise.serving import shm
+
     model_dir, plan, ref, _ = setup("qwen3_moe")
+    shm_before = shm.segments()
     engine = VllmEngine(model_dir, plan, share_engine=True,
                         engine_kwargs={"tensor_parallel_size": 2, "distributed_executor_backend": "mp"})
     n_prompt = sum(len(p) for p in PROMPTS)
@@ -173,6 +176,8 @@ def test_tensor_parallel_2_colocated(setup):
         assert all(totals([c])[0] == 0 for c in engine.counters())
     finally:
         engine.close()
+    # the killed workers' shared memory (CPU all-reduce, message queues) went with them
+    assert not shm.segments() - shm_before
 
 
 # qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py). An empty

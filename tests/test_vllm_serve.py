@@ -175,8 +175,11 @@ def test_disaggregated_serve_tensor_parallel_2(served):
     """PD-disaggregated with --tensor-parallel-size 2 on both instances (4 CPU workers on 2 cores; SlimWise binds each
     instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads its own shard, and
 the tokens are the reference engine's SlimWise tokens."""
+    from slimwise.serving import shm
+
     root, prompts, ref = served
     port = free_port()
+    shm_before = shm.segments()
     log = open(root / "disagg-tp2.log", "w")  # noqa: SIM115
     proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--disaggregated", "--tensor-parallel-size",
                   "2"], port, log, vllm_args=["--dtype", "float32", "--enforce-eager"])
@@ -190,6 +193,9 @@ the tokens are the reference engine's SlimWise tokens."""
         stop(proc)
     text = (root / "disagg-tp2.log").read_text()
     assert "threads:" in text and "tensor_parallel_size=2" in text
+    # four TP workers killed at shutdown: the shared memory they held was unlinked by the server, not left behind
+    assert not shm.segments() - shm_before, text[-3000:]
+    assert "shared-memory segments the instances' workers left" in text
 
 
 def test_disaggregated_serve(served):

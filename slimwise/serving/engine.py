@@ -100,6 +100,7 @@ class VllmEngine:
         self.default_plan = default_plan  # several plans (`plan` a dict): the plan of prompts that name none
         self._mode: str | None = None
         self._kind: str | None = None  # the running engine: a mode, or "shared"
+        self._shm_before: set[str] = set()
         self.llm = None
 
     def _engine(self, mode: str):
@@ -124,6 +125,9 @@ class VllmEngine:
                                            default_plan=self.default_plan,
                                            min_decode_batch=self.min_decode_batch,
                                            delta=self.delta if kind in ("distilled", "shared-delta") else None)
+        from slimwise.serving import shm
+
+        self._shm_before = shm.segments()  # tensor/pipeline-parallel workers leave segments there when killed
         with _cpu_rank_binding(self.kwargs):
             self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                            skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
@@ -169,6 +173,10 @@ class VllmEngine:
             self.llm = None
             self._mode = self._kind = None
             gc.collect()
+            if parallel_ranks_of(self.kwargs) > 1:  # vLLM's shutdown force-kills the workers: unlink what they held
+                from slimwise.serving import shm
+
+                shm.remove_after_exit(self._shm_before)
 
     def counters(self) -> list[dict]:
         return self.llm.collective_rpc("slimwise_counters") if self.llm is not None else []
@@ -228,6 +236,10 @@ def _cpu_rank_binding(kwargs: dict):
     as it was."""
     from slimwise.hardware import cpu_binding_env, scoped_environ
 
-    ranks = int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))
-    with scoped_environ(cpu_binding_env(ranks)):
+    with scoped_environ(cpu_binding_env(parallel_ranks_of(kwargs))):
         yield
+
+
+def parallel_ranks_of(kwargs: dict) -> int:
+    """Local ranks of an engine from its keyword arguments: tensor x pipeline parallel size."""
+    return int(kwargs.get("tensor_parallel_size", 1)) * int(kwargs.get("pipeline_parallel_size", 1))

@@ -33,6 +33,7 @@ from slimwise.errors import SlimWiseError
 from slimwise.hardware import cpu_binding_env, parallel_ranks
 from slimwise.io import pid_alive
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
+from slimwise.serving import shm
 from slimwise.serving.engine import slimwise_overrides
 from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
@@ -292,6 +293,7 @@ class Supervisor:
         self.cleanup_dirs: list[str] = []
         self.exited: str | None = None  # "decode instance exited with code -9": the first child that exited
         self.watchdog: subprocess.Popen | None = None
+        self.shm_before = shm.segments()  # what the instances' killed workers leave beyond this is removed at stop
         atexit.register(self.stop)
 
     def _note(self, line: str) -> None:
@@ -336,6 +338,11 @@ class Supervisor:
                 proc.wait(timeout=30)
             self._signal_group(proc, signal.SIGKILL)  # whatever is left of the group (orphaned engine processes)
             self._note(f"ungroup {proc.pid}")  # cleaned up: the watchdog must not signal a reused group id
+        if self.procs:
+            removed = shm.remove_after_exit(self.shm_before)
+            if removed:
+                print(f"removed {len(removed)} shared-memory segments the instances' workers left in {shm.SHM_DIR}",
+                      flush=True)
         self.procs.clear()
         for d in self.cleanup_dirs:
             shutil.rmtree(d, ignore_errors=True)
