@@ -62,6 +62,7 @@ from slimwise.perf.bench_report import (
     threshold_report,
 )
 from slimwise.perf.mixes import mix_of, plan_b_path, variant_plans
+from slimwise.perf.roofline import RooflineConfig
 from slimwise.perf.timing import (
     close_engine,
     engines_closed_on_sigterm,
@@ -498,66 +499,14 @@ def roofline_predictions(config: BenchConfig, model_dir: Path, ratio: float, bat
     """(RooflineConfig, Hardware, predictions, context) for this model's own config, or Nones."""
     if not config.hardware:
         return None, None, None, None
-    from transformers import AutoConfig
+    from slimwise.perf.roofline import get_hardware, predict
 
-    from slimwise.perf.roofline import RooflineConfig, get_hardware, predict
-
-    hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    rc = RooflineConfig.from_hf(hf, name=model_dir.name, dtype=config.dtype if config.dtype != "auto" else "bfloat16")
+    rc = RooflineConfig.from_dir(model_dir, config.dtype)
     hw = get_hardware(config.hardware, dtype=config.dtype)
     ctx = config.prompt_len + config.output_len // 2
     preds = predict(rc, hw, ratio, list(batches), ctx)
     log(f"roofline {hw.name}: {hw.note or f'{hw.bandwidth / 1e9:.0f} GB/s'}")
     return rc, hw, preds, ctx
-
-
-def _roofline_config(model_dir: Path, config: BenchConfig):
-    from transformers import AutoConfig
-
-    from slimwise.perf.roofline import RooflineConfig
-
-    return RooflineConfig.from_hf(AutoConfig.from_pretrained(model_dir, local_files_only=True), name=model_dir.name,
-                                  dtype=config.dtype if config.dtype != "auto" else "bfloat16")
-
-
-def _by_batch(per: dict, b: int):
-    return per[b] if b in per else per[str(b)]  # int keys in a run, str keys once written as JSON
-
-
-def kernel_roofline(config: BenchConfig, rc, plan, summary: dict, traffic: dict | None, log) -> dict:
-    """`--kernel-roofline`: time vLLM's fused-MoE op at this model's expert shapes (up to 8 layers' weights, so
-    they exceed the caches as the model's do), fit t = a U + b P + c (slimwise.perf.kernels), and predict each
-    batch's pruned step from the measured full step. Experts read per step from the traffic counters where they
-    ran (slimwise, else pruned), else the uniform expectation."""
-    from slimwise.perf.kernels import fit_moe_kernel, measure_fused_moe, predict_from_full
-    from slimwise.perf.roofline import expected_union
-
-    inter = rc.expert_params // (3 * rc.hidden_size)
-    log(f"kernel roofline: timing the fused-MoE op (hidden {rc.hidden_size}, experts of {inter}, top-{rc.top_k})")
-    samples = measure_fused_moe(rc.hidden_size, inter, rc.num_experts, rc.top_k, config.batches,
-                                layers=min(rc.moe_layers, 8), dtype=config.dtype, rounds=3, steps=5, seed=config.seed)
-    model = fit_moe_kernel(samples, int(rc.expert_params * rc.weight_bytes))
-    kept = min(len(v) for v in plan.kept_experts.values()) if plan.kept_experts else rc.num_experts
-    counted = traffic or {}
-    pruned_counter = next((n for n in ("slimwise", "pruned") if n in counted), None)
-    rows = []
-    for b in config.batches:
-        full = summary["full"].get(b)
-        if not full:
-            continue
-        union_full = (_by_batch(counted["full"]["batches"], b)["touched_mean"] if "full" in counted
-                      else expected_union(rc.num_experts, rc.top_k, b))
-        union_pruned = (_by_batch(counted[pruned_counter]["batches"], b)["touched_mean"] if pruned_counter
-                        else expected_union(kept, rc.top_k, b))
-        row = predict_from_full(model, rc.moe_layers, rc.top_k, b, full["tpot_ms"]["median"] / 1e3, union_full,
-                                union_pruned)
-        for name in ("slimwise", "pruned"):
-            measured = summary.get(name, {}).get(b, {}).get("speedup")
-            if measured:
-                row[f"measured_speedup_{name}"] = measured["median"]
-        rows.append(row)
-    return {"model": model.as_dict(), "samples": [vars(s) for s in samples], "rows": rows,
-            "unions": "traffic counters" if counted else "uniform expectation"}
 
 
 # ----- entry point -------------------------------------------------------------------------------------------
@@ -614,7 +563,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     }
     if config.count_experts:
         if rc is None:
-            rc = _roofline_config(model_dir, config)
+            rc = RooflineConfig.from_dir(model_dir, config.dtype)
         with engines_closed_on_sigterm():
             result["traffic"] = count_traffic(config, variants, kwargs, rc.expert_params * rc.weight_bytes,
                                               plan.top_k, log)
@@ -627,8 +576,12 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
                                                   config.batches, ctx or config.prompt_len + config.output_len // 2,
                                                   plan.num_kept if plan.is_uniform else None)
     if config.kernel_roofline:
-        rc = rc or _roofline_config(model_dir, config)
-        result["kernel_roofline"] = kernel_roofline(config, rc, plan, summary, result.get("traffic"), log)
+        from slimwise.perf.kernels import bench_kernel_roofline
+
+        rc = rc or RooflineConfig.from_dir(model_dir, config.dtype)
+        kept = min(len(v) for v in plan.kept_experts.values()) if plan.kept_experts else rc.num_experts
+        result["kernel_roofline"] = bench_kernel_roofline(rc, kept, config.batches, summary, result.get("traffic"),
+                                                          config.dtype, config.seed, log)
     result["bars"] = check_bars(summary, config.synthetic, runs)
     if config.suggest_threshold is not None:
         result["threshold"] = threshold_report(result, config.suggest_threshold, rc, hw, ctx, plan.ratio)

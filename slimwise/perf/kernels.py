@@ -162,3 +162,41 @@ def predict_from_full(model: MoEKernelModel, moe_layers: int, top_k: int, batch:
             "pair_share_full": model.pair_share(union_full, pairs),
             "pair_share_pruned": model.pair_share(union_pruned, pairs), "pruned_step_s": pruned,
             "predicted_speedup": full_step_s / pruned if applies else None, "applies": applies}
+
+
+def bench_kernel_roofline(rc, kept: int, batches: Sequence[int], summary: dict, traffic: dict | None, dtype: str,
+                          seed: int, log) -> dict:
+    """`slimwise bench --kernel-roofline`: time the fused-MoE op at the model's expert shapes (`rc`, a
+    `RooflineConfig`; up to 8 layers' weights, so they exceed the caches as the model's do), fit it, and predict
+    each batch's pruned step from the bench's measured full step. Experts read per step from the traffic counters
+    where they ran (slimwise, else pruned), else the uniform expectation over all / `kept` experts."""
+    from slimwise.perf.roofline import expected_union
+
+    def by_batch(per: dict, b: int):
+        return per[b] if b in per else per[str(b)]  # int keys in a run, str keys once written as JSON
+
+    inter = rc.expert_params // (3 * rc.hidden_size)
+    log(f"kernel roofline: timing the fused-MoE op (hidden {rc.hidden_size}, experts of {inter}, top-{rc.top_k})")
+    samples = measure_fused_moe(rc.hidden_size, inter, rc.num_experts, rc.top_k, batches,
+                                layers=min(rc.moe_layers, 8), dtype=dtype, rounds=3, steps=5, seed=seed)
+    model = fit_moe_kernel(samples, int(rc.expert_params * rc.weight_bytes))
+    counted = traffic or {}
+    pruned_counter = next((n for n in ("slimwise", "pruned") if n in counted), None)
+    rows = []
+    for b in batches:
+        full = summary["full"].get(b)
+        if not full:
+            continue
+        union_full = (by_batch(counted["full"]["batches"], b)["touched_mean"] if "full" in counted
+                      else expected_union(rc.num_experts, rc.top_k, b))
+        union_pruned = (by_batch(counted[pruned_counter]["batches"], b)["touched_mean"] if pruned_counter
+                        else expected_union(kept, rc.top_k, b))
+        row = predict_from_full(model, rc.moe_layers, rc.top_k, b, full["tpot_ms"]["median"] / 1e3, union_full,
+                                union_pruned)
+        for name in ("slimwise", "pruned"):
+            measured = summary.get(name, {}).get(b, {}).get("speedup")
+            if measured:
+                row[f"measured_speedup_{name}"] = measured["median"]
+        rows.append(row)
+    return {"model": model.as_dict(), "samples": [vars(s) for s in samples], "rows": rows,
+            "unions": "traffic counters" if counted else "uniform expectation"}

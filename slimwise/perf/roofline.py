@@ -159,6 +159,16 @@ class RooflineConfig:
             kv_bytes=DTYPE_BYTES[kv_dtype or dtype], state_bytes=DTYPE_BYTES[str(ssm).removeprefix("torch.")],
         )
 
+    @classmethod
+    def from_dir(cls, model_dir, dtype: str = "auto") -> RooflineConfig:
+        """A local checkpoint's config, at `dtype` ("auto": bf16 weights)."""
+        from pathlib import Path
+
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        return cls.from_hf(hf, name=Path(model_dir).name, dtype="bfloat16" if dtype == "auto" else dtype)
+
 
 #: module names of token mixers (softmax attention, Gated DeltaNet / linear attention) across the families
 MIXER_NAMES = ("self_attn", "linear_attn", "attention")
