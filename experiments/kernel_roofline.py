@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def bind_threads_like_vllm() -> None:
@@ -38,7 +38,7 @@ def bind_threads_like_vllm() -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="cpu")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="calls per layer per round")
@@ -56,19 +56,19 @@ def main(argv=None) -> None:
     from slimwise.hardware import describe
     from slimwise.perf.kernels import fit_moe_kernel, kernel_isa, measure_fused_moe
     from slimwise.perf.presets import get_preset
-    from slimwise.perf.roofline import measure_cpu
+    from slimwise.perf.roofline import DTYPE_BYTES, measure_cpu
 
     preset = get_preset(args.preset)
     cfg = preset.text
     hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     experts, top_k, layers = cfg["num_experts"], cfg["num_experts_per_tok"], preset.real_layers
-    bytes_per_expert = 3 * hidden * inter * DTYPE_BYTES[args.dtype]
+    bytes_per_expert = int(3 * hidden * inter * DTYPE_BYTES[args.dtype])
     read_bw = measure_cpu(budget_s=4.0).bandwidth
     samples = measure_fused_moe(hidden, inter, experts, top_k, args.batches, layers=layers, dtype=args.dtype,
                                 rounds=args.rounds, steps=args.steps, seed=args.seed)
     model = fit_moe_kernel(samples, bytes_per_expert)
     lines = [f"# Fused-MoE kernel roofline ({args.preset} preset, {args.dtype}, vLLM `cpu_fused_moe`, isa "
-             f"{kernel_isa()})", "",
+             f"{kernel_isa(args.dtype)})", "",
              f"Machine: {json.dumps(describe())}; {torch.get_num_threads()} threads bound "
              f"(GOMP_CPU_AFFINITY={os.environ['GOMP_CPU_AFFINITY']!r}); read bandwidth {read_bw / 1e9:.1f} GB/s.",
              f"Command: `python -m experiments.kernel_roofline {' '.join(argv if argv is not None else sys.argv[1:])}`",

@@ -74,8 +74,8 @@ def bytes_split_table(rc, top_k: int, num_experts: int, traffic: dict | None, ba
     for b in batches:
         row = {}
         for side, names, avail in (("full", ("full",), num_experts), ("pruned", ("slimwise", "pruned"), kept)):
-            measured = next((_entry(traffic[n]["batches"], b) for n in names if traffic and n in traffic
-                             and _entry(traffic[n]["batches"], b)), None)
+            measured = next((batch_entry(traffic[n]["batches"], b) for n in names if traffic and n in traffic
+                             and batch_entry(traffic[n]["batches"], b)), None)
             union = measured["touched_mean"] if measured else expected_union(avail, top_k, b)
             split = rc.bytes_split(b, context_len, union, None if side == "full" else avail)
             row[side] = {**split, "union": union, "union_source": "counters" if measured else "uniform expectation",
@@ -102,7 +102,7 @@ def suggest_threshold(summary: dict, min_speedup: float, variant: str = "slimwis
 def paired_ratio(runs: dict, a: str, b: str, batch) -> dict | None:
     """a's tokens/s over b's within each round (same machine state, so two noisy throughputs are not divided):
     median, min, max over the rounds both ran; None when they share no round."""
-    per_a, per_b = (_entry(runs.get(v, {}), batch) or [] for v in (a, b))
+    per_a, per_b = (batch_entry(runs.get(v, {}), batch) or [] for v in (a, b))
     base = {m["round"]: m["tokens_per_s"] for m in per_b}
     pairs = [m["tokens_per_s"] / base[m["round"]] for m in per_a if m["round"] in base]
     return _spread(pairs) if pairs else None
@@ -135,7 +135,8 @@ def check_bars(summary: dict, preset: str | None, runs: dict | None = None) -> d
 
 # ----- output ------------------------------------------------------------------------------------------------
 
-def _entry(per: dict, b):
+def batch_entry(per: dict, b):
+    """per[b] by int key (a run) or str key (a bench.json read back)."""
     return per.get(b) or per.get(str(b))
 
 
@@ -152,16 +153,16 @@ def format_tables(result: dict) -> str:
     names = list(summary)
 
     def tput(n, b):
-        e = _entry(summary[n], b)
+        e = batch_entry(summary[n], b)
         return f"{e['tokens_per_s']['median']:.1f} ({e['tokens_per_s']['min']:.1f}-{e['tokens_per_s']['max']:.1f})" \
             if e else ""
 
     def tpot(n, b):
-        e = _entry(summary[n], b)
+        e = batch_entry(summary[n], b)
         return f"{e['tpot_ms']['median']:.1f} ({e['tpot_ms']['min']:.1f}-{e['tpot_ms']['max']:.1f})" if e else ""
 
     def speed(n, b):
-        s = (_entry(summary[n], b) or {}).get("speedup")
+        s = (batch_entry(summary[n], b) or {}).get("speedup")
         return f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" if s else ""
 
     out = _table(result, "Decode throughput, tokens/s: median (min-max) over rounds", names, tput)
@@ -173,7 +174,7 @@ def format_tables(result: dict) -> str:
         out += ["### Colocated SlimWise over the pruned checkpoint, tokens/s paired within each round (bar: >= 0.95)",
                 "", "| batch | median (min-max) | ratio of the two median speedups | bar |", "|---|---|---|---|"]
         for b in result["config"]["batches"]:
-            e = _entry(colocated, b)
+            e = batch_entry(colocated, b)
             if e and "paired" in e:
                 q = e["paired"]
                 out.append(f"| {b} | {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) | {e['ratio']:.3f} | "
@@ -187,11 +188,11 @@ def format_tables(result: dict) -> str:
         tn = list(traffic)
 
         def touched(n, b):
-            e = _entry(traffic[n]["batches"], b)
+            e = batch_entry(traffic[n]["batches"], b)
             return f"{e['touched_mean']:.1f} / {e['expected_uniform']:.1f}" if e else ""
 
         def mb(n, b):
-            e = _entry(traffic[n]["batches"], b)
+            e = batch_entry(traffic[n]["batches"], b)
             return f"{e['expert_bytes_per_step'] / 1e6:.1f}" if e else ""
 
         out += _table(result, "Distinct experts per MoE layer per decode step: measured / uniform expectation "
@@ -204,7 +205,7 @@ def format_tables(result: dict) -> str:
                 "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + write) "
                 "| total full → pruned | state share of the full step |", "|---|---|---|---|---|---|---|"]
         for b in result["config"]["batches"]:
-            e = _entry(split["batches"], b)
+            e = batch_entry(split["batches"], b)
             if not e:
                 continue
             f, p = e["full"], e["pruned"]

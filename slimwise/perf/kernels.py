@@ -78,8 +78,7 @@ def fit_moe_kernel(samples: Sequence[KernelSample], bytes_per_expert: int) -> Mo
     t = np.array([s.seconds for s in samples])
     w = 1.0 / t
     free = [0, 1, 2]
-    coef = np.zeros(3)
-    while free:
+    while True:  # t > 0, so some coefficient stays positive before `free` runs out
         coef = np.zeros(3)
         sol, *_ = np.linalg.lstsq(x[:, free] * w[:, None], t * w, rcond=None)
         coef[free] = sol
@@ -92,9 +91,12 @@ def fit_moe_kernel(samples: Sequence[KernelSample], bytes_per_expert: int) -> Mo
                           float(np.abs(fitted / t - 1).max()))
 
 
-def kernel_isa() -> str:
-    """The ISA vLLM's CPU backend picks for unquantized experts: AMX tiles where the CPU has them, else vector."""
-    return "amx" if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)() else "vec"
+def kernel_isa(dtype: str = "bfloat16") -> str:
+    """The ISA vLLM's CPU backend picks for unquantized experts: its AMX class where that class supports the device
+    and the activations are bf16 (vLLM's own checks; its grouped-GEMM shape check is not repeated), else vector."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import X86CPUUnquantizedExperts
+
+    return "amx" if dtype == "bfloat16" and X86CPUUnquantizedExperts._supports_current_device() else "vec"
 
 
 def measure_fused_moe(hidden: int, inter: int, experts: int, top_k: int, batches: Sequence[int],
@@ -109,7 +111,7 @@ def measure_fused_moe(hidden: int, inter: int, experts: int, top_k: int, batches
     available = sorted({a for a in (available or (experts // 8, experts // 4, experts // 2, experts))
                         if top_k <= a <= experts})
     dt = getattr(torch, dtype)
-    isa = kernel_isa()
+    isa = kernel_isa(dtype)
     g = torch.Generator().manual_seed(seed)
     w13 = [cpu_prepack_moe_weight((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).to(dt), isa)
            for _ in range(layers)]
@@ -170,10 +172,8 @@ def bench_kernel_roofline(rc, kept: int, batches: Sequence[int], summary: dict, 
     `RooflineConfig`; up to 8 layers' weights, so they exceed the caches as the model's do), fit it, and predict
     each batch's pruned step from the bench's measured full step. Experts read per step from the traffic counters
     where they ran (slimwise, else pruned), else the uniform expectation over all / `kept` experts."""
+    from slimwise.perf.bench_report import batch_entry
     from slimwise.perf.roofline import expected_union
-
-    def by_batch(per: dict, b: int):
-        return per[b] if b in per else per[str(b)]  # int keys in a run, str keys once written as JSON
 
     inter = rc.expert_params // (3 * rc.hidden_size)
     log(f"kernel roofline: timing the fused-MoE op (hidden {rc.hidden_size}, experts of {inter}, top-{rc.top_k})")
@@ -187,9 +187,9 @@ def bench_kernel_roofline(rc, kept: int, batches: Sequence[int], summary: dict, 
         full = summary["full"].get(b)
         if not full:
             continue
-        union_full = (by_batch(counted["full"]["batches"], b)["touched_mean"] if "full" in counted
+        union_full = (batch_entry(counted["full"]["batches"], b)["touched_mean"] if "full" in counted
                       else expected_union(rc.num_experts, rc.top_k, b))
-        union_pruned = (by_batch(counted[pruned_counter]["batches"], b)["touched_mean"] if pruned_counter
+        union_pruned = (batch_entry(counted[pruned_counter]["batches"], b)["touched_mean"] if pruned_counter
                         else expected_union(kept, rc.top_k, b))
         row = predict_from_full(model, rc.moe_layers, rc.top_k, b, full["tpot_ms"]["median"] / 1e3, union_full,
                                 union_pruned)

@@ -118,9 +118,9 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                 out[name] = tuple(kv)  # linear attention: (conv_state, ssm_state), first dim = state block
         return out
 
-    def _folder(self, request: PromptState, create: bool = False) -> str:
-        """The prompt's folder (hashed once per request, not once per layer)."""
-        return self._generate_foldername_debug(torch.tensor(request.token_ids), request.mm_hashes, create_folder=create)
+    def _folder(self, token_ids: list[int], mm_hashes: list[str], create: bool = False) -> str:
+        """A prompt's folder (hashed once per request, not once per layer)."""
+        return self._generate_foldername_debug(torch.tensor(token_ids), mm_hashes, create_folder=create)
 
     @staticmethod
     def _rank() -> int:
@@ -142,7 +142,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         layers = self._cache_layers(get_forward_context())
         rank = self._rank()
         for request in stores:
-            folder = self._folder(request, create=True)
+            folder = self._folder(request.token_ids, request.mm_hashes, create=True)
             for layer_name, kv in layers.items():
                 blocks, state = self._where(layer_name, request)
                 if state:
@@ -166,7 +166,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         layers = self._cache_layers(forward_context)
         rank = self._rank()
         for request in loads:
-            folder = self._folder(request)
+            folder = self._folder(request.token_ids, request.mm_hashes)
             for layer_name, kv in layers.items():
                 blocks, state = self._where(layer_name, request)
                 src = safetensors.torch.load_file(os.path.join(folder, state_file_name(layer_name, self._tp_size, rank)))
@@ -180,7 +180,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
     def _stored(self, token_ids: list[int], mm_hashes: list[str]) -> bool:
         """Whether every rank's file of every layer is stored for this prompt at this instance's tensor-parallel
         size. A prompt stored only at another size is refused: its shards do not fit this instance's ranks."""
-        folder = self._generate_foldername_debug(torch.tensor(token_ids), mm_hashes, create_folder=False)
+        folder = self._folder(token_ids, mm_hashes)
         names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
         if not self._layers:  # no KV-cache config (older single-group path): any file of this size
             return any(name.endswith(state_file_name("", self._tp_size, 0)) for name in names)

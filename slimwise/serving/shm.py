@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -64,8 +65,6 @@ def remove_leftovers(since: set[str] | None = None, directory: Path = SHM_DIR) -
 def remove_after_exit(since: set[str] | None = None, timeout: float = 3.0, directory: Path = SHM_DIR) -> list[str]:
     """`remove_leftovers`, retried while a process that was just killed may still hold its mappings (the kernel
     tears a SIGKILLed process down asynchronously); stops as soon as nothing new is left or `timeout` passes."""
-    import time
-
     deadline = time.monotonic() + timeout
     removed = remove_leftovers(since, directory)
     while segments(directory) - (since or set()) and time.monotonic() < deadline:
