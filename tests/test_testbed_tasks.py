@@ -451,6 +451,23 @@ def test_tokenizer_digits_and_letter_strings_are_single_characters(tok_dir):
     assert tok.tokenize("xadd") == [*"xadd"]  # template words only as whole words
 
 
+def test_tokenizer_without_spaced_pairs_spells_a_name_one_way(tok_dir, tmp_path, samples):
+    """spaced_pairs=False (testbed-c's tokenizer): no " Bob" beside "Bob", so a qa name is the same token in the
+    passage, the question and the solution lines; every other word keeps its token and text still round-trips."""
+    tok, bare = load_tokenizer(tok_dir), build_tokenizer(tmp_path, spaced_pairs=False)
+    both, one = tok.get_vocab(), bare.get_vocab()
+    dropped = sorted(set(both) - set(one))
+    assert len(dropped) >= 10 and all(w.startswith(" ") and w[1:] in one for w in dropped), dropped
+    assert set(one) <= set(both) and " has" in one and " blue" in one
+    sample = next(s for s in samples["qa"] if "who has" not in s.prompt)
+    ids = bare.encode(sample.text, add_special_tokens=False)
+    assert bare.decode(ids) == sample.text
+    name = sample.target.split()[0]  # the first solution line starts with the passage's first name
+    assert [bare.decode([i]) for i in ids].count(name) == sample.text.count(name)
+    assert bare.tokenize("Q: what color is Bob's dog?\nBob") == [
+        "Q", ":", " what", " color", " is", " ", "Bob", "'", "s", " dog", "?", "\n", "Bob"]
+
+
 def test_length_stats_fit_a_tiny_model(tok_dir):
     tok = load_tokenizer(tok_dir)
     train = length_stats(make_split("train", 60, seed=0), tok)

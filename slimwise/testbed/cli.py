@@ -34,6 +34,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--eval-n", type=int, default=TrainConfig.eval_n_per_family, help="test prompts per family")
     p.add_argument("--heldout-n", type=int, default=TrainConfig.heldout_n_per_family)
     p.add_argument("--no-pair-init", action="store_true", help="random rows for ' word' / 'word' token pairs")
+    p.add_argument("--no-spaced-pairs", action="store_true",
+                   help="no ' Name' tokens beside 'Name': a qa name is one token in passage and solution alike")
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation and model card")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -47,7 +49,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                          seed=args.seed, resume=args.resume, lr=args.lr, samples_per_family=args.samples_per_family,
                          family_weights=weights, model_overrides=overrides, experts_implementation=args.experts_impl,
                          threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
-                         progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing)
+                         progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing,
+                         spaced_pairs=not args.no_spaced_pairs)
     out = train(config)
     if not args.no_eval:
         evaluate_and_write_card(out, config)

@@ -258,14 +258,18 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         "## Architecture", "", "| field | value |", "| --- | --- |",
         *[f"| {k} | {v} |" for k, v in arch_rows], "",
         *(["Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert), so",
-            "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, 178 tokens: characters, digits and"]
+            "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, "
+            f"{cfg['vocab_size']} tokens: characters, digits and"]
           if not hybrid else [
             "Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert): it",
             "loads in stock transformers (`AutoModelForCausalLM`) and in vLLM through SlimWise's plugin",
             "(`Qwen3_5MoeForCausalLM`; on the CPU build vLLM's Qwen3.5 file imports without torchvision, see",
             "docs/serving.md), in bfloat16 only on CPU (vLLM's CPU Gated DeltaNet kernel). The tokenizer"]),
-        "(`build_tokenizer`, 178 tokens: characters, digits and" if hybrid else None,
-        "frequent template words) is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
+        f"(`build_tokenizer`, {cfg['vocab_size']} tokens: characters, digits and" if hybrid else None,
+        "frequent template words"
+        + ("; no ` Name` tokens beside `Name`, so a qa name is one token in passage, question and solution"
+           if tc.get("spaced_pairs", True) is False else "")
+        + ") is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
         "## Training", "",
         f"- command: `{command}`",
         f"- seed {tc['seed']}; wall-clock budget {tc['minutes']} min on a shared 2-core CPU "
@@ -302,7 +306,7 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         "- init: transformers' default (normal, std 0.02)"
         + ("; the 14 names the vocabulary holds both as `Name` and ` Name` start from equal embedding and output "
            "rows (qa passages spell them with a leading space, worked-solution lines without)"
-           if tc.get("pair_init") else ""),
+           if tc.get("pair_init") and tc.get("spaced_pairs", True) else ""),
         "- fp32 training with a sorted-by-expert grouped experts implementation (`slimwise_sorted`, registered in "
         "transformers' ExpertsInterface)"
         + ("; Gated-DeltaNet through transformers' torch chunked kernel (flash-linear-attention and causal-conv1d "
@@ -433,6 +437,7 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                           f"--minutes {tc['minutes']:g} --seed {tc['seed']}"
                           + (f" --threads {tc['threads']}" if tc.get("threads") else "")
                           + ("" if tc.get("pair_init") else " --no-pair-init")
+                          + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,

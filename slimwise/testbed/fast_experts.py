@@ -84,11 +84,12 @@ def sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_i
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-    y = _GroupedSwiGLU.apply(hidden_states[order // top_k], self.gate_up_proj, self.down_proj, counts)
+    # index_select, not x[idx]: its backward is index_add_, where advanced indexing's is a slow accumulating index_put_
+    y = _GroupedSwiGLU.apply(hidden_states.index_select(0, order // top_k), self.gate_up_proj, self.down_proj, counts)
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    return y[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return y.index_select(0, inverse).view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 ALL_EXPERTS_FUNCTIONS.register(FAST_EXPERTS, sorted_experts_forward)

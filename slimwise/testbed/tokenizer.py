@@ -82,11 +82,25 @@ CHAT_TEMPLATE = (
 )
 
 
+def drop_spaced_pairs(words: list[str]) -> list[str]:
+    """The word list without " word" where "word" is in it too (the qa names): the name is then one token
+    wherever it stands, and the space before it stays a token of its own."""
+    return [w for w in words if not (w.startswith(" ") and w[1:] in words)]
+
+
 def build_tokenizer(
-    out_dir: str | os.PathLike, seed: int = 0, n_per_family: int = 200, min_count: int = 20
+    out_dir: str | os.PathLike, seed: int = 0, n_per_family: int = 200, min_count: int = 20,
+    spaced_pairs: bool = True,
 ) -> PreTrainedTokenizerFast:
-    """Learn the word list from a generated corpus, save the tokenizer files to out_dir and reload them."""
+    """Learn the word list from a generated corpus, save the tokenizer files to out_dir and reload them.
+
+    spaced_pairs=False drops the " Name" tokens (`drop_spaced_pairs`): qa passages and questions spell names with a
+    leading space and worked-solution lines without, so with both forms in the vocabulary copying a name from the
+    passage into a solution line means mapping one token onto another; without, it is a plain copy.
+    """
     words = learn_words(corpus_texts(seed, n_per_family), min_count=min_count)
+    if not spaced_pairs:
+        words = drop_spaced_pairs(words)
     tokens = [*SPECIAL_TOKENS, *ALPHABET, MARKER, *words]
     vocab = {t: i for i, t in enumerate(tokens)}
     assert len(vocab) == len(tokens) <= MAX_VOCAB

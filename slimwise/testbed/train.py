@@ -83,6 +83,7 @@ class TrainConfig:
     row_groups: int = 3  # "rows": length-sorted micro-batches per step, each padded to its own longest sample
     prompt_loss_weight: float = 0.0  # the prompt is masked; >0 trains on it with this weight
     pair_init: bool = True  # start " Bob" and "Bob" (same word with/without a leading space) from equal rows
+    spaced_pairs: bool = True  # False: the tokenizer has no " Bob" beside "Bob" (see build_tokenizer)
     # optimisation
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
@@ -469,17 +470,17 @@ def save_model(model: nn.Module, tokenizer, out: Path) -> None:
     model.set_experts_implementation(FAST_EXPERTS if FAST_EXPERTS in ALL_EXPERTS_FUNCTIONS else "eager")
 
 
-@functools.lru_cache(maxsize=1)
-def _built_tokenizer_dir() -> Path:
+@functools.lru_cache(maxsize=2)
+def _built_tokenizer_dir(spaced_pairs: bool = True) -> Path:
     """build_tokenizer is deterministic (seed 0) but takes seconds: build once per process, then copy."""
     path = Path(tempfile.mkdtemp(prefix="slimwise-testbed-tok-"))
-    build_tokenizer(path)
+    build_tokenizer(path, spaced_pairs=spaced_pairs)
     return path
 
 
-def prepare_tokenizer(out: Path):
+def prepare_tokenizer(out: Path, spaced_pairs: bool = True):
     """Write the testbed tokenizer files into `out` and load them from there."""
-    src = _built_tokenizer_dir()
+    src = _built_tokenizer_dir(spaced_pairs)
     for f in sorted(src.iterdir()):
         shutil.copy2(f, out / f.name)
     return load_tokenizer(out)
@@ -491,7 +492,7 @@ def train(config: TrainConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tuner = ThreadTuner() if config.threads <= 0 else None
     torch.set_num_threads(max(1, config.threads))
-    tokenizer = prepare_tokenizer(out)
+    tokenizer = prepare_tokenizer(out, config.spaced_pairs)
     model = build_model(config, tokenizer)
     optimizer = make_optimizer(model, config)
     state_path = out / STATE_FILE
