@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from slimwise.testbed.cpu_parallel import ThreadTuner
 from slimwise.testbed.tasks import FAMILIES, make_split
 from slimwise.testbed.train import (
     FAST_EXPERTS,
     STATE_FILE,
     RouterCapture,
-    ThreadTuner,
     TrainConfig,
     backbone_config,
     build_model,
@@ -332,6 +332,57 @@ def test_resume_continues_the_same_run(tmp_path, tok):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("backbone", ["a", "c"])
+def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
+    """Each data-parallel rank's share of a step (packed rows or row micro-batches), normalised by the whole step's
+    totals, gives gradients that add up to the one-process step's, and losses that add up to its losses.
+
+    Row micro-batches (hybrids) are the same with one rank or two. A packed batch split by rows changes one thing, as
+    gradient accumulation does: the load-balancing loss is taken per share (token-weighted), so it is off here."""
+    from slimwise.testbed.cpu_parallel import rank_batches
+
+    aux = 0.0 if backbone == "a" else TrainConfig.aux_loss_coef
+    cfg = tiny_config(tmp_path, backbone, row_groups=4, samples_per_family=2, ranks=2, aux_loss_coef=aux)
+    model = build_model(cfg, tok)
+    capture = RouterCapture(model)
+    batches = make_batches(cfg, tok, 0, "rows" if backbone == "c" else "packed")
+    assert len(batches) == (4 if backbone == "c" else 1)
+    whole = torch.stack(step_losses(model, capture, batches, cfg.aux_loss_coef))
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    totals = (float(sum(b["weights"].sum() for b in batches)), int(sum(b["valid"].sum() for b in batches)))
+    got, losses = {n: torch.zeros_like(g) for n, g in want.items()}, torch.zeros(3)
+    for rank in range(2):
+        model.zero_grad(set_to_none=True)
+        mine = rank_batches(batches, rank, 2)
+        assert mine and sum(b["input_ids"].shape[0] for b in mine) < sum(b["input_ids"].shape[0] for b in batches)
+        losses += torch.stack(step_losses(model, capture, mine, cfg.aux_loss_coef, totals))
+        for n, p in model.named_parameters():
+            got[n] += p.grad
+    k = 2 if backbone == "a" else 3  # (loss, ce, aux): the packed split's aux value is per share
+    torch.testing.assert_close(losses[:k], whole[:k], rtol=1e-5, atol=1e-6)
+    for n, g in want.items():
+        torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("backbone", ["a", "c"])  # packed rows split between ranks; hybrid micro-batches
+def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbone):
+    """2 single-thread processes (gloo over a file store) take turns at a step's micro-batches and sum their
+    gradients: the run's losses, token count and weights equal one process's on the same micro-batches (up to
+    float summation order), and only rank 0 writes the log and the export."""
+    kw = dict(max_steps=3, row_groups=4, samples_per_family=2)
+    one = train(tiny_config(tmp_path / "one", backbone, **kw))
+    two = train(tiny_config(tmp_path / "two", backbone, ranks=2, **kw))
+    a = torch.load(one / STATE_FILE, weights_only=True)
+    b = torch.load(two / STATE_FILE, weights_only=True)
+    assert a["step"] == b["step"] == 3 and a["tokens"] == b["tokens"]
+    # steps 2 and 3 run on the weights the first updates wrote, so equal losses mean equal training (the weights
+    # themselves differ where a gradient is rounding noise: AdamW's first steps move such a weight by about lr
+    # whatever its size); the ranks end bit-identical (check_in_sync raises otherwise)
+    assert [r["loss"] for r in b["history"]] == pytest.approx([r["loss"] for r in a["history"]], rel=1e-4)
+    assert len((two / "train_log.jsonl").read_text().splitlines()) == 3 and (two / "model.safetensors").is_file()
+    assert json.loads((two / "train_config.json").read_text())["ranks"] == 2
+
+
 def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
     from slimwise.testbed.evaluate import evaluate_model
 
@@ -344,3 +395,12 @@ def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
     routing = r["routing"]
     assert len(routing["max_share_over_uniform"]) == model.config.num_hidden_layers
     assert all(1.0 <= x <= model.config.num_experts for x in routing["max_share_over_uniform"])
+
+
+def test_train_command_refuses_zero_ranks_before_writing(tmp_path, capsys):
+    from slimwise.testbed.cli import train_main
+
+    with pytest.raises(SystemExit) as exc:
+        train_main(["--backbone", "c", "--out", str(tmp_path / "run"), "--ranks", "0", "--no-progress"])
+    assert exc.value.code == 2 and "--ranks: 0 is outside" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

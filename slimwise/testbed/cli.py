@@ -8,6 +8,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from slimwise.argtypes import integer
 from slimwise.io import atomic_write_text
 from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
 from slimwise.testbed.evaluate import evaluate_and_write_card, pruning_regime, ship, write_card
@@ -31,6 +32,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--override", action="append", default=[], help="model config field=value (JSON value)")
     p.add_argument("--experts-impl", default=FAST_EXPERTS, help=f"{FAST_EXPERTS} | grouped_mm | eager | ...")
     p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = auto (1 or 2, re-measured)")
+    p.add_argument("--ranks", type=integer(1), default=1,
+                   help="data-parallel processes of one thread each (see slimwise/testbed/cpu_parallel.py)")
     p.add_argument("--eval-n", type=int, default=TrainConfig.eval_n_per_family, help="test prompts per family")
     p.add_argument("--heldout-n", type=int, default=TrainConfig.heldout_n_per_family)
     p.add_argument("--no-pair-init", action="store_true", help="random rows for ' word' / 'word' token pairs")
@@ -50,7 +53,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                          family_weights=weights, model_overrides=overrides, experts_implementation=args.experts_impl,
                          threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
                          progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing,
-                         spaced_pairs=not args.no_spaced_pairs)
+                         spaced_pairs=not args.no_spaced_pairs, ranks=args.ranks)
     out = train(config)
     if not args.no_eval:
         evaluate_and_write_card(out, config)

@@ -273,7 +273,8 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         "## Training", "",
         f"- command: `{command}`",
         f"- seed {tc['seed']}; wall-clock budget {tc['minutes']} min on a shared 2-core CPU "
-        f"(torch threads: {'auto 1/2' if tc['threads'] <= 0 else tc['threads']})",
+        + (f"({tc['ranks']} data-parallel processes of 1 torch thread)" if tc.get("ranks", 1) > 1 else
+           f"(torch threads: {'auto 1/2' if tc['threads'] <= 0 else tc['threads']})"),
         f"- steps {summary['steps']}, tokens {summary['tokens']:,} (real tokens, padding excluded), "
         f"wall time {summary['wall_seconds'] / 60:.1f} min, {summary['tokens_per_second']:.0f} tokens/s",
         f"- final training loss (mean of the last 10% of logged steps): cross-entropy {fl.get('ce', float('nan')):.4f}, "
@@ -436,6 +437,7 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {tc.get('out', out)} "
                           f"--minutes {tc['minutes']:g} --seed {tc['seed']}"
                           + (f" --threads {tc['threads']}" if tc.get("threads") else "")
+                          + (f" --ranks {tc['ranks']}" if tc.get("ranks", 1) > 1 else "")
                           + ("" if tc.get("pair_init") else " --no-pair-init")
                           + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else

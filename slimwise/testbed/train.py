@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import random
 import shutil
 import tempfile
@@ -54,7 +55,9 @@ from slimwise.errors import SlimWiseError
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.models import is_hybrid
+from slimwise.testbed import cpu_parallel as dp
 from slimwise.testbed.backbones import DEFAULT_FAMILY_WEIGHTS, backbone_config, moe_blocks
+from slimwise.testbed.cpu_parallel import ThreadTuner
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 from slimwise.testbed.tasks import FAMILIES, make_split
 from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_tokenizer
@@ -94,6 +97,7 @@ class TrainConfig:
     aux_loss_coef: float = 0.02
     # runtime
     threads: int = 0  # 0 = auto: 1 or 2 threads, re-measured every 100 steps (see ThreadTuner)
+    ranks: int = 1  # data-parallel processes of one thread each (cpu_parallel.py; measured there)
     experts_implementation: str = FAST_EXPERTS
     checkpoint_minutes: float = 5.0
     checkpoint_every_steps: int | None = None  # in addition to the time-based checkpoints (tests)
@@ -207,11 +211,13 @@ def packing_of(config: TrainConfig, model_config=None) -> str:
 
 
 def make_batches(config: TrainConfig, tokenizer, step: int, packing: str = "packed") -> list[dict[str, torch.Tensor]]:
-    """The micro-batches of one step: one packed batch, or `row_groups` batches of one sample per row."""
+    """The micro-batches of one step: one packed batch, or `row_groups` batches of one sample per row (rounded up
+    to a multiple of the data-parallel ranks, so each rank gets as many)."""
     if packing == "packed":
         return [make_batch(config, tokenizer, step)]
     encoded = [encode_sample(tokenizer, s) for s in step_samples(config, step)]
-    return pack_rows(encoded, tokenizer.pad_token_id, config.prompt_loss_weight, config.row_groups)
+    groups = math.ceil(config.row_groups / config.ranks) * config.ranks
+    return pack_rows(encoded, tokenizer.pad_token_id, config.prompt_loss_weight, groups)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -282,14 +288,18 @@ def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, t
 
 
 def step_losses(model: nn.Module, capture: RouterCapture, batches: Sequence[dict[str, torch.Tensor]],
-                aux_loss_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Forward and backward over a step's micro-batches (gradients accumulate); the step's detached losses."""
-    if len(batches) == 1:
+                aux_loss_coef: float, totals: tuple[float, int] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward and backward over a step's micro-batches (gradients accumulate); the step's detached losses.
+
+    `totals` (loss weight, real tokens) of the whole step when `batches` are one data-parallel rank's share.
+    """
+    if len(batches) == 1 and totals is None:
         loss, ce, aux = training_losses(model, capture, batches[0], aux_loss_coef)
         loss.backward()
         return loss.detach(), ce.detach(), aux.detach()
-    weight_total = float(sum(b["weights"].sum() for b in batches))
-    valid_total = int(sum(b["valid"].sum() for b in batches))
+    weight_total, valid_total = totals or (float(sum(b["weights"].sum() for b in batches)),
+                                           int(sum(b["valid"].sum() for b in batches)))
     totals = torch.zeros(3)
     for b in batches:
         loss, ce, aux = training_losses(model, capture, b, aux_loss_coef, weight_total, valid_total)
@@ -319,59 +329,6 @@ def progress_of(config: TrainConfig, step: int, elapsed: float) -> float:
     if not parts:
         raise ValueError("set minutes or max_steps (or both)")
     return max(parts)
-
-
-class ThreadTuner:
-    """Picks the faster torch thread count on a shared machine.
-
-    Every `period` steps it runs up to `probe` steps with each choice and keeps the one with the lowest median
-    seconds per token. A probe step more than `abort` times slower than the reference (the chosen count's
-    median at the last decision) ends that choice's probe at once, and `patience` consecutive steps of the
-    chosen count that slow start a new probe right away. On 2 cores shared with other jobs, 2 OpenMP threads
-    can be ten times slower than 1 (each thread waits for the other while another job holds a core); on an
-    idle machine 2 threads are faster.
-    """
-
-    def __init__(self, choices: Sequence[int] = (1, 2), period: int = 100, probe: int = 5, abort: float = 2.0,
-                 patience: int = 3):
-        self.choices, self.period, self.probe, self.abort, self.patience = tuple(choices), period, probe, abort, patience
-        self.best = self.choices[0]
-        self.reference: float | None = None
-        self.samples: dict[int, list[float]] = {c: [] for c in self.choices}
-        self.aborted: set[int] = set()
-        self.origin = 0  # step at which the current probe cycle started
-        self.slow = 0
-        self._step = 0
-
-    def threads_for(self, step: int) -> int:
-        self._step = step
-        phase = (step - self.origin) % self.period
-        if phase == 0:
-            self.samples = {c: [] for c in self.choices}
-            self.aborted = set()
-        if phase < self.probe * len(self.choices):
-            choice = self.choices[phase // self.probe]
-            return self.best if choice in self.aborted else choice
-        if phase == self.probe * len(self.choices):
-            medians = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items() if v and c not in self.aborted}
-            if medians:
-                self.best = min(medians, key=medians.get)
-                self.reference = medians[self.best]
-            self.slow = 0
-        return self.best
-
-    def record(self, threads: int, seconds_per_token: float) -> None:
-        if threads not in self.samples:
-            return
-        self.samples[threads].append(seconds_per_token)
-        too_slow = self.reference is not None and seconds_per_token > self.abort * self.reference
-        if threads != self.best and too_slow:
-            self.aborted.add(threads)
-        probing = (self._step - self.origin) % self.period < self.probe * len(self.choices)
-        if threads == self.best and not probing:
-            self.slow = self.slow + 1 if too_slow else 0
-            if self.slow >= self.patience:  # the machine got busier: measure again from the next step
-                self.origin, self.slow = self._step + 1, 0
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -487,12 +444,31 @@ def prepare_tokenizer(out: Path, spaced_pairs: bool = True):
 
 
 def train(config: TrainConfig) -> Path:
-    """Train one backbone into config.out (model files, log, resumable state); returns the output directory."""
+    """Train one backbone into config.out (model files, log, resumable state); returns the output directory.
+
+    With `ranks` > 1 the loop runs in that many single-thread processes (cpu_parallel.py); this one waits.
+    """
+    if config.ranks < 1:
+        raise SlimWiseError(f"--ranks must be 1 or more, got {config.ranks}")
+    if config.ranks > 1:
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        dp.spawn(_train_rank, config.ranks, config)
+        return Path(config.out)
+    return _train_rank(0, 1, config)
+
+
+def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
+    """The training loop of one data-parallel rank (rank 0 of 1 without data parallelism); rank 0 writes files."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    tuner = ThreadTuner() if config.threads <= 0 else None
-    torch.set_num_threads(max(1, config.threads))
-    tokenizer = prepare_tokenizer(out, config.spaced_pairs)
+    lead = rank == 0
+    tuner = ThreadTuner() if config.threads <= 0 and world == 1 else None
+    fixed_threads = 1 if world > 1 else max(1, config.threads)
+    torch.set_num_threads(fixed_threads)
+    if lead:
+        tokenizer = prepare_tokenizer(out, config.spaced_pairs)
+    dp.barrier()
+    tokenizer = tokenizer if lead else load_tokenizer(out)
     model = build_model(config, tokenizer)
     optimizer = make_optimizer(model, config)
     state_path = out / STATE_FILE
@@ -502,15 +478,16 @@ def train(config: TrainConfig) -> Path:
         state = load_state(state_path, model, optimizer, config)
         step, elapsed, tokens, history = state["step"], state["elapsed"], state["tokens"], state["history"]
         print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min, {tokens} tokens)", flush=True)
-    elif not config.resume and (out / LOG_FILE).exists():
+    elif lead and not config.resume and (out / LOG_FILE).exists():
         (out / LOG_FILE).unlink()
-    atomic_write_text((out / "train_config.json"), json.dumps(config.to_dict(), indent=2) + "\n")
+    if lead:
+        atomic_write_text((out / "train_config.json"), json.dumps(config.to_dict(), indent=2) + "\n")
 
     model.train()
     packing = packing_of(config, model.config)
     capture = RouterCapture(model)
-    log = open(out / LOG_FILE, "a")  # noqa: SIM115
-    bar = tqdm(desc=f"train[{config.backbone}]", total=100, unit="%", disable=not config.progress,
+    log = open(out / LOG_FILE if lead else os.devnull, "a")  # noqa: SIM115
+    bar = tqdm(desc=f"train[{config.backbone}]", total=100, unit="%", disable=not (config.progress and lead),
                bar_format="{l_bar}{bar}| {n:.1f}/{total}% [{elapsed}<{remaining}{postfix}]", mininterval=2.0)
     t_start = time.perf_counter() - elapsed
     last_ckpt = time.perf_counter()
@@ -523,13 +500,21 @@ def train(config: TrainConfig) -> Path:
             lr = lr_at(config, step, progress_of(config, step, elapsed))
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            threads = tuner.threads_for(step) if tuner else config.threads
+            threads = tuner.threads_for(step) if tuner else fixed_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             t_step = time.perf_counter()
             batches = make_batches(config, tokenizer, step, packing)
             optimizer.zero_grad(set_to_none=True)
-            loss, ce, aux = step_losses(model, capture, batches, config.aux_loss_coef)
+            if world == 1:
+                loss, ce, aux = step_losses(model, capture, batches, config.aux_loss_coef)
+            else:  # this rank's share, normalised by the whole step's totals; the sums make the step's gradient
+                totals = (float(sum(b["weights"].sum() for b in batches)), int(sum(b["valid"].sum() for b in batches)))
+                mine = dp.rank_batches(batches, rank, world)
+                losses = torch.stack(step_losses(model, capture, mine, config.aux_loss_coef, totals)) if mine else \
+                    torch.zeros(3)
+                dp.sum_gradients(model)
+                loss, ce, aux = dp.all_sum(losses)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             step += 1
@@ -539,7 +524,7 @@ def train(config: TrainConfig) -> Path:
                 tuner.record(threads, (time.perf_counter() - t_step) / max(1, n_tok))
             tokens += n_tok
             seg_tokens += n_tok
-            elapsed = time.perf_counter() - t_start
+            elapsed = dp.from_rank0(time.perf_counter() - t_start)  # every rank stops at rank 0's step
             rate = seg_tokens / max(1e-9, time.perf_counter() - seg_start)
             record = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": aux.item(), "lr": lr,
                       "grad_norm": grad_norm.item(), "tokens": tokens, "tok_s": rate, "elapsed": elapsed,
@@ -554,16 +539,19 @@ def train(config: TrainConfig) -> Path:
             if step % config.log_every == 0:
                 bar.refresh()
             due = time.perf_counter() - last_ckpt > 60 * config.checkpoint_minutes
-            if due or (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0):
+            if lead and (due or (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0)):
                 save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
                 last_ckpt = time.perf_counter()
-        save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
+        dp.check_in_sync(model)
+        if lead:
+            save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
     finally:
         bar.close()
         log.close()
         capture.remove()
-    if config.stop_at_step is not None and step >= config.stop_at_step and progress_of(config, step, elapsed) < 1:
-        return out  # interrupted on purpose: no final export
+    if not lead or (config.stop_at_step is not None and step >= config.stop_at_step
+                    and progress_of(config, step, elapsed) < 1):
+        return out  # another rank, or interrupted on purpose: no final export
     summary = {"steps": step, "wall_seconds": elapsed, "tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9),
                "packing": packing, "positions": positions if not config.resume else None,
                "final_loss": final_loss(history)}
