@@ -52,6 +52,12 @@ BACKBONES: dict[str, dict] = {
     # which solution lines write without the leading space ('Hal' vs ' Hal': two tokens). Tried in session 10: the
     # full-attention layer second (linear, full, linear, linear) learnt slower overall (cross-entropy 0.19 vs 0.15
     # at step 800) and reached qa 38% at 4.3M tokens (the first run: 32% at 4.85M); stopped at 25 minutes.
+    # Session 14 (c4, not shipped): --no-spaced-pairs (names one token everywhere), testbed-b's family weights,
+    # 58 min at 1,578 tok/s on a slower VM, 5.50M tokens: qa 49% (c3's figure with 62% of its tokens), arithmetic
+    # 76.0%, count 17%. By kind (experiments/qa_kinds.py): both models copy the facts and mostly mark yes/no
+    # right; each fails the read-off of one field from the yes line (c3: the name, 6/35 "who"; c4: the colour,
+    # 6/29 "what color"), and both mark half the "what pet does X have" lines wrong. One full-attention layer seems
+    # to learn one read-off at a time: the next attempt needs more tokens or more full-attention capacity.
     "c": dict(
         model_type="qwen3_5_moe_text",
         hidden_size=128, num_hidden_layers=4,
