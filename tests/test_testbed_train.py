@@ -349,13 +349,12 @@ def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
     assert len(batches) == (4 if backbone == "c" else 1)
     whole = torch.stack(step_losses(model, capture, batches, cfg.aux_loss_coef))
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    totals = (float(sum(b["weights"].sum() for b in batches)), int(sum(b["valid"].sum() for b in batches)))
     got, losses = {n: torch.zeros_like(g) for n, g in want.items()}, torch.zeros(3)
     for rank in range(2):
         model.zero_grad(set_to_none=True)
         mine = rank_batches(batches, rank, 2)
         assert mine and sum(b["input_ids"].shape[0] for b in mine) < sum(b["input_ids"].shape[0] for b in batches)
-        losses += torch.stack(step_losses(model, capture, mine, cfg.aux_loss_coef, totals))
+        losses += torch.stack(step_losses(model, capture, batches, cfg.aux_loss_coef, rank, 2))
         for n, p in model.named_parameters():
             got[n] += p.grad
     k = 2 if backbone == "a" else 3  # (loss, ce, aux): the packed split's aux value is per share

@@ -85,7 +85,8 @@ CHAT_TEMPLATE = (
 def drop_spaced_pairs(words: list[str]) -> list[str]:
     """The word list without " word" where "word" is in it too (the qa names): the name is then one token
     wherever it stands, and the space before it stays a token of its own."""
-    return [w for w in words if not (w.startswith(" ") and w[1:] in words)]
+    bare = set(words)
+    return [w for w in words if not (w.startswith(" ") and w[1:] in bare)]
 
 
 def build_tokenizer(

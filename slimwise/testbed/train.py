@@ -288,20 +288,21 @@ def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, t
 
 
 def step_losses(model: nn.Module, capture: RouterCapture, batches: Sequence[dict[str, torch.Tensor]],
-                aux_loss_coef: float, totals: tuple[float, int] | None = None,
+                aux_loss_coef: float, rank: int = 0, world: int = 1,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward and backward over a step's micro-batches (gradients accumulate); the step's detached losses.
 
-    `totals` (loss weight, real tokens) of the whole step when `batches` are one data-parallel rank's share.
+    With `world` > 1 only data-parallel rank `rank`'s share (`rank_batches`) runs, normalised by the whole step's
+    totals, so the ranks' gradients and losses add up to the step's; a rank with no share returns zeros.
     """
-    if len(batches) == 1 and totals is None:
+    if len(batches) == 1 and world == 1:
         loss, ce, aux = training_losses(model, capture, batches[0], aux_loss_coef)
         loss.backward()
         return loss.detach(), ce.detach(), aux.detach()
-    weight_total, valid_total = totals or (float(sum(b["weights"].sum() for b in batches)),
-                                           int(sum(b["valid"].sum() for b in batches)))
+    weight_total = float(sum(b["weights"].sum() for b in batches))
+    valid_total = int(sum(b["valid"].sum() for b in batches))
     totals = torch.zeros(3)
-    for b in batches:
+    for b in dp.rank_batches(batches, rank, world):
         loss, ce, aux = training_losses(model, capture, b, aux_loss_coef, weight_total, valid_total)
         loss.backward()
         totals += torch.stack([loss.detach(), ce.detach(), aux.detach()])
@@ -465,10 +466,10 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
     tuner = ThreadTuner() if config.threads <= 0 and world == 1 else None
     fixed_threads = 1 if world > 1 else max(1, config.threads)
     torch.set_num_threads(fixed_threads)
-    if lead:
-        tokenizer = prepare_tokenizer(out, config.spaced_pairs)
-    dp.barrier()
-    tokenizer = tokenizer if lead else load_tokenizer(out)
+    tokenizer = prepare_tokenizer(out, config.spaced_pairs) if lead else None
+    dp.barrier()  # the other ranks read the files rank 0 wrote
+    if tokenizer is None:
+        tokenizer = load_tokenizer(out)
     model = build_model(config, tokenizer)
     optimizer = make_optimizer(model, config)
     state_path = out / STATE_FILE
@@ -506,15 +507,9 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
             t_step = time.perf_counter()
             batches = make_batches(config, tokenizer, step, packing)
             optimizer.zero_grad(set_to_none=True)
-            if world == 1:
-                loss, ce, aux = step_losses(model, capture, batches, config.aux_loss_coef)
-            else:  # this rank's share, normalised by the whole step's totals; the sums make the step's gradient
-                totals = (float(sum(b["weights"].sum() for b in batches)), int(sum(b["valid"].sum() for b in batches)))
-                mine = dp.rank_batches(batches, rank, world)
-                losses = torch.stack(step_losses(model, capture, mine, config.aux_loss_coef, totals)) if mine else \
-                    torch.zeros(3)
-                dp.sum_gradients(model)
-                loss, ce, aux = dp.all_sum(losses)
+            losses = step_losses(model, capture, batches, config.aux_loss_coef, rank, world)
+            dp.sum_gradients(model)  # no-ops on one process
+            loss, ce, aux = dp.all_sum(torch.stack(losses))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
             optimizer.step()
             step += 1
