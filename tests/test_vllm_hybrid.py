@@ -108,9 +108,13 @@ def test_text_only_class_three_modes_chunked_prefill_and_prefix_cache(hybrid):
         assert len(described["gates"]) == 4 and all(g.endswith(".mlp.gate") for g in described["gates"])
         assert not any("shared_expert" in name for kind in ("gates", "norms", "lora") for name in described[kind])
         # prefix caching for hybrids ("align" Mamba cache mode): the conv/recurrent state is checkpointed at block
-        # boundaries, and the attention block here is 640 tokens (vLLM sizes it to the state's page), so only a prompt
-        # longer than a block can hit. The second run reuses the first block; the rest is computed as prompt tokens.
+        # boundaries, and vLLM sizes the attention block to the state's page (640 tokens on an AVX512 VM, 384 on an
+        # AVX2-only one: the CPU attention kernel's block alignment differs), so only a prompt longer than a block can
+        # hit. The second run reuses whole blocks; the rest is computed as prompt tokens.
         from vllm import SamplingParams
+
+        block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+        assert 16 <= block < 700, block  # the 700-token prompt spans more than one block
 
         long = random_prompts(1, seed=7, lengths=(700,))
         params = SamplingParams(max_tokens=CONFIG.max_new_tokens, temperature=0.0, ignore_eos=True)
@@ -120,7 +124,7 @@ def test_text_only_class_three_modes_chunked_prefill_and_prefix_cache(hybrid):
             out = engine.llm.generate([{"prompt_token_ids": long[0]}], params, use_tqdm=False)[0]
             after = totals(engine)
             runs.append((out.num_cached_tokens, list(out.outputs[0].token_ids), after[0] - before[0], after[1] - before[1]))
-        assert runs[0][0] == 0 and runs[1][0] >= 640, runs  # a cache hit of at least one block
+        assert runs[0][0] == 0 and runs[1][0] >= block and runs[1][0] % block == 0, (block, runs)  # whole blocks hit
         for cached, tokens, pruned, full in runs:
             assert (pruned, full) == (len(tokens) - 1, 700 - cached)  # computed prompt tokens: all experts
         uni = [o.token_ids for o in engine.generate(PROMPTS, "uniform", CONFIG)]
@@ -235,7 +239,10 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
                                 else c.layers[i].recurrent_states[0][0]) for c in (full, pruned))
                 checked.append((float((stored[key][0].float() - want).norm() / want.norm()),
                                 float((other - want).norm() / want.norm())))
-    assert max(e for e, _ in checked) < 0.15, checked  # measured: up to 0.11 in the deepest layer, 33-token prompt
+    # measured, worst in the deepest layer on the 33-token prompt: 0.11 on an AVX512-BF16 VM, 0.19 on an AVX2-only one
+    # (vLLM's bf16 kernels round differently there), where the pruned-prefill state sits 0.65 away; every stored
+    # state is nearer the full model's than half the pruned model's distance (at worst 0.29 of it, 2026-12-02)
+    assert max(e for e, _ in checked) < 0.3, checked
     assert all(e < p / 2 for e, p in checked if p > 0), checked  # the first layer's state precedes any MoE block
     decode = _engine(decode_dir, "kv_consumer", kv)
     try:

@@ -34,9 +34,12 @@ PROMPTS = random_prompts(8, seed=5, lengths=(5, 9, 1, 14, 3, 7, 33, 2))
 VLLM_TINY = {"deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64)}
 #: engine dtype where float32 does not run: vLLM's CPU Gated DeltaNet kernel asserts bfloat16
 VLLM_DTYPE = {"qwen3_next": "bfloat16"}
-#: bf16 engine vs float32 reference: largest log-prob gap (nats) allowed between vLLM's greedy token and the
-#: reference's best token at the same step (measured here: <= 0.2 with the right routing, up to 4 with full routing)
-BF16_GAP = 0.3
+#: bf16 engine vs float32 reference: mean log-prob gap (nats) allowed between vLLM's greedy tokens and the
+#: reference's best tokens under the promised routing, and the least mean gap the other routing must show. A per-token
+#: bound tests bf16 rounding, not routing: the worst single token was 0.2 on an AVX512-BF16 VM and 0.37 on an
+#: AVX2-only one. Measured on the latter (2026-12-02): mean 0.010 (promised routing) against 1.00 (full routing).
+BF16_MEAN_GAP = 0.15
+BF16_WRONG_GAP = 0.5
 
 
 def totals(counters: list[dict]) -> tuple[int, int]:
@@ -297,8 +300,9 @@ def test_other_served_families(family, setup):
     if family not in VLLM_DTYPE:
         assert got == ref["slimwise"]
         return
-    assert max(greedy_gaps(model_dir, plan, got, decode_pruned=True)) <= BF16_GAP
-    assert max(greedy_gaps(model_dir, plan, got, decode_pruned=False)) > 1.0  # the check tells the routings apart
+    right, wrong = (greedy_gaps(model_dir, plan, got, decode_pruned=pruned) for pruned in (True, False))
+    assert sum(right) / len(right) <= BF16_MEAN_GAP, right
+    assert sum(wrong) / len(wrong) >= BF16_WRONG_GAP and max(wrong) > 1.0, wrong  # the check tells routings apart
 
 
 def test_deepseek_selection_mask_equals_reference_router():
