@@ -85,7 +85,7 @@ def test_shared_directory_connector_waits_for_every_rank_and_refuses_another_tp_
     """The decode side of `SlimWiseConnector` (scheduler role, built from the vLLM config of a real tiny model) loads a
     prompt only once every layer's file of every rank of its tensor-parallel size is stored, and refuses, in one line
     naming the fix, a prompt stored at another size (whose shards do not fit its ranks). The files' writing and
-    loading by real ranks is test_vllm_serve::test_disaggregated_serve_tensor_parallel_2."""
+    loading by real ranks is test_vllm_serve::test_disaggregated_serve."""
     import torch
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole

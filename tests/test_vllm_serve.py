@@ -171,39 +171,22 @@ def test_colocated_serve(served):
     assert "mode:     PD-colocated" in text and "plan main:" in text and "plan b:" in text
 
 
-def test_disaggregated_serve_tensor_parallel_2(served):
+def test_disaggregated_serve(served):
     """PD-disaggregated with --tensor-parallel-size 2 on both instances (4 CPU workers on 2 cores; SlimWise binds each
-    instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads its own shard, and
-the tokens are the reference engine's SlimWise tokens."""
+    instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads its own shard, the
+    tokens are the reference engine's SlimWise tokens, the load test and bad input pass, a killed decode instance is
+    named, and nothing is left behind: no process, no KV directory, no shared-memory segment. (TP 1 disaggregated
+    serving: tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid, a real server too. One server here
+    for both, as the TP 1 and TP 2 servers took 132 and 141 s each on an AVX2-only VM.)"""
     from slimwise.serving import shm
 
     root, prompts, ref = served
     port = free_port()
+    before = set(glob.glob("/tmp/slimwise-kv-*"))
     shm_before = shm.segments()
-    log = open(root / "disagg-tp2.log", "w")  # noqa: SIM115
+    log = open(root / "pd.log", "w")  # noqa: SIM115
     proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--disaggregated", "--tensor-parallel-size",
                   "2"], port, log, vllm_args=["--dtype", "float32", "--enforce-eager"])
-    try:
-        check_completions(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), prompts, ref["slimwise"])
-        deadline = time.monotonic() + 60  # the decode engine process's log line may reach the file late
-        while "SlimWise: loading the full model's state" not in (text := (root / "disagg-tp2.log").read_text()):
-            assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
-            time.sleep(0.5)
-    finally:
-        stop(proc)
-    text = (root / "disagg-tp2.log").read_text()
-    assert "threads:" in text and "tensor_parallel_size=2" in text
-    # four TP workers killed at shutdown: the shared memory they held was unlinked by the server, not left behind
-    assert not shm.segments() - shm_before, text[-3000:]
-    assert "shared-memory segments the instances' workers left" in text
-
-
-def test_disaggregated_serve(served):
-    root, prompts, ref = served
-    port = free_port()
-    before = set(glob.glob("/tmp/slimwise-kv-*"))
-    log = open(root / "pd.log", "w")  # noqa: SIM115
-    proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--disaggregated"], port, log)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         check_completions(client, prompts, ref["slimwise"])
@@ -212,7 +195,7 @@ def test_disaggregated_serve(served):
         assert len(kv_dirs) == 1 and not os.listdir(kv_dir := kv_dirs.pop())  # per pair, emptied after each request
         check_bad_input_as_vllm(port, prompts[0])
         assert not os.listdir(kv_dir)  # nothing leaked by refused or streamed requests
-        deadline = time.monotonic() + 30  # the decode engine process's log line may reach the file late
+        deadline = time.monotonic() + 60  # the decode engine process's log line may reach the file late
         while "SlimWise: loading the full model's state" not in (text := (root / "pd.log").read_text()):
             assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
             time.sleep(0.5)
@@ -244,6 +227,13 @@ def test_disaggregated_serve(served):
         assert time.monotonic() < deadline, "the killed decode instance left processes running"
         time.sleep(0.5)
     assert set(glob.glob("/tmp/slimwise-kv-*")) == before  # cleaned on shutdown
+    text = (root / "pd.log").read_text()
+    assert "threads:" in text and "tensor_parallel_size=2" in text
+    # TP workers killed (the decode instance's by the test, the rest at shutdown): the shared memory they held was
+    # unlinked, by the server or, where a worker's resource tracker got there first, by that tracker (both seen)
+    assert not shm.segments() - shm_before, text[-3000:]
+    assert ("shared-memory segments the instances' workers left" in text
+            or "leaked shared_memory objects to clean up at shutdown" in text), text[-3000:]
 
 
 # Requests whose answer must be vLLM's own: the proxy's status equals the prefill instance's (vLLM's server), and
