@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import random_prompts
-from stock_vllm import vllm_generate
+from stock_vllm import vllm_generate_here
 
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
@@ -26,4 +26,4 @@ def test_exported_checkpoint_runs_in_vllm(family, tiny_dirs, tmp_path):
     prompts = random_prompts()
     config = GenerationConfig(max_new_tokens=12, eos_token_id=-1)  # vLLM without a tokenizer ignores EOS too
     reference = [o.token_ids for o in PhaseSplitEngine(pruned).generate(prompts, "full", config)]
-    assert vllm_generate(out, prompts, max_tokens=12) == reference
+    assert vllm_generate_here(out, prompts, max_tokens=12) == reference

@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
 
 def test_policy_quality_against_load(tmp_path, capsys):
-    model, tok = load_model("testbed-a"), load_tokenizer("testbed-a")
+    # float32 as the command's engine runs (its default); bf16 calibration is emulated on AVX2-only CPUs
+    model, tok = load_model("testbed-a", dtype="float32"), load_tokenizer("testbed-a")
     calib = [s.prompt for s in make_split("calib", 2, domain=TARGET_DOMAIN)]
     stats = calibrate(model, calib, tok, CalibrationConfig(phase="decode", max_new_tokens=64), progress=False)
     plan = plan_from_stats(stats, "reap", 0.5).save(tmp_path / "plan.json")
