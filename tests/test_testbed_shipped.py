@@ -265,8 +265,7 @@ def test_small_eval_run_on_a_backbone(tmp_path):
     from slimwise.cli import main as cli_main
 
     out = tmp_path / "eval"
-    dtype = "auto" if bf16_support() else "float32"  # the bf16 checkpoint, upcast where bf16 would be emulated
-    assert cli_main(["eval", "testbed-b", "--dtype", dtype, "--criteria", "reap", "--ratios", "0.5", "--phases", "decode",
+    assert cli_main(["eval", "testbed-b", "--dtype", str(HF_DTYPE).removeprefix("torch."), "--criteria", "reap", "--ratios", "0.5", "--phases", "decode",
                      "--per-family", "8", "--calib-per-family", "8", "--threads", "1", "--out", str(out),
                      "--cache-dir", str(tmp_path / "cache"), "--other-per-family", "4", "--calib-mix", "all"]) == 0
     report = json.loads((out / "report.json").read_text())

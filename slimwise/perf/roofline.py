@@ -325,11 +325,11 @@ def measure_cpu(budget_s: float = 8.0, bandwidth_mb: int = 256,
     def timed(fn, reps: int, share: float) -> float:
         t = time.perf_counter()
         fn()  # warm-up, and the only sample when it alone spends the share
-        times = [time.perf_counter() - t]
+        warm_up = time.perf_counter() - t
         stop = time.perf_counter() + share * max(0.0, deadline - time.perf_counter())
-        if time.perf_counter() + times[0] > stop:
-            return times[0]
-        times.clear()
+        if time.perf_counter() + warm_up > stop:
+            return warm_up
+        times: list[float] = []
         while len(times) < reps and (len(times) < 3 or time.perf_counter() < stop):  # >= 3: a median
             t = time.perf_counter()
             fn()
