@@ -3,7 +3,7 @@
 A qa solution copies every fact of the passage as a line `Name color animal yes|no` (yes on the fact the question
 asks about), then reads the answer off the yes line: `#### color` for "what color is X's animal?", `#### Name`
 for "who has the color animal?", `#### animal` for "what pet does X have?". For each kind this counts, on the
-test split (greedy, bfloat16 as shipped): the right answer; every fact line copied right; every yes/no mark right;
+test split (greedy, bfloat16 as shipped, or --dtype float32 where bf16 is emulated): the right answer; every fact line copied right; every yes/no mark right;
 and the problems whose marks are all right but whose answer is wrong (the read-off step failed).
 
   python -m experiments.qa_kinds slimwise/testbed/checkpoints/qwen3_5moe-c runs/testbed-c4 --n 100
@@ -27,9 +27,10 @@ def kind_of(prompt: str) -> str:
     return next(k for prefix, k in KINDS.items() if question.startswith(prefix))
 
 
-def qa_kinds(model_dir: str, n: int = 100, seed: int = 0, max_new_tokens: int = 48) -> dict[str, Counter]:
+def qa_kinds(model_dir: str, n: int = 100, seed: int = 0, max_new_tokens: int = 48,
+             dtype: str = "bfloat16") -> dict[str, Counter]:
     """Counters per kind: n, answer, facts, marks, readoff_failed."""
-    model, tok = load_model(model_dir, dtype="bfloat16"), load_tokenizer(model_dir)
+    model, tok = load_model(model_dir, dtype=dtype), load_tokenizer(model_dir)
     counts: dict[str, Counter] = {k: Counter() for k in KINDS.values()}
     for s in make_split("test", n, seed=seed, families=["qa"]):
         ids = tok(s.prompt, return_tensors="pt").input_ids
@@ -52,12 +53,14 @@ def main() -> None:
     p.add_argument("models", nargs="+")
     p.add_argument("--n", type=int, default=100, help="qa test problems (seed 0, the model card's sample)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="float32 where the CPU has no bf16 units (4x faster there; answers within noise)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print("| model | kind | problems | answer right | facts copied right | yes/no marks right | marks right, answer wrong |")
     print("|---|---|---|---|---|---|---|")
     for path in args.models:
-        for kind, c in qa_kinds(path, args.n).items():
+        for kind, c in qa_kinds(path, args.n, dtype=args.dtype).items():
             print(f"| {path} | {kind} | {c['n']} | {c['answer']} | {c['facts']} | {c['marks']} | {c['readoff_failed']} |")
 
 

@@ -136,10 +136,14 @@ class Instance:
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes = b"") -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            head = head or await reader.readuntil(b"\r\n\r\n")
             auth = m[1].decode() if (m := re.search(rb"(?i)\r\nauthorization: ([^\r]*)", head)) else None
+            if head.startswith(b"GET /health "):  # vLLM's health check: 200, no body
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                await writer.drain()
+                return
             if head.startswith(b"GET /v1/models "):  # the model card, with vLLM's max_model_len
                 self.models_auth.append(auth)
                 data = json.dumps({"data": [{"id": "m", "max_model_len": MAX_MODEL_LEN}]}).encode()
@@ -446,6 +450,73 @@ def test_connection_refused_at_first_is_retried(monkeypatch):
 
     r, decoded = asyncio.run(main())
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ABC" and decoded == 1
+
+
+class Dropping(Instance):
+    """An instance that reads each of its first `drop` requests and closes the connection without an answer, as a
+    server does when its keep-alive timer fires while the request is on the way (the race CI hit once in 64
+    requests: ReadError). `abort`: a reset (ReadError in the proxy), else an orderly close (RemoteProtocolError)."""
+
+    def __init__(self, respond, drop: int, abort: bool) -> None:
+        super().__init__(respond)
+        self.drop, self.abort, self.dropped = drop, abort, 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.dropped < self.drop:
+            head = await reader.readuntil(b"\r\n\r\n")
+            if not head.startswith(b"GET "):  # the model card look-up is answered: only POSTs are dropped
+                await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1)))
+                self.dropped += 1
+                writer.transport.abort() if self.abort else writer.close()
+                return
+            return await super()._serve(reader, writer, head)
+        await super()._serve(reader, writer)
+
+
+@pytest.mark.parametrize("abort", [False, True], ids=["closed", "reset"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_connection_closed_before_the_answer_is_sent_once_more(stream, abort):
+    """A request on a connection the instance closes before answering goes once more, on a new connection, to
+    both instances; a second close in a row is a 503 naming the instance, after exactly one retry."""
+
+    async def main():
+        prefill = await Dropping(prefill_storing(None), 1, abort).start()
+        decode = await Dropping(decode_answering(), 1, abort).start()
+        flaky = await Dropping(decode_answering(), 3, abort).start()
+        try:
+            body = {"prompt": "x", "max_tokens": 3, "stream": stream}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(prefill.url, decode.url)),
+                                         base_url="http://proxy", timeout=60) as client:
+                ok = await client.post("/v1/completions", json=body)
+                health = (await client.get("/health")).json()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(prefill.url, flaky.url)),
+                                         base_url="http://proxy", timeout=60) as client:
+                failed = await client.post("/v1/completions", json={**body, "stream": False})
+            return ok, health, failed, prefill, decode, flaky
+        finally:
+            for instance in (prefill, decode, flaky):
+                instance.server.close()
+
+    ok, health, failed, prefill, decode, flaky = asyncio.run(main())
+    assert ok.status_code == 200, ok.text
+    text = "".join(e["choices"][0]["text"] for e in sse(ok.text)) if stream else ok.json()["choices"][0]["text"]
+    assert text == "ABC"
+    assert prefill.dropped == decode.dropped == 1 and len(prefill.requests) == 2 and len(decode.requests) == 1
+    assert health["reset_retries"] == 2 and health["connect_retries"] == 0
+    assert failed.status_code == 503 and f"decode instance at {flaky.url} is unreachable" in failed.json()["error"]["message"]
+    assert flaky.dropped == 2 and flaky.requests == []  # one retry, not more
+
+
+def test_servers_keep_idle_connections_far_longer_than_their_clients():
+    """The vLLM servers `slimwise serve` starts keep an idle connection 75 s; the proxy reuses one for at most 3 s,
+    httpx and the openai SDK 5 s: a loaded client whose clock lags the server's by seconds still never reuses a
+    connection the server is closing."""
+    from slimwise.serving.server import server_env
+
+    assert proxy.KEEPALIVE_S * 10 < proxy.SERVER_KEEPALIVE_S and httpx.Limits().keepalive_expiry * 10 < 75
+    assert server_env({}, {}) == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
+    assert server_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9"}) == {
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # the user's setting wins
 
 
 def test_requests_beyond_the_upstream_limit_wait_in_the_proxy(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -171,6 +172,26 @@ def test_colocated_serve(served):
     assert "mode:     PD-colocated" in text and "plan main:" in text and "plan b:" in text
 
 
+def health_on(sock: socket.socket) -> int:
+    """GET /health on an open keep-alive connection: the status code (0 when the server has closed it)."""
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data:
+            if not (chunk := sock.recv(4096)):
+                return 0
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = int(m[1]) if (m := re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)) else 0
+        while len(body) < length:  # read the whole answer: the next one starts clean
+            if not (chunk := sock.recv(4096)):
+                return 0
+            body += chunk
+    except OSError:
+        return 0
+    return int(head.split()[1])
+
+
 def test_disaggregated_serve(served):
     """PD-disaggregated with --tensor-parallel-size 2 on both instances (4 CPU workers on 2 cores; SlimWise binds each
     instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads its own shard, the
@@ -190,7 +211,16 @@ def test_disaggregated_serve(served):
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         check_completions(client, prompts, ref["slimwise"])
+        # the servers keep idle connections 75 s, not vLLM's 5 s (CI once lost a request to a proxy reusing a
+        # decode-instance connection as it closed): connections to the proxy and the decode instance stay usable
+        idle = [socket.create_connection(("127.0.0.1", p), timeout=60) for p in (port, port + 2)]
+        assert [health_on(sock) for sock in idle] == [200, 200]
+        t_idle = time.monotonic()
         load_test(port)  # 2 rounds of 32 concurrent requests: none failed or lost
+        time.sleep(max(0.0, 8 - (time.monotonic() - t_idle)))
+        assert [health_on(sock) for sock in idle] == [200, 200], "an idle keep-alive connection was closed"
+        for sock in idle:
+            sock.close()
         kv_dirs = set(glob.glob("/tmp/slimwise-kv-*")) - before
         assert len(kv_dirs) == 1 and not os.listdir(kv_dir := kv_dirs.pop())  # per pair, emptied after each request
         check_bad_input_as_vllm(port, prompts[0])

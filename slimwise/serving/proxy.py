@@ -41,11 +41,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 # connect: an instance under load (hundreds of connections at once on 2 cores) can take seconds to accept;
 # 5 s lost a request at concurrency 256 while the instance was healthy. pool: waiting for a connection is
-# bounded by the per-instance semaphore instead. keepalive_expiry stays below uvicorn's 5 s keep-alive, so the
-# proxy never sends a request on a connection the instance is closing (that failure is not safe to retry).
+# bounded by the per-instance semaphore instead. keepalive_expiry stays below the instances' keep-alive (vLLM's
+# default 5 s; SERVER_KEEPALIVE_S for instances `slimwise serve` starts), so the proxy rarely sends a request on a
+# connection the instance is closing; when it does (the clocks of a loaded proxy and instance drift apart: CI saw
+# one such ReadError in 64 requests), the instance closed before answering and the request is sent once more.
 TIMEOUT = httpx.Timeout(600.0, connect=30.0, pool=None)
 KEEPALIVE_S = 3.0
+SERVER_KEEPALIVE_S = 75  # idle keep-alive of every server slimwise serve starts (nginx's default): above clients' 5 s
 CONNECT_RETRIES = 4  # connection never made: the request was not sent, so retrying is safe
+RESET_RETRIES = 1  # closed before any answer (a stale keep-alive connection): sent once more, on a new connection
 RETRY_BACKOFF_S = 0.25  # doubles per retry: 0.25 + 0.5 + 1 + 2 s at most
 UPSTREAM_CONCURRENCY = 128  # requests in flight to each instance; more wait in the proxy (back-pressure)
 DOWN_POLL_S = 0.25  # how often an in-flight request checks whether the supervisor saw an instance exit
@@ -373,7 +377,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     client = httpx.AsyncClient(timeout=TIMEOUT, limits=limits)
     slots = {"prefill": asyncio.Semaphore(upstream_concurrency), "decode": asyncio.Semaphore(upstream_concurrency)}
     kv = KVFolders(kv_dir, kv_dir_max_bytes) if kv_dir else None
-    stats = {"requests": 0, "first_tokens_from_prefill": 0, "connect_retries": 0}
+    stats = {"requests": 0, "first_tokens_from_prefill": 0, "connect_retries": 0, "reset_retries": 0}
     base_of = {"prefill": prefill_url, "decode": decode_url}
     forwarded: contextvars.ContextVar[tuple] = contextvars.ContextVar("forwarded", default=())  # header pairs
 
@@ -390,13 +394,17 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             call.cancel()
 
     async def send(role: str, path: str, body: dict, stream: bool = False) -> httpx.Response:
-        """POST to an instance (the caller holds one of its slots), retrying only connections never made;
-        a non-200 answer is read and raised: Upstream for 4xx, Unavailable otherwise."""
+        """POST to an instance (the caller holds one of its slots); a non-200 answer is read and raised: Upstream
+        for 4xx, Unavailable otherwise. Retried: a connection never made (nothing was sent), and once a connection
+        closed before the answer's headers (a keep-alive connection the instance closed as the request went out;
+        were it a crash, the retry finds no listener). A completion changes no state in vLLM, and an instance that
+        loses its client aborts the request, so the second send cannot deliver a duplicate."""
         base = base_of[role]
-        for attempt in range(CONNECT_RETRIES + 1):
+        attempt = resets = 0
+        while True:
             try:
                 request = client.build_request("POST", base + path, json=body, headers=forwarded.get())
-                r = await guarded(client.send(request, stream=stream))
+                r = await guarded(client.send(request, stream=True))  # returns at the headers
                 break
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if attempt == CONNECT_RETRIES or down():
@@ -404,9 +412,23 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
                                       sent=False) from exc
                 stats["connect_retries"] += 1
                 await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
+                attempt += 1
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                if resets == RESET_RETRIES or down():
+                    raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
+                stats["reset_retries"] += 1
+                resets += 1
             except httpx.HTTPError as exc:
                 raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
         if r.status_code == 200:
+            if not stream:
+                try:
+                    await guarded(r.aread())
+                except httpx.HTTPError as exc:
+                    raise Unavailable(f"{role} instance at {base} answered 200, then failed "
+                                      f"({type(exc).__name__}: {exc})") from exc
+                finally:
+                    await r.aclose()
             return r
         try:
             content = await guarded(r.aread())

@@ -420,6 +420,18 @@ def _take_kv_cap(cfg: ServeConfig) -> None:
     cfg.vllm_args = rest
 
 
+def server_env(env: dict[str, str], environ=None) -> dict[str, str]:
+    """`env` plus the idle keep-alive of the vLLM servers `slimwise serve` starts: SERVER_KEEPALIVE_S instead of
+    vLLM's 5 s, which equals the pool expiry of httpx and the openai SDK, so such a client can reuse a connection
+    the server is closing (the proxy's own pool keeps 3 s: a loaded proxy lagging the instance's clock by seconds
+    still never does). The user's own VLLM_HTTP_TIMEOUT_KEEP_ALIVE wins."""
+    from slimwise.serving.proxy import SERVER_KEEPALIVE_S
+
+    environ = os.environ if environ is None else environ
+    return {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S)),
+            **env}
+
+
 def serve(cfg: ServeConfig) -> int:
     from slimwise.parallel import ep_mismatch
 
@@ -450,7 +462,7 @@ def serve(cfg: ServeConfig) -> int:
             from slimwise.serving.plan_select import PLAN_MODELS_ENV
 
             env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
-        sup.start("vllm", colocated_command(cfg), env=env)
+        sup.start("vllm", colocated_command(cfg), env=server_env(env))
         try:
             return sup.wait_any()
         except KeyboardInterrupt:
@@ -459,7 +471,7 @@ def serve(cfg: ServeConfig) -> int:
 
     import uvicorn
 
-    from slimwise.serving.proxy import KV_DIR_MAX_BYTES, build_app
+    from slimwise.serving.proxy import KV_DIR_MAX_BYTES, SERVER_KEEPALIVE_S, build_app
 
     if plan is None and not (cfg.prefill_url and cfg.decode_url):
         raise SlimWiseError("--disaggregated needs --plan (or --prefill-url and --decode-url of running instances)")
@@ -480,6 +492,7 @@ def serve(cfg: ServeConfig) -> int:
         binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))  # each instance's ranks over the cores (the instances share them)
         if binding:
             budget["threads"] = f"{binding} per instance (VLLM_CPU_OMP_THREADS_BIND to choose)"
+        env = server_env(binding)
         _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
                  {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
                   "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
@@ -490,12 +503,12 @@ def serve(cfg: ServeConfig) -> int:
         hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
         pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
                                     "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
-                                    "--no-enable-chunked-prefill", *hybrid, *common], env=binding)
+                                    "--no-enable-chunked-prefill", *hybrid, *common], env=env)
         dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
                                    "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
                                    # every prompt position is loaded from the full model; a local prefix cache
                                    # could share blocks holding pruned-model KV of earlier generated tokens
-                                   "--no-enable-prefix-caching", *common], env=binding)
+                                   "--no-enable-prefix-caching", *common], env=env)
         try:
             _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
             _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
@@ -507,7 +520,8 @@ def serve(cfg: ServeConfig) -> int:
                  {"prefill": prefill_url, "decode": decode_url})
     caps = {} if cfg.kv_dir_max_bytes is None else {"kv_dir_max_bytes": cfg.kv_dir_max_bytes}
     app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited, **caps)
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning")
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
+                            timeout_keep_alive=SERVER_KEEPALIVE_S)  # as the instances: see server_env
     server = uvicorn.Server(config)
     import threading
 
