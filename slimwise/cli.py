@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="accuracy, length, fidelity and decode traffic of full / uniform / SlimWise "
                        "over criteria x ratios x calibration phases; JSON + Markdown report + plots")
     p.add_argument("models", nargs="+", help="model directories or embedded names (testbed-a testbed-b)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype, float32 for bf16 on a CPU without bf16 matrix units")
     p.add_argument("--out", default="runs/eval", help="report directory (one subdirectory per model if several)")
     p.add_argument("--plan", action="append", help="evaluate this plan JSON (repeatable) instead of the grid")
     p.add_argument("--stats", action="append", help="calibration stats to plan from (repeatable) instead of "

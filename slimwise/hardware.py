@@ -69,17 +69,21 @@ def vllm_on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None) -> tuple[str, str]:
-    """(dtype, why) a vLLM engine gets for a requested dtype: "auto" on vLLM's CPU backend goes through
-    `choose_cpu_dtype` with the checkpoint's dtype and model type; anything else is kept as asked."""
-    if dtype != "auto" or not (vllm_on_cpu() if on_cpu is None else on_cpu):
-        return dtype, "as requested" if dtype != "auto" else "vLLM's auto (the checkpoint's dtype)"
+def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None,
+                  engine: str = "vllm") -> tuple[str, str]:
+    """(dtype, why) an engine gets for a requested dtype. "auto" on vLLM's CPU backend goes through `choose_cpu_dtype`
+    with the checkpoint's dtype and model type; engine "hf" (the transformers reference, which runs on the CPU)
+    through `choose_cpu_dtype` without the model type, as torch has no bf16-only kernels. Anything else is kept."""
+    if dtype != "auto":
+        return dtype, "as requested"
+    if engine == "vllm" and not (vllm_on_cpu() if on_cpu is None else on_cpu):
+        return dtype, "vLLM's auto (the checkpoint's dtype)"
     import json
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = config.get("text_config") or config
     return choose_cpu_dtype(text.get("dtype") or config.get("dtype") or config.get("torch_dtype"),
-                            text.get("model_type") or config.get("model_type"))
+                            (text.get("model_type") or config.get("model_type")) if engine == "vllm" else None)
 
 
 def describe() -> dict:

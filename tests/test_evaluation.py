@@ -328,7 +328,12 @@ def test_end_to_end_eval(model_dir, tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in md
     assert len(list((out / "plans").glob("*.json"))) == 4
     # rerun: everything from the cache, same numbers
-    again = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS)).run()
+    sweep = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS))
+    again = sweep.run()
+    # the dtype that ran is in the report and in every cache key: a bf16 sweep never reads float32 runs or stats
+    assert report["generation"]["dtype"] == sweep.dtype == "float32"
+    bf16 = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS | {"dtype": "bfloat16"}))
+    assert bf16.dtype == "bfloat16" and bf16._run_key("full", None) != sweep._run_key("full", None)
     assert all(r["metrics"]["cached"] and r["other_metrics"]["cached"] for r in again["runs"])
     assert [r["other_metrics"]["correct"] for r in again["runs"]] == [r["other_metrics"]["correct"]
                                                                        for r in report["runs"]]

@@ -769,6 +769,10 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
     (hybrid / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {
         "model_type": "qwen3_5_moe_text", "dtype": "bfloat16"}}))
     assert cpu_dtype(str(hybrid), [], on_cpu=True)[0] == "bfloat16"
+    # the transformers reference (slimwise eval --engine hf) has no bf16-only kernel: the hybrid runs float32 too
+    assert hardware.resolve_dtype("auto", str(hybrid), engine="hf")[0] == "float32"
+    assert hardware.resolve_dtype("auto", model, engine="hf")[0] == "float32"
+    assert hardware.resolve_dtype("bfloat16", model, engine="hf") == ("bfloat16", "as requested")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "torch_dtype": "float32"}))
     assert cpu_dtype(str(tmp_path), [], on_cpu=True)[0] == "float32"
     cfg = ServeConfig(model=model, vllm_args=["--dtype", "auto", "--max-num-seqs", "8"])

@@ -97,12 +97,13 @@ class Sweep:
         self.model_name = model_label(model)
         self.model_dir = resolve_model_dir(model)
         t0 = time.perf_counter()
-        dtype = config.dtype
-        if config.engine == "vllm":  # vLLM's dtype for this machine (slimwise.hardware); the reference matches it
-            from slimwise.hardware import resolve_dtype
+        # "auto": the dtype this CPU runs fastest (slimwise.hardware): vLLM's for engine vllm, which the reference
+        # matches; for the HF engine float32 where bf16 would be emulated (4x slower on an AVX2-only CPU)
+        from slimwise.hardware import resolve_dtype
 
-            dtype = resolve_dtype(config.dtype, self.model_dir)[0]
-        self.model = load_model(self.model_dir, dtype=dtype)
+        self.dtype = resolve_dtype(config.dtype, self.model_dir, engine=config.engine)[0]
+        self.model = load_model(self.model_dir, dtype=self.dtype)
+        self.dtype = str(self.model.dtype).removeprefix("torch.")  # what ran: every cache key holds it
         self.tokenizer = load_tokenizer(self.model_dir)
         self.adapter = get_adapter(self.model.config)
         self.fingerprint = memory_fingerprint(model_fingerprint(self.model))  # cache keys: stable across versions
@@ -193,7 +194,7 @@ class Sweep:
         prompts, source = self._calibration_prompts(mix)
         ccfg = CalibrationConfig(phase=phase, max_new_tokens=self.config.calib_max_new_tokens, seed=self.config.calib_seed,
                                  batch_size=self.config.batch_size)
-        key = _digest({"fp": self.fingerprint, "prompts": prompts, "config": asdict(ccfg)})
+        key = _digest({"fp": self.fingerprint, "prompts": prompts, "config": asdict(ccfg), "dtype": self.dtype})
         path = self.cache_dir / f"stats-{phase}-{key}.safetensors"
         if self.config.cache and path.is_file():
             stats = ExpertStats.load(path)
@@ -280,7 +281,7 @@ class Sweep:
         g = self.gen_config
         delta = _digest(self.delta.manifest) if mode == "distilled" and self.delta is not None else None
         return _digest({"fp": self.fingerprint, "prompts": self.other_prompt_ids if other else self.prompt_ids,
-                        "mode": mode, "engine": self.config.engine, "delta": delta,
+                        "mode": mode, "engine": self.config.engine, "dtype": self.dtype, "delta": delta,
                         "kept": spec.kept_key if spec else None, "max_new": g.max_new_tokens, "bs": g.batch_size,
                         "t": g.temperature, "seed": g.seed, "kl": self.config.kl and not other,
                         "traffic": self.config.traffic and not other})
@@ -512,7 +513,7 @@ class Sweep:
                       "n": len(self.samples), "families": families,
                       "per_family": {f: sum(s.family == f for s in self.samples) for f in families}},
             "generation": {"max_new_tokens": self.gen_config.max_new_tokens, "batch_size": self.gen_config.batch_size,
-                           "temperature": self.gen_config.temperature, "engine": cfg.engine},
+                           "temperature": self.gen_config.temperature, "engine": cfg.engine, "dtype": self.dtype},
             "environment": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                             "torch": torch.__version__, "python": platform.python_version(),
                             "platform": platform.platform()},
