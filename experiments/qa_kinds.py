@@ -3,8 +3,9 @@
 A qa solution copies every fact of the passage as a line `Name color animal yes|no` (yes on the fact the question
 asks about), then reads the answer off the yes line: `#### color` for "what color is X's animal?", `#### Name`
 for "who has the color animal?", `#### animal` for "what pet does X have?". For each kind this counts, on the
-test split (greedy, bfloat16 as shipped, or --dtype float32 where bf16 is emulated): the right answer; every fact line copied right; every yes/no mark right;
-and the problems whose marks are all right but whose answer is wrong (the read-off step failed).
+test split (greedy, bfloat16 as shipped, or --dtype float32 where bf16 is emulated): the right answer; every fact
+line copied right; every yes/no mark right; and the problems whose marks are all right but whose answer is wrong
+(the read-off step failed).
 
   python -m experiments.qa_kinds slimwise/testbed/checkpoints/qwen3_5moe-c runs/testbed-c4 --n 100
 """

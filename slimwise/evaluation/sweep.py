@@ -101,8 +101,7 @@ class Sweep:
         # matches; for the HF engine float32 where bf16 would be emulated (4x slower on an AVX2-only CPU)
         from slimwise.hardware import resolve_dtype
 
-        self.dtype = resolve_dtype(config.dtype, self.model_dir, engine=config.engine)[0]
-        self.model = load_model(self.model_dir, dtype=self.dtype)
+        self.model = load_model(self.model_dir, dtype=resolve_dtype(config.dtype, self.model_dir, engine=config.engine)[0])
         self.dtype = str(self.model.dtype).removeprefix("torch.")  # what ran: every cache key holds it
         self.tokenizer = load_tokenizer(self.model_dir)
         self.adapter = get_adapter(self.model.config)

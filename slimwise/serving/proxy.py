@@ -406,20 +406,19 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
                 request = client.build_request("POST", base + path, json=body, headers=forwarded.get())
                 r = await guarded(client.send(request, stream=True))  # returns at the headers
                 break
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt == CONNECT_RETRIES or down():
-                    raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})",
-                                      sent=False) from exc
-                stats["connect_retries"] += 1
-                await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
-                attempt += 1
-            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-                if resets == RESET_RETRIES or down():
-                    raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
-                stats["reset_retries"] += 1
-                resets += 1
             except httpx.HTTPError as exc:
-                raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})") from exc
+                never_sent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                closed = isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
+                if down() or not ((never_sent and attempt < CONNECT_RETRIES) or (closed and resets < RESET_RETRIES)):
+                    raise Unavailable(f"{role} instance at {base} is unreachable ({type(exc).__name__}: {exc})",
+                                      sent=not never_sent) from exc
+                if never_sent:
+                    stats["connect_retries"] += 1
+                    await asyncio.sleep(RETRY_BACKOFF_S * 2**attempt)
+                    attempt += 1
+                else:
+                    stats["reset_retries"] += 1
+                    resets += 1
         if r.status_code == 200:
             if not stream:
                 try:
