@@ -59,8 +59,9 @@ BACKBONES: dict[str, dict] = {
     # 6/29 "what color"), and both mark half the "what pet does X have" lines wrong. One full-attention layer seems
     # to learn one read-off at a time: the next attempt needs more tokens or more full-attention capacity.
     # Session 17 (c6, not shipped): --no-spaced-pairs --ranks 2, qa=4, sub=1.5, mul=0.8, count=1 (else c3's
-    # weights), 58 min at 2,095 tok/s (AVX2-only EPYC), 7.29M tokens. Test split in float32, 100 per family: qa 75% (color 27/29, who 27/35, pet 21/36;
-    # no read-off failure: every error is a yes/no mark), so the qa bar falls to one-token names plus qa weight.
+    # weights), 58 min at 2,095 tok/s (AVX2-only EPYC), 7.29M tokens. Test split in float32, 100 per family:
+    # qa 75% (color 27/29, who 27/35, pet 21/36; no read-off failure: every error is a yes/no mark), so the qa
+    # bar falls to one-token names plus qa weight.
     # Arithmetic 77.6% (gcd 61%, base 59%, mul 84%): the 85% bar now waits on tokens for gcd and base. Resumed
     # to 78 min (over the limit; a data point only), 9.81M tokens: arithmetic 83.0% (gcd 62%), qa 71%.
     "c": dict(
