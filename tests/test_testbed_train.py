@@ -332,6 +332,27 @@ def test_resume_continues_the_same_run(tmp_path, tok):
     assert not marker.exists()
 
 
+def test_rank_shares_balance_the_padded_positions(tmp_path, tok):
+    """Length-sorted micro-batches are dealt longest first to the less-loaded rank: each micro-batch lands on
+    exactly one rank, both ranks compute the same split, and the busier rank carries less than with every
+    other micro-batch (which gave one rank the two longest of four)."""
+    from slimwise.testbed.cpu_parallel import rank_batches
+
+    cfg = tiny_config(tmp_path, "c", row_groups=4, samples_per_family=3, ranks=2)
+    for step in range(3):
+        batches = make_batches(cfg, tok, step, "rows")
+        sizes = [b["input_ids"].numel() for b in batches]
+        shares = [rank_batches(batches, rank, 2) for rank in range(2)]
+        ids = sorted(id(b) for share in shares for b in share)
+        assert ids == sorted(id(b) for b in batches)
+        busiest = max(sum(b["input_ids"].numel() for b in share) for share in shares)
+        strided = max(sum(sizes[0::2]), sum(sizes[1::2]))
+        assert busiest <= strided and busiest <= sum(sizes) / 2 + max(sizes) / 2, (sizes, busiest)
+    # four micro-batches of widths 1..4 (one row each): {4, 1} and {3, 2}
+    rows = [{"input_ids": torch.zeros(1, w)} for w in (1, 2, 3, 4)]
+    assert [[b["input_ids"].shape[1] for b in rank_batches(rows, r, 2)] for r in (0, 1)] == [[4, 1], [3, 2]]
+
+
 @pytest.mark.parametrize("backbone", ["a", "c"])
 def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
     """Each data-parallel rank's share of a step (packed rows or row micro-batches), normalised by the whole step's
@@ -403,3 +424,24 @@ def test_train_command_refuses_zero_ranks_before_writing(tmp_path, capsys):
         train_main(["--backbone", "c", "--out", str(tmp_path / "run"), "--ranks", "0", "--no-progress"])
     assert exc.value.code == 2 and "--ranks: 0 is outside" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
+    """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a carded model
+    (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run gets one line and
+    exit 2, and nothing is written."""
+    from slimwise.testbed.cli import card_main
+
+    bad = tmp_path / "empty"
+    bad.mkdir()
+    assert card_main(["evaluate", str(bad)]) == 2
+    assert "no train_config.json" in capsys.readouterr().err and not any(bad.iterdir())
+    cfg = tiny_config(tmp_path, "c", max_steps=2, eval_n_per_family=1, heldout_n_per_family=1, row_groups=4)
+    out = train(cfg)
+    assert not (out / "eval.json").exists()
+    assert card_main(["evaluate", str(out), "--dtype", "float32"]) == 0
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["test"]["dtype"] == "float32" and ev["test"]["n"] == len(FAMILIES) and ev["heldout"]["n"] == len(FAMILIES)
+    card = (out / "README.md").read_text()
+    assert "--row-groups 4" in card and "| qa |" in card
+    assert "arithmetic" in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -26,6 +27,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--samples-per-family", type=int, default=TrainConfig.samples_per_family)
+    p.add_argument("--row-groups", type=integer(1), default=TrainConfig.row_groups,
+                   help="row packing: length-sorted micro-batches per step (more: less padding, more calls)")
     p.add_argument("--packing", choices=("auto", "packed", "rows"), default="auto",
                    help="auto: one sample per row for hybrid (linear-attention) models, packed rows otherwise")
     p.add_argument("--family-weights", default=None, help="e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)")
@@ -53,7 +56,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                          family_weights=weights, model_overrides=overrides, experts_implementation=args.experts_impl,
                          threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
                          progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing,
-                         spaced_pairs=not args.no_spaced_pairs, ranks=args.ranks)
+                         spaced_pairs=not args.no_spaced_pairs, ranks=args.ranks,
+                         row_groups=args.row_groups)
     out = train(config)
     if not args.no_eval:
         evaluate_and_write_card(out, config)
@@ -69,9 +73,27 @@ def card_main(argv: list[str] | None = None) -> int:
     c.add_argument("model_dir")
     c.add_argument("--pruning-report", help="report.json of `slimwise eval` on this model (target domain)")
     c.add_argument("--pruning-command", default="slimwise eval", help="the command that wrote the report")
-    c.add_argument("--ship", metavar="NAME", help="then copy the model into the package as NAME (testbed-a|b)")
+    c.add_argument("--ship", metavar="NAME", help="then copy the model into the package as NAME (testbed-a|b|c)")
+    e = sub.add_parser("evaluate", help="evaluate a trained model directory (a run with --no-eval) and write its "
+                                        "eval.json and README.md")
+    e.add_argument("model_dir")
+    e.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="float32 on CPUs without bf16 units (the bf16 weights upcast exactly)")
     args = p.parse_args(argv)
     out = Path(args.model_dir)
+    if args.command == "evaluate":
+        config = out / "train_config.json"
+        if not (config.is_file() and (out / "train_summary.json").is_file()):
+            print(f"error: {out} has no train_config.json and train_summary.json: pass the --out directory of a "
+                  "finished `python -m slimwise.testbed.train` run", file=sys.stderr)
+            return 2
+        result = evaluate_and_write_card(out, json.loads(config.read_text()), dtype=args.dtype)
+        t = result["test"]
+        domains = ", ".join(f"{d} {v['accuracy']:.1%}" for d, v in t["domains"].items())
+        weakest = min(t["families"], key=lambda f: t["families"][f]["accuracy"])
+        print(f"test: {domains}; weakest family {weakest} {t['families'][weakest]['accuracy']:.1%}")
+        print(out / "README.md")
+        return 0
     if args.pruning_report:
         ev_path = out / "eval.json"
         ev = json.loads(ev_path.read_text())

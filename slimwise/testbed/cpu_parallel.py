@@ -9,6 +9,10 @@ end). Rank 0 alone writes files. Measured on the project's 2-core VM (testbed-c,
 3 interleaved rounds): 2 ranks vs 2 threads 1.04x median, paired 0.75-1.43x, inside that machine's noise, so the
 default stays one process; on more cores it is not measured. `ThreadTuner` picks 1 or 2 OpenMP threads for one
 process on a machine shared with other jobs.
+
+Session 18 (AVX2-only EPYC, testbed-c, c6's family weights, 2 ranks, 50 steps, one run each): micro-batches dealt
+every other one 1,889 tokens/s; balanced by positions (`rank_batches`) 1,997 with 4 micro-batches (1.06x) and
+1,945 with 8 (less padding, 8.9% vs 17.1% of positions, but twice the calls).
 """
 
 from __future__ import annotations
@@ -44,16 +48,27 @@ def world_size() -> int:
 
 
 def rank_batches(batches: Sequence[dict[str, torch.Tensor]], rank: int, world: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's share of a step: every world-th micro-batch, or every world-th row of a single packed batch.
+    """This rank's share of a step: micro-batches balanced by padded positions, or every world-th row of a single
+    packed batch.
 
-    A rank may get nothing (fewer micro-batches than ranks); it still joins the gradient sum with zeros.
+    Micro-batches go longest first to the least-loaded rank (ties to the lower rank), so every rank computes the
+    same assignment. Why not every world-th one: the micro-batches are length-sorted, so that gave one rank the
+    longest; on testbed-c's steps (4 micro-batches, 2 ranks) the busier rank had 1.46x the positions of half the
+    real tokens, 1.31x balanced. A rank may get nothing (fewer micro-batches than ranks); it still joins the
+    gradient sum with zeros.
     """
     if world == 1:
         return list(batches)
     if len(batches) == 1:
         share = {k: v[rank::world] for k, v in batches[0].items()}
         return [share] if share["input_ids"].shape[0] else []
-    return list(batches[rank::world])
+    loads, mine = [0] * world, []
+    for i in sorted(range(len(batches)), key=lambda i: -batches[i]["input_ids"].numel()):
+        r = min(range(world), key=lambda r: loads[r])
+        loads[r] += batches[i]["input_ids"].numel()
+        if r == rank:
+            mine.append(batches[i])
+    return mine
 
 
 def sum_gradients(model: nn.Module) -> None:

@@ -272,7 +272,9 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         + ") is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
         "## Training", "",
         f"- command: `{command}`",
-        f"- seed {tc['seed']}; wall-clock budget {tc['minutes']} min on a shared 2-core CPU "
+        f"- seed {tc['seed']}; "
+        + (f"wall-clock budget {tc['minutes']} min" if tc.get("minutes") else f"{tc.get('max_steps')} steps")
+        + " on a shared 2-core CPU "
         + (f"({tc['ranks']} data-parallel processes of 1 torch thread)" if tc.get("ranks", 1) > 1 else
            f"(torch threads: {'auto 1/2' if tc['threads'] <= 0 else tc['threads']})"),
         f"- steps {summary['steps']}, tokens {summary['tokens']:,} (real tokens, padding excluded), "
@@ -314,7 +316,9 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
            "are CUDA/Triton kernels, not installed on this CPU; the per-token recurrent fallback is 2-5x slower)"
            if hybrid else "") + "; exported in bfloat16", "",
         "## Evaluation", "",
-        f"Greedy decoding with `PhaseSplitEngine` (mode `full`), {test['dtype']} weights, graded by exact match of "
+        f"Greedy decoding with `PhaseSplitEngine` (mode `full`), {test['dtype']} weights"
+        + (" (the bfloat16 file upcast exactly, computed in float32: a CPU without bf16 units)"
+           if test["dtype"] == "float32" else "") + ", graded by exact match of "
         f"the `####` line. Test split: {test['n_per_family']} prompts per family (train difficulty, unseen prompts)"
         + (f"; held-out split: {heldout['n_per_family']} per family at a harder difficulty than anything in "
            "training (longer numbers, lists, words, passages)" if heldout else "") + ".", "",
@@ -408,12 +412,17 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
     return "\n".join(line for line in lines if line is not None)
 
 
-def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str | None = None) -> dict:
-    """Evaluate a freshly trained model directory (test + held-out), write eval.json and README.md."""
+def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str | None = None,
+                            dtype: str | torch.dtype = "auto") -> dict:
+    """Evaluate a freshly trained model directory (test + held-out), write eval.json and README.md.
+
+    `dtype` "float32" upcasts the bf16 weights exactly (computation in float32): what a CPU without bf16 units
+    runs at a usable speed; the card records the dtype it was evaluated in.
+    """
     out = Path(out)
     tc = train_config.to_dict() if hasattr(train_config, "to_dict") else dict(train_config)
     summary = json.loads((out / "train_summary.json").read_text())
-    model, tok = load_model(out)
+    model, tok = load_model(out, dtype=dtype)
     test = evaluate_model(out, "test", tc["eval_n_per_family"], model=model, tokenizer=tok,
                           batch_size=tc.get("eval_batch_size", 32))
     heldout = None
@@ -435,11 +444,14 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     name = CARD_NAMES.get(tc["backbone"], out.name)
     weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
     command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {tc.get('out', out)} "
-                          f"--minutes {tc['minutes']:g} --seed {tc['seed']}"
+                          + (f"--minutes {tc['minutes']:g} " if tc.get("minutes") else "")
+                          + (f"--max-steps {tc['max_steps']} " if tc.get("max_steps") else "")
+                          + f"--seed {tc['seed']}"
                           + (f" --threads {tc['threads']}" if tc.get("threads") else "")
                           + (f" --ranks {tc['ranks']}" if tc.get("ranks", 1) > 1 else "")
                           + ("" if tc.get("pair_init") else " --no-pair-init")
                           + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
+                          + (f" --row-groups {tc['row_groups']}" if tc.get("row_groups", 3) != 3 else "")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
