@@ -64,6 +64,11 @@ BACKBONES: dict[str, dict] = {
     # bar falls to one-token names plus qa weight.
     # Arithmetic 77.6% (gcd 61%, base 59%, mul 84%): the 85% bar now waits on tokens for gcd and base. Resumed
     # to 78 min (over the limit; a data point only), 9.81M tokens: arithmetic 83.0% (gcd 62%), qa 71%.
+    # Session 18 (c7, not shipped): micro-batches balanced over the ranks (--row-groups 4), gcd=5, base=5,
+    # mul=1.2, sort=1, qa=3.67 (gcd+base 49% of tokens, qa 15%), 59 min at 2,005 tok/s (same AVX2 VM, slower
+    # day), 7.10M tokens. Float32 test, 100 per family: add 92, sub 84, mul 94, gcd 68, base 58, qa 77;
+    # arithmetic 79.2%, lists 86.5%, text 93.0%, busiest expert 2.07x. More gcd/base share bought gcd +7, base -1:
+    # the 85% bar waits on tokens this CPU does not give in an hour (c6 -> c6r: +5.4 points for +2.5M tokens).
     "c": dict(
         model_type="qwen3_5_moe_text",
         hidden_size=128, num_hidden_layers=4,
