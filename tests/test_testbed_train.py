@@ -209,6 +209,81 @@ def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path,
     capture.remove()
 
 
+def test_segmented_linear_attention_equals_each_sample_alone():
+    """The segment-aware causal conv and chunked gated delta rule equal transformers' stock functions run on each
+    sample alone: samples that straddle a chunk boundary, several starts in one chunk, one sample over 2 chunks."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock
+
+    from slimwise.testbed.packed_linear_attention import (
+        segment_ids,
+        segmented_causal_conv1d,
+        segmented_chunk_gated_delta_rule,
+    )
+
+    torch.manual_seed(0)
+    lens = [[40, 70, 5, 35], [130, 20]]
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens])
+    seg = segment_ids(pos)
+    assert seg[0].unique().numel() == 4 and seg[1].unique().numel() == 2
+    b, t, h, d = 2, 150, 2, 16
+    q, k, v = (torch.randn(b, t, h, d, dtype=torch.float64) for _ in range(3))
+    g, beta = -0.5 * torch.rand(b, t, h, dtype=torch.float64), torch.rand(b, t, h, dtype=torch.float64)
+    out = segmented_chunk_gated_delta_rule(q, k, v, g, beta, seg, use_qk_l2norm_in_kernel=True)
+    x, w = torch.randn(b, 12, t, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
+    conv = segmented_causal_conv1d(x, w, None, "silu", seg)
+    whole, _ = stock.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    for r, row in enumerate(lens):
+        start = 0
+        for n in row:
+            s = slice(start, start + n)
+            ref, _ = stock.torch_chunk_gated_delta_rule(q[r:r + 1, s], k[r:r + 1, s], v[r:r + 1, s], g=g[r:r + 1, s],
+                                                        beta=beta[r:r + 1, s], use_qk_l2norm_in_kernel=True)
+            torch.testing.assert_close(out[r, s], ref[0], rtol=0, atol=1e-5)  # both compute in float32
+            torch.testing.assert_close(conv[r, :, s], stock.causal_conv1d_fn(x[r:r + 1, :, s], w, None, "silu")[0])
+            start += n
+    assert (whole[0, 40:110] - out[0, 40:110]).abs().max() > 1e-2  # unsegmented, sample 2 reads sample 1's state
+
+
+def test_packed_hybrid_rows_train_exactly_what_one_sample_per_row_trains(tmp_path, tok):
+    """`--packing packed` on a hybrid: several samples per row, with the segment-aware Gated-DeltaNet swapped in,
+    gives the loss and gradients of the same samples one per row (stock kernels); without the swap the packed
+    loss differs (the state leaks). Outside the swap the stock functions are back."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock
+
+    from slimwise.testbed.packed_linear_attention import segment_aware_linear_attention
+    from slimwise.testbed.tokenizer import encode_sample
+
+    model = build_model(tiny_config(tmp_path, "c"), tok).train()
+    capture = RouterCapture(model)
+    enc = [encode_sample(tok, s) for s in make_split("train", 2, seed=5)]
+    packed = pack(enc, 192, tok.pad_token_id)
+    assert packed["input_ids"].shape[0] < len(enc) // 2  # several samples per row
+
+    def run(batches):
+        model.zero_grad()
+        loss = step_losses(model, capture, batches, 0.02)[0]
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    # one micro-batch of rows: the aux loss (a product of batch means) is then over the same tokens as the packed one
+    ref_loss, ref_grads = run(pack_rows(enc, tok.pad_token_id, groups=1))
+    leaky_loss, leaky_grads = run([packed])
+    functions = (stock.causal_conv1d_fn, stock.torch_chunk_gated_delta_rule)
+    with segment_aware_linear_attention():
+        assert stock.torch_chunk_gated_delta_rule is not functions[1]
+        loss, grads = run([packed])
+    assert (stock.causal_conv1d_fn, stock.torch_chunk_gated_delta_rule) == functions
+    capture.remove()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() == leaky_grads.keys()
+
+    def off(a, b):  # how far a gradient is outside the tolerance below (> 1: fails it)
+        return ((a - b).abs() / (1e-5 + 1e-3 * b.abs())).max().item()
+
+    assert max(off(leaky_grads[n], ref_grads[n]) for n in grads) > 10, "the control should fail the tolerance"
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, ref_grads[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 def test_batches_cover_all_families_and_are_deterministic(tmp_path, tok):
     cfg = tiny_config(tmp_path, samples_per_family=2)
     from slimwise.testbed.train import step_samples
@@ -384,12 +459,12 @@ def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
         torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-7, msg=n)
 
 
-@pytest.mark.parametrize("backbone", ["a", "c"])  # packed rows split between ranks; hybrid micro-batches
-def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbone):
+@pytest.mark.parametrize("backbone,packing", [("a", "auto"), ("c", "auto"), ("c", "packed")])  # packed rows split
+def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbone, packing):  # between ranks
     """2 single-thread processes (gloo over a file store) take turns at a step's micro-batches and sum their
     gradients: the run's losses, token count and weights equal one process's on the same micro-batches (up to
     float summation order), and only rank 0 writes the log and the export."""
-    kw = dict(max_steps=3, row_groups=4, samples_per_family=2)
+    kw = dict(max_steps=3, row_groups=4, samples_per_family=2, packing=packing, seq_len=192)
     one = train(tiny_config(tmp_path / "one", backbone, **kw))
     two = train(tiny_config(tmp_path / "two", backbone, ranks=2, **kw))
     a = torch.load(one / STATE_FILE, weights_only=True)
@@ -436,12 +511,15 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     bad.mkdir()
     assert card_main(["evaluate", str(bad)]) == 2
     assert "no train_config.json" in capsys.readouterr().err and not any(bad.iterdir())
-    cfg = tiny_config(tmp_path, "c", max_steps=2, eval_n_per_family=1, heldout_n_per_family=1, row_groups=4)
+    cfg = tiny_config(tmp_path, "c", max_steps=2, eval_n_per_family=1, heldout_n_per_family=1, row_groups=4,
+                      packing="packed", seq_len=192)
     out = train(cfg)
     assert not (out / "eval.json").exists()
+    assert json.loads((out / "train_summary.json").read_text())["packing"] == "packed"
     assert card_main(["evaluate", str(out), "--dtype", "float32"]) == 0
     ev = json.loads((out / "eval.json").read_text())
     assert ev["test"]["dtype"] == "float32" and ev["test"]["n"] == len(FAMILIES) and ev["heldout"]["n"] == len(FAMILIES)
     card = (out / "README.md").read_text()
-    assert "--row-groups 4" in card and "| qa |" in card
+    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003" in card and "| qa |" in card
+    assert "segment-aware versions that start every sample from a zero state" in card  # how a hybrid was packed
     assert "arithmetic" in capsys.readouterr().out

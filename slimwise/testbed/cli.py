@@ -30,7 +30,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--row-groups", type=integer(1), default=TrainConfig.row_groups,
                    help="row packing: length-sorted micro-batches per step (more: less padding, more calls)")
     p.add_argument("--packing", choices=("auto", "packed", "rows"), default="auto",
-                   help="auto: one sample per row for hybrid (linear-attention) models, packed rows otherwise")
+                   help="auto: one sample per row for hybrid (linear-attention) models, packed rows otherwise; "
+                        "packed on a hybrid resets the Gated-DeltaNet state at every sample (packed_linear_attention)")
+    p.add_argument("--seq-len", type=integer(1), default=TrainConfig.seq_len,
+                   help="packed row length in tokens (at least the longest sample: 140 in the train split)")
     p.add_argument("--family-weights", default=None, help="e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)")
     p.add_argument("--override", action="append", default=[], help="model config field=value (JSON value)")
     p.add_argument("--experts-impl", default=FAST_EXPERTS, help=f"{FAST_EXPERTS} | grouped_mm | eager | ...")
@@ -57,7 +60,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                          threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
                          progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing,
                          spaced_pairs=not args.no_spaced_pairs, ranks=args.ranks,
-                         row_groups=args.row_groups)
+                         row_groups=args.row_groups, seq_len=args.seq_len)
     out = train(config)
     if not args.no_eval:
         evaluate_and_write_card(out, config)

@@ -288,7 +288,10 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         + (f", weights {tc['family_weights']}" if tc["family_weights"] else "") + "), shuffled, at the train "
         "difficulty; the train split never shares a prompt with calib/test/heldout (hash buckets)",
         (f"- batches: samples packed first-fit-decreasing into rows of {tc['seq_len']} tokens; position ids restart "
-         "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)")
+         "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)"
+         + ("; the Gated-DeltaNet conv and chunked delta rule were swapped for segment-aware versions that start "
+            "every sample from a zero state (`slimwise/testbed/packed_linear_attention.py`; training only, the "
+            "saved model is stock)" if _is_hybrid_run(out) else ""))
         if summary.get("packing", "packed") == "packed" else
         (f"- batches: one sample per row, right-padded, in {tc.get('row_groups', 3)} length-sorted micro-batches per "
          "step (gradients accumulated; the losses add up to the step's). Not packed: transformers' CPU Gated-DeltaNet "
@@ -452,11 +455,21 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                           + ("" if tc.get("pair_init") else " --no-pair-init")
                           + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
                           + (f" --row-groups {tc['row_groups']}" if tc.get("row_groups", 3) != 3 else "")
+                          + (f" --packing {tc['packing']}" if tc.get("packing", "auto") != "auto" else "")
+                          + (f" --seq-len {tc['seq_len']}" if tc.get("seq_len", 256) != 256 else "")
+                          + (f" --lr {tc['lr']:g}" if tc.get("lr", 2e-3) != 2e-3 else "")
+                          + (f" --samples-per-family {tc['samples_per_family']}"
+                             if tc.get("samples_per_family", 3) != 3 else "")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
                                                      ev.get("pruning")))
     return out / "README.md"
+
+
+def _is_hybrid_run(out: Path) -> bool:
+    cfg = out / "config.json"
+    return cfg.is_file() and "linear_attention" in json.loads(cfg.read_text()).get("layer_types", [])
 
 
 def ship(run_dir: str | os.PathLike, name: str) -> Path:
