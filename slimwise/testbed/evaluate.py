@@ -291,7 +291,7 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
          "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)"
          + ("; the Gated-DeltaNet conv and chunked delta rule were swapped for segment-aware versions that start "
             "every sample from a zero state (`slimwise/testbed/packed_linear_attention.py`; training only, the "
-            "saved model is stock)" if _is_hybrid_run(out) else ""))
+            "saved model is stock)" if hybrid else ""))
         if summary.get("packing", "packed") == "packed" else
         (f"- batches: one sample per row, right-padded, in {tc.get('row_groups', 3)} length-sorted micro-batches per "
          "step (gradients accumulated; the losses add up to the step's). Not packed: transformers' CPU Gated-DeltaNet "
@@ -317,6 +317,7 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         "transformers' ExpertsInterface)"
         + ("; Gated-DeltaNet through transformers' torch chunked kernel (flash-linear-attention and causal-conv1d "
            "are CUDA/Triton kernels, not installed on this CPU; the per-token recurrent fallback is 2-5x slower)"
+           + (", in its segment-aware form for packed rows" if summary.get("packing") == "packed" else "")
            if hybrid else "") + "; exported in bfloat16", "",
         "## Evaluation", "",
         f"Greedy decoding with `PhaseSplitEngine` (mode `full`), {test['dtype']} weights"
@@ -465,11 +466,6 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
                                                      ev.get("pruning")))
     return out / "README.md"
-
-
-def _is_hybrid_run(out: Path) -> bool:
-    cfg = out / "config.json"
-    return cfg.is_file() and "linear_attention" in json.loads(cfg.read_text()).get("layer_types", [])
 
 
 def ship(run_dir: str | os.PathLike, name: str) -> Path:
