@@ -523,3 +523,37 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003" in card and "| qa |" in card
     assert "segment-aware versions that start every sample from a zero state" in card  # how a hybrid was packed
     assert "arithmetic" in capsys.readouterr().out
+
+
+def test_killing_the_training_command_stops_its_ranks(tmp_path):
+    """kill -9 of a `--ranks 2` training command: its rank processes end too (parent-death signal), rather than
+    train on, orphaned, writing the run directory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    overrides = [a for k, v in TINY["c"].items() for a in ("--override", f"{k}={json.dumps(v)}")]
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "slimwise.testbed.train", "--backbone", "c", "--out", str(out),
+                             "--minutes", "20", "--ranks", "2", "--no-eval", "--no-progress", *overrides],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300  # imports and the tokenizer in 3 processes: about 15 s when idle
+        while not ((out / "train_log.jsonl").is_file() and (out / "train_log.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(children, timeout=60)
+        assert not alive, f"ranks left running after the training command died: {alive}"
+    finally:
+        for p in [*children, psutil.Process(proc.pid) if proc.poll() is None else None]:
+            if p is not None and p.is_running():
+                p.kill()

@@ -17,7 +17,9 @@ every other one 1,889 tokens/s; balanced by positions (`rank_batches`) 1,997 wit
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import tempfile
 from collections.abc import Callable, Sequence
 
@@ -28,13 +30,29 @@ from torch import nn
 
 
 def spawn(fn: Callable[..., object], world: int, *args) -> None:
-    """Run fn(rank, world, *args) in `world` fresh processes (one torch thread each) joined by a gloo group."""
+    """Run fn(rank, world, *args) in `world` fresh processes (one torch thread each) joined by a gloo group.
+
+    The ranks die with this process, however it ends (a parent-death signal): `kill` of a training command once
+    left its ranks training on, orphaned, writing the run directory (session 19)."""
     with tempfile.TemporaryDirectory(prefix="slimwise-ddp-") as tmp:
         store = os.path.join(tmp, "store")
-        mp.start_processes(_entry, args=(fn, world, store, args), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_entry, args=(fn, world, store, args, os.getpid()), nprocs=world, join=True,
+                           start_method="spawn")
 
 
-def _entry(rank: int, fn: Callable[..., object], world: int, store: str, args: tuple) -> None:
+def _die_with(parent: int) -> None:
+    """SIGTERM this process when `parent` exits (Linux prctl; elsewhere a no-op)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _entry(rank: int, fn: Callable[..., object], world: int, store: str, args: tuple, parent: int) -> None:
+    _die_with(parent)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
