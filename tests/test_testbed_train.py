@@ -526,8 +526,9 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
 
 
 def test_killing_the_training_command_stops_its_ranks(tmp_path):
-    """kill -9 of a `--ranks 2` training command: its rank processes end too (parent-death signal), rather than
-    train on, orphaned, writing the run directory."""
+    """kill -9 of a `--ranks 2` training command started as a shell's background job (`cmd &`, nohup: SIGINT
+    ignored, so torch's own parent-death signal, SIGINT, does nothing): its rank processes end too (SlimWise's
+    parent-death signal is SIGTERM), rather than train on, orphaned, writing the run directory (seen in session 19)."""
     import os
     import signal
     import subprocess
@@ -540,7 +541,8 @@ def test_killing_the_training_command_stops_its_ranks(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "slimwise.testbed.train", "--backbone", "c", "--out", str(out),
                              "--minutes", "20", "--ranks", "2", "--no-eval", "--no-progress", *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 300  # imports and the tokenizer in 3 processes: about 15 s when idle

@@ -32,8 +32,9 @@ from torch import nn
 def spawn(fn: Callable[..., object], world: int, *args) -> None:
     """Run fn(rank, world, *args) in `world` fresh processes (one torch thread each) joined by a gloo group.
 
-    The ranks die with this process, however it ends (a parent-death signal): `kill` of a training command once
-    left its ranks training on, orphaned, writing the run directory (session 19)."""
+    The ranks die with this process, however it ends: torch's spawn gives them a parent-death signal, SIGINT, which a
+    command started in the background (`cmd &`, nohup) ignores, and a `kill` of such a training command left its
+    ranks training on, orphaned, writing the run directory (session 19); `_die_with` makes the signal SIGTERM."""
     with tempfile.TemporaryDirectory(prefix="slimwise-ddp-") as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world, store, args, os.getpid()), nprocs=world, join=True,
