@@ -27,6 +27,7 @@ from slimwise.perf.bench import (
     check_bars,
     compare_roofline,
     format_tables,
+    jsonable,
     plot_bench,
     suggest_threshold,
     summarize_runs,
@@ -120,6 +121,22 @@ def test_tables_and_plot(tmp_path):
     assert "| 32 | 210.0 (200.0-220.0)" in md and "20.0 / 21.0" in md and "Engine start" in md
     png = plot_bench(json.loads(json.dumps(r)), tmp_path / "b.png")
     assert png.stat().st_size > 1000
+
+
+def test_kernel_roofline_table_with_no_expert_read_cost(tmp_path):
+    """A noisy fit on a tiny model can put no time on expert reads (a = 0): its bandwidth is infinite, None once
+    written as JSON, and the table says so instead of failing (it once broke CI's bench smoke test)."""
+    from slimwise.perf.kernels import MoEKernelModel
+
+    r = _fake_result(tmp_path)
+    row = {"batch": 8, "union_full": 6.0, "union_pruned": 3.0, "kernel_share_full": 0.5, "pair_share_full": 1.0,
+           "pair_share_pruned": 1.0, "predicted_speedup": 1.0, "applies": True, "measured_speedup_slimwise": 1.1}
+    for bandwidth_free in (MoEKernelModel(0.0, 1e-5, 2e-5, 100, 0.9, 0.1), MoEKernelModel(1e-6, 1e-5, 2e-5, 100, 0.9,
+                                                                                             0.1)):
+        r["kernel_roofline"] = {"model": bandwidth_free.as_dict(), "unions": "traffic counters", "rows": [row]}
+        md = format_tables(json.loads(json.dumps(jsonable(r))))
+        want = "not resolved by the fit" if bandwidth_free.per_expert_s == 0 else "0.1 GB/s"
+        assert f"per expert read = {want}" in md and "| 8 | 6.0 → 3.0 | 50% |" in md
 
 
 def test_config_refusals():

@@ -216,8 +216,11 @@ def format_tables(result: dict) -> str:
     kr = result.get("kernel_roofline")
     if kr:
         m = kr["model"]
+        # a fit that puts no time on expert reads (noise on a tiny model) has an infinite bandwidth, None in JSON
+        bw = m.get("streaming_bandwidth")
+        bw = f"{bw / 1e9:.1f} GB/s" if bw is not None and math.isfinite(bw) else "not resolved by the fit"
         out += [f"### Kernel roofline: vLLM's fused-MoE op timed at this model's shapes, t = a U + b P + c per call "
-                f"(a {m['per_expert_s'] * 1e6:.1f} us per expert read = {m['streaming_bandwidth'] / 1e9:.1f} GB/s, "
+                f"(a {m['per_expert_s'] * 1e6:.1f} us per expert read = {bw}, "
                 f"b {m['per_pair_s'] * 1e6:.2f} us per pair, c {m['per_call_s'] * 1e6:.1f} us; R^2 {m['r2']:.3f}); "
                 f"pruned step = measured full step - kernel time of the experts no longer read ({kr['unions']})", "",
                 "| batch | experts read full → pruned | kernel share of the full step | pairs + call share, full → "

@@ -69,6 +69,11 @@ BACKBONES: dict[str, dict] = {
     # day), 7.10M tokens. Float32 test, 100 per family: add 92, sub 84, mul 94, gcd 68, base 58, qa 77;
     # arithmetic 79.2%, lists 86.5%, text 93.0%, busiest expert 2.07x. More gcd/base share bought gcd +7, base -1:
     # the 85% bar waits on tokens this CPU does not give in an hour (c6 -> c6r: +5.4 points for +2.5M tokens).
+    # Session 19 (c8, not shipped): c7's command plus --packing packed --seq-len 192 (several samples per row, the
+    # Gated-DeltaNet state reset at each: packed_linear_attention.py), same samples per step as c7; 59 min, 2,303
+    # steps, 7.81M tokens at 2,205 tok/s (padding 4.8% of positions; the VM ran slower than in session 18: a 2-rank
+    # check on one state gave packed 1.09x rows). Float32 test, 100 per family: add 94, sub 79, mul 96, gcd 64,
+    # base 68, qa 70, every family >= 64; arithmetic 80.2%, lists 90.0%, text 92.2%, busiest expert 1.90x.
     "c": dict(
         model_type="qwen3_5_moe_text",
         hidden_size=128, num_hidden_layers=4,

@@ -13,6 +13,12 @@ process on a machine shared with other jobs.
 Session 18 (AVX2-only EPYC, testbed-c, c6's family weights, 2 ranks, 50 steps, one run each): micro-batches dealt
 every other one 1,889 tokens/s; balanced by positions (`rank_batches`) 1,997 with 4 micro-batches (1.06x) and
 1,945 with 8 (less padding, 8.9% vs 17.1% of positions, but twice the calls).
+
+Session 19 (same kind of VM): one core alone runs a 1024^3 fp32 matmul at 31-34 GFLOP/s, each of two at once at
+12-23 (`lscpu`: AMD EPYC family 23, KVM), so two ranks make about 1.6x one rank's tokens/s, not 2x (testbed-c packed,
+init weights: 1,578 tokens/s on one rank, 2,511 on two); the gradient all-reduce takes 45 ms a step and fused AdamW
+12 (foreach: 53). Two runs of the same command differed by ~25% (steps 180-400: 1,600-1,800 vs 2,100-2,300
+tokens/s), so compare throughput side by side, in one run.
 """
 
 from __future__ import annotations
