@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -22,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from slimwise.argtypes import option_value
 from slimwise.errors import SlimWiseError
 from slimwise.hardware import cpu_binding_env, parallel_ranks
 from slimwise.io import pid_alive
+from slimwise.parent_death import parent_death_hook
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving import shm
 from slimwise.serving.engine import slimwise_overrides
@@ -247,28 +246,6 @@ for path in dirs:
     shutil.rmtree(path, ignore_errors=True)
 """
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _parent_death_signal() -> Callable[[], None] | None:
-    """A preexec_fn (Linux) that makes the child get SIGTERM when the supervisor dies, even by SIGKILL: vLLM's API
-    server shuts its engine down on SIGTERM, and the watchdog covers the rest of the group. The signal follows the
-    thread that forked, so children are started from the main thread only. libc is loaded here, in the parent: the
-    forked child must not import anything."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the watchdog alone
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
 KV_DIR_RE = re.compile(r"slimwise-kv-[0-9a-f]{12}-(\d+)-[a-z0-9_]+")
 
 
@@ -319,8 +296,11 @@ class Supervisor:
         # own process group: stopping an instance also stops its EngineCore/worker processes, which outlive an
         # API server that crashed or was killed (they are re-parented to init and keep their memory)
         # offline: SlimWise serves local checkpoints only, and a model hub lookup would stall start-up for a minute
+        # parent death: SIGTERM to the child if the supervisor dies, even by SIGKILL (vLLM's API server shuts its
+        # engine down on SIGTERM; the watchdog covers the rest of the group). It follows the forking thread, so
+        # instances are started from the main thread only.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_parent_death_signal())
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=parent_death_hook())
         self._note(f"group {proc.pid}")
         self.procs.append((name, proc))
         return proc

@@ -23,9 +23,7 @@ tokens/s), so compare throughput side by side, in one run.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import tempfile
 from collections.abc import Callable, Sequence
 
@@ -34,32 +32,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from slimwise.parent_death import parent_death_hook
+
 
 def spawn(fn: Callable[..., object], world: int, *args) -> None:
     """Run fn(rank, world, *args) in `world` fresh processes (one torch thread each) joined by a gloo group.
 
     The ranks die with this process, however it ends: torch's spawn gives them a parent-death signal, SIGINT, which a
     command started in the background (`cmd &`, nohup) ignores, and a `kill` of such a training command left its
-    ranks training on, orphaned, writing the run directory (session 19); `_die_with` makes the signal SIGTERM."""
+    ranks training on, orphaned, writing the run directory (session 19); `parent_death_hook` makes it SIGTERM."""
     with tempfile.TemporaryDirectory(prefix="slimwise-ddp-") as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world, store, args, os.getpid()), nprocs=world, join=True,
                            start_method="spawn")
 
 
-def _die_with(parent: int) -> None:
-    """SIGTERM this process when `parent` exits (Linux prctl; elsewhere a no-op)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return
-    prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
 def _entry(rank: int, fn: Callable[..., object], world: int, store: str, args: tuple, parent: int) -> None:
-    _die_with(parent)
+    hook = parent_death_hook(parent)
+    if hook is not None:
+        hook()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
