@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -459,12 +460,14 @@ def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
         torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-7, msg=n)
 
 
-@pytest.mark.parametrize("backbone", ["a", "c"])  # packed rows split between ranks; hybrid micro-batches (a packed
-def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbone):  # hybrid splits rows as a does)
+# a: packed rows split between ranks, AdamW; c: hybrid micro-batches (a packed hybrid splits rows as a does), Muon,
+# whose Newton-Schulz each rank runs on its share of the matrices and broadcasts
+@pytest.mark.parametrize("backbone,optimizer", [("a", "adamw"), ("c", "muon")])
+def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbone, optimizer):
     """2 single-thread processes (gloo over a file store) take turns at a step's micro-batches and sum their
     gradients: the run's losses, token count and weights equal one process's on the same micro-batches (up to
     float summation order), and only rank 0 writes the log and the export."""
-    kw = dict(max_steps=3, row_groups=4, samples_per_family=2)
+    kw = dict(max_steps=3, row_groups=4, samples_per_family=2, optimizer=optimizer)
     one = train(tiny_config(tmp_path / "one", backbone, **kw))
     two = train(tiny_config(tmp_path / "two", backbone, ranks=2, **kw))
     a = torch.load(one / STATE_FILE, weights_only=True)
@@ -476,6 +479,60 @@ def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbo
     assert [r["loss"] for r in b["history"]] == pytest.approx([r["loss"] for r in a["history"]], rel=1e-4)
     assert len((two / "train_log.jsonl").read_text().splitlines()) == 3 and (two / "model.safetensors").is_file()
     assert json.loads((two / "train_config.json").read_text())["ranks"] == 2
+
+
+def test_muon_orthogonalises_each_expert_matrix_and_leaves_the_rest_to_adamw(tmp_path, tok):
+    """`--optimizer muon`: hidden matrices and every expert's gate, up and down matrices get a Newton-Schulz
+    orthogonalised momentum, scaled to AdamW's RMS; embeddings, head, routers, few-row gates and the conv stay on
+    AdamW; the optimizer state survives a save and load (resume)."""
+    from slimwise.testbed.muon import MuonAdamW, muon_parameters, orthogonalize
+    from slimwise.testbed.train import make_optimizer
+
+    for shape in ((3, 32, 64), (3, 64, 32)):  # wide and tall: singular values in the quintic's band, not 1 exactly
+        s = torch.linalg.svdvals(orthogonalize(torch.randn(shape, dtype=torch.float64)))
+        assert s.min() > 0.5 and s.max() < 1.5 and (s - 1).abs().max() > 0.05
+    cfg = tiny_config(tmp_path, "c", optimizer="muon", weight_decay=0.0)
+    model = build_model(cfg, tok)
+    chosen = muon_parameters(model)
+    names = dict(model.named_parameters())
+    assert chosen["model.layers.0.mlp.experts.gate_up_proj"] == 2 and chosen["model.layers.0.mlp.experts.down_proj"] == 1
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in chosen and "model.layers.1.self_attn.q_proj.weight" in chosen
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.linear_attn.in_proj_a.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+                 "model.layers.0.linear_attn.conv1d.weight"):
+        assert name in names and name not in chosen, name
+    opt = make_optimizer(model, cfg)
+    assert isinstance(opt, MuonAdamW) and len(opt.param_groups) == 4  # Muon by row blocks (1, 2), AdamW (decay, none)
+    gen = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in names.items()}
+    before = {n: p.detach().clone() for n, p in names.items()}
+    for n, p in names.items():
+        p.grad = grads[n].clone()
+    opt.step()
+    lr = cfg.lr
+    gate_up = names["model.layers.0.mlp.experts.gate_up_proj"]
+    rows = gate_up.shape[1] // 2  # the gate half and the up half of every expert, each on its own
+    for e in (0, gate_up.shape[0] - 1):
+        for half in (slice(0, rows), slice(rows, 2 * rows)):
+            # first step: momentum buffer = 0.05 g, Nesterov update = g.lerp(buf, 0.95)
+            g = grads["model.layers.0.mlp.experts.gate_up_proj"][e, half]
+            want = orthogonalize(g.lerp(0.05 * g, 0.95)) * 0.2 * max(g.shape) ** 0.5 * lr
+            torch.testing.assert_close(before["model.layers.0.mlp.experts.gate_up_proj"][e, half] - gate_up[e, half],
+                                       want, rtol=1e-4, atol=1e-7)
+    fused = grads["model.layers.0.mlp.experts.gate_up_proj"][0]  # the control: one matrix for both halves differs
+    assert not torch.allclose(orthogonalize(fused)[:rows], orthogonalize(fused[:rows]), atol=1e-2)
+    # resume: a fresh optimizer loaded from the state dict steps exactly as the original
+    state = copy.deepcopy(opt.state_dict())  # as read back from disk: no tensor shared with `opt`
+    twin = build_model(cfg, tok)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = make_optimizer(twin, cfg)
+    twin_opt.load_state_dict(state)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        for n, p in m.named_parameters():
+            p.grad = grads[n].clone()
+        o.step()
+    for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
 
 
 def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
@@ -512,7 +569,7 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     assert card_main(["evaluate", str(bad)]) == 2
     assert "no train_config.json" in capsys.readouterr().err and not any(bad.iterdir())
     cfg = tiny_config(tmp_path, "c", max_steps=2, eval_n_per_family=1, heldout_n_per_family=1, row_groups=4,
-                      packing="packed", seq_len=192)
+                      packing="packed", seq_len=192, optimizer="muon")
     out = train(cfg)
     assert not (out / "eval.json").exists()
     assert json.loads((out / "train_summary.json").read_text())["packing"] == "packed"
@@ -520,7 +577,8 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     ev = json.loads((out / "eval.json").read_text())
     assert ev["test"]["dtype"] == "float32" and ev["test"]["n"] == len(FAMILIES) and ev["heldout"]["n"] == len(FAMILIES)
     card = (out / "README.md").read_text()
-    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003" in card and "| qa |" in card
+    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003 --optimizer muon" in card and "| qa |" in card
+    assert "- optimiser: Muon (momentum 0.95" in card
     assert "segment-aware versions that start every sample from a zero state" in card  # how a hybrid was packed
     assert "arithmetic" in capsys.readouterr().out
 

@@ -26,6 +26,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default=TrainConfig.optimizer,
+                   help="muon: Muon on hidden matrices and expert stacks, AdamW on the rest (slimwise/testbed/muon.py)")
     p.add_argument("--samples-per-family", type=int, default=TrainConfig.samples_per_family)
     p.add_argument("--row-groups", type=integer(1), default=TrainConfig.row_groups,
                    help="row packing: length-sorted micro-batches per step (more: less padding, more calls)")
@@ -60,7 +62,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
                          threads=args.threads, eval_n_per_family=args.eval_n, heldout_n_per_family=args.heldout_n,
                          progress=not args.no_progress, pair_init=not args.no_pair_init, packing=args.packing,
                          spaced_pairs=not args.no_spaced_pairs, ranks=args.ranks,
-                         row_groups=args.row_groups, seq_len=args.seq_len)
+                         row_groups=args.row_groups, seq_len=args.seq_len,
+                         optimizer=args.optimizer)
     out = train(config)
     if not args.no_eval:
         evaluate_and_write_card(out, config)

@@ -306,7 +306,10 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         + (f", prompt weight {tc['prompt_loss_weight']}" if tc["prompt_loss_weight"] else "")
         + f") + {tc['aux_loss_coef']} x Switch load-balancing loss E * sum_j f_j * P_j (per MoE layer, mean over "
         "layers, from router logits captured by forward hooks; 1.0 = uniform)",
-        f"- optimiser: AdamW lr {tc['lr']}, betas {tuple(tc['betas'])}, weight decay {tc['weight_decay']} "
+        ("- optimiser: Muon (momentum 0.95, Nesterov, 5 float32 Newton-Schulz steps, update RMS matched to AdamW) on "
+         "the hidden matrices and each expert's gate, up and down matrices; AdamW on the rest: "
+         if tc.get("optimizer", "adamw") == "muon" else "- optimiser: ")
+        + f"AdamW lr {tc['lr']}, betas {tuple(tc['betas'])}, weight decay {tc['weight_decay']} "
         f"(matrices), grad clip {tc['grad_clip']}; linear warmup {tc['warmup_steps']} steps then cosine to "
         f"{tc['min_lr_ratio']} x lr over progress = max(step / max_steps, elapsed / budget)",
         "- init: transformers' default (normal, std 0.02)"
@@ -459,6 +462,7 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                           + (f" --packing {tc['packing']}" if tc.get("packing", "auto") != "auto" else "")
                           + (f" --seq-len {tc['seq_len']}" if tc.get("seq_len", 256) != 256 else "")
                           + (f" --lr {tc['lr']:g}" if tc.get("lr", 2e-3) != 2e-3 else "")
+                          + (f" --optimizer {tc['optimizer']}" if tc.get("optimizer", "adamw") != "adamw" else "")
                           + (f" --samples-per-family {tc['samples_per_family']}"
                              if tc.get("samples_per_family", 3) != 3 else "")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
