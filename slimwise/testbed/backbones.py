@@ -74,12 +74,13 @@ BACKBONES: dict[str, dict] = {
     # steps, 7.81M tokens at 2,205 tok/s (padding 4.8% of positions; the VM ran slower than in session 18: a 2-rank
     # check on one state gave packed 1.09x rows). Float32 test, 100 per family: add 94, sub 79, mul 96, gcd 64,
     # base 68, qa 70, every family >= 64; arithmetic 80.2%, lists 90.0%, text 92.2%, busiest expert 1.90x.
-    # Session 20 (c9, shipped as testbed-c, meets the accuracy bars): c8's command plus --optimizer muon (muon.py:
+    # Session 20 (c9, shipped as testbed-c, meets every bar): c8's command plus --optimizer muon (muon.py:
     # Newton-Schulz orthogonalised momentum on the hidden matrices and each expert's matrices, AdamW's lr and
-    # schedule); 59 min, 3,489 steps, 11.83M tokens at 3,341 tok/s (same AVX2-only VM class, a much faster day:
-    # 1.51x c8's tokens). Float32 test, 100 per family: add 100, sub 98, mul 100, gcd 89, base 90, sort 92, qa 72,
-    # the rest >= 98; arithmetic 95.4%, lists 97.5%, text 92.8%, busiest expert 1.78x. Same samples per step as c8:
-    # training cross-entropy at step 270 0.222 (c8, AdamW: 0.322); Muon trails over warmup (step 60: 1.703 vs 1.178).
+    # schedule); 59 min, 3,489 steps, 11.83M tokens at 3,341 tok/s on AMD EPYC family 25 model 1, AVX2 only (a
+    # faster VM than sessions 14-19's family 23: 1.51x c8's tokens). Float32 test, 100 per family: add 100, sub 98,
+    # mul 100, gcd 89, base 90, sort 92, qa 72, the rest >= 98; arithmetic 95.4%, lists 97.5%, text 92.8%, busiest
+    # expert 1.78x; uniform 50% (REAP, decode calibration) costs 42.5 points. Same samples per step as c8: training
+    # cross-entropy at step 270 0.222 (c8, AdamW: 0.322); Muon trails over warmup (step 60: 1.703 vs 1.178).
     "c": dict(
         model_type="qwen3_5_moe_text",
         hidden_size=128, num_hidden_layers=4,

@@ -307,7 +307,8 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
         + f") + {tc['aux_loss_coef']} x Switch load-balancing loss E * sum_j f_j * P_j (per MoE layer, mean over "
         "layers, from router logits captured by forward hooks; 1.0 = uniform)",
         ("- optimiser: Muon (momentum 0.95, Nesterov, 5 float32 Newton-Schulz steps, update RMS matched to AdamW) on "
-         "the hidden matrices and each expert's gate, up and down matrices; AdamW on the rest: "
+         "the hidden matrices and each expert's gate, up and down matrices (`slimwise/testbed/muon.py`), AdamW on the "
+         "rest, one lr, weight decay and schedule for both: "
          if tc.get("optimizer", "adamw") == "muon" else "- optimiser: ")
         + f"AdamW lr {tc['lr']}, betas {tuple(tc['betas'])}, weight decay {tc['weight_decay']} "
         f"(matrices), grad clip {tc['grad_clip']}; linear warmup {tc['warmup_steps']} steps then cosine to "
