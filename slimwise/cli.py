@@ -11,6 +11,7 @@ from pathlib import Path
 from slimwise.argtypes import OneLineParser, integer, number
 from slimwise.errors import SlimWiseError
 from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
+from slimwise.serving.validation import MAX_N_DEFAULT
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -130,7 +131,7 @@ def cmd_serve(args) -> None:
                              nixl=args.nixl, host=args.host, port=args.port, served_model_name=args.served_model_name,
                              min_decode_batch=args.min_decode_batch, log_every=args.log_every,
                              kv_dir_max_bytes=int(args.kv_dir_max_gb * 2**30) if args.kv_dir_max_gb else None,
-                             vllm_args=list(args.vllm_args)))
+                             max_n=args.max_n, vllm_args=list(args.vllm_args)))
     if code:
         raise SystemExit(code)
 
@@ -429,7 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nixl", action="store_true", help="attached instances use NixlConnector (GPU); see docs/serving.md")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=integer(1, 65535), default=8000, help="endpoint port (disaggregated: instances on port+1, +2)")
-    p.add_argument("--served-model-name", help="model name clients use (both instances share it)")
+    p.add_argument("--served-model-name", help="model name clients use (both instances share it; default: the "
+                   "embedded name as typed, e.g. testbed-c, or the checkpoint directory's name)")
+    p.add_argument("--max-n", type=integer(1), default=MAX_N_DEFAULT,
+                   help="most completions one request may ask for (n); more gets 400 (default %(default)s; the "
+                        "disaggregated proxy serves n=1 only)")
     p.add_argument("--min-decode-batch", type=integer(0), default=0,
                    help="load-aware: use the pruned experts only when a step has at least this many decode tokens")
     p.add_argument("--log-every", type=integer(0), default=100, help="log routing counters every N steps (0: never)")

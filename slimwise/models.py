@@ -162,24 +162,25 @@ def structure_model(path: str | Path) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+TOKENIZER_FILE = "tokenizer.json"
+
+
 def load_tokenizer(path: str | Path):
-    """The tokenizer saved next to a model, or None when there is none (token-id prompts still work)."""
+    """The tokenizer a checkpoint ships, or None when there is none (token-id prompts still work).
+
+    A checkpoint's `tokenizer.json` is its whole tokenizer (normalizer, pre-tokenizer, model, post-processor,
+    decoder), so it is loaded as saved, whatever `tokenizer_class` tokenizer_config.json names: transformers'
+    AutoTokenizer swaps in a family's own class for some model types (qwen3_5_moe*: Qwen3_5Tokenizer, which
+    rebuilds the pipeline from the vocabulary and encodes another tokenizer's text differently), and other tools
+    write other class names (llm-compressor: "TokenizersBackend"). Only a checkpoint without tokenizer.json (slow
+    sentencepiece files) goes through AutoTokenizer. vLLM loads the same object through the plugin's tokenizer
+    mode (`slimwise.serving.tokenizer`)."""
     model_dir = resolve_model_dir(path)
     try:
-        if _saved_tokenizer_class(model_dir) == "PreTrainedTokenizerFast":
-            # as saved: next to some configs (qwen3_5_moe_text) AutoTokenizer swaps in the family's own class,
-            # whose pre-tokenizer differs from the saved one (the testbed tokenizer of testbed-c)
+        if (model_dir / TOKENIZER_FILE).is_file():
             return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError):
-        return None
-
-
-def _saved_tokenizer_class(model_dir: str | Path) -> str | None:
-    f = Path(model_dir) / "tokenizer_config.json"
-    try:
-        return json.loads(f.read_text()).get("tokenizer_class") if f.is_file() else None
-    except (OSError, ValueError):
         return None
 
 

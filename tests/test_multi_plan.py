@@ -83,7 +83,11 @@ def test_one_plan_is_the_single_plan_case():
     model = GateModel()
     routing = DecodeRouting(model, PretrainedConfig(num_experts=8, num_experts_per_tok=2,
                                                     **{PLAN_KEY: _plan(A_KEPT)}), 16)
-    assert not routing.multi_plan and routing.plans.keys() == {"default"}
+    assert routing.plans.keys() == {"default"}
+    # one plan still leaves requests a choice: "full" (MODEL:full beside one named plan was once served pruned)
+    assert routing.multi_plan
+    params = [SimpleNamespace(extra_args={"slimwise_plan": "full"}), SimpleNamespace(extra_args=None)]
+    assert routing.request_plans(["r1", "r2"], params).tolist() == [0, 1]
     masks = _masked(model, routing, [5, 0], [5, 2])
     assert masks[0][0, B_KEPT].all() and not masks[0][1].any()
     assert routing.counters.plan_tokens == {}  # per-plan counts only with several plans
@@ -121,7 +125,11 @@ def test_serve_plan_arguments():
 
 
 def _call(app, body: dict, path="/v1/completions") -> tuple[int, dict]:
-    """One POST through an ASGI app; the status and the JSON body it answers."""
+    """One POST of `body` as JSON through an ASGI app; the status and the JSON body it answers."""
+    return _post_raw(app, json.dumps(body).encode(), path)
+
+
+def _post_raw(app, raw: bytes, path="/v1/completions") -> tuple[int, dict]:
     messages, sent = [], False
 
     async def receive():
@@ -129,7 +137,7 @@ def _call(app, body: dict, path="/v1/completions") -> tuple[int, dict]:
         if sent:
             return {"type": "http.disconnect"}
         sent = True
-        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+        return {"type": "http.request", "body": raw, "more_body": False}
 
     async def send(message):
         messages.append(message)
@@ -166,3 +174,34 @@ def test_the_middleware_maps_model_names_to_plans(monkeypatch):
     assert _call(app, {"model": "other"}) == (200, {"model": "m", "xargs": None})  # vLLM answers 404 itself
     status, body = _call(app, {"model": "m", "vllm_xargs": {"slimwise_plan": "nope"}})
     assert status == 400 and "'nope' is not served here" in body["error"]["message"]
+
+
+
+@pytest.mark.parametrize("plans", [False, True], ids=["no-plan", "plans"])
+def test_the_middleware_answers_400_for_every_body_it_cannot_parse_and_over_max_n(plans, monkeypatch):
+    """Every colocated server runs the middleware: a deeply nested body (RecursionError in Python's json, once a 500),
+    malformed JSON, a non-object, bytes that are not UTF-8 and n above --max-n get an OpenAI-style 400 before vLLM
+    sees them; a request within the limit passes through."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from slimwise.serving.plan_select import MAX_N_ENV, PLAN_MODELS_ENV, PlanSelectMiddleware, served_names
+
+    async def echo(request: Request):
+        return JSONResponse({"model": "m", "n": (await request.json()).get("n")})
+
+    monkeypatch.delenv(PLAN_MODELS_ENV, raising=False)
+    if plans:
+        monkeypatch.setenv(PLAN_MODELS_ENV, json.dumps(served_names("m", ["math"])))
+    monkeypatch.setenv(MAX_N_ENV, "4")
+    app = PlanSelectMiddleware(Starlette(routes=[Route("/v1/chat/completions", echo, methods=["POST"])]))
+    for raw, words in ((b"[" * 100_000, "not valid JSON"), (b'{"model": "m", "messages": [' * 50_000, "not valid JSON"),
+                       (b'{"model": ', "not valid JSON"), (b"[1]", "must be a JSON object"), (b"\xff", "not UTF-8"),
+                       (b'{"model": "m", "n": 5}', "limit of 4 completions"),
+                       (b'{"model": "m", "best_of": 100}', "limit of 4 completions")):
+        status, body = _post_raw(app, raw, "/v1/chat/completions")
+        assert status == 400 and words in body["error"]["message"], (raw[:40], body)
+        assert body["error"]["code"] == 400 and body["error"]["type"] == "invalid_request_error"
+    assert _post_raw(app, b'{"model": "m", "n": 4}', "/v1/chat/completions") == (200, {"model": "m", "n": 4})

@@ -242,6 +242,8 @@ MALFORMED = [
     ("/v1/completions", b'{"prompt": "x", "top_p": -1e999}'),
     ("/v1/completions", b'{"prompt": "x", "n": "x"}'),
     ("/v1/completions", b'{"prompt": "x", "n": 2}'),
+    ("/v1/completions", b'{"prompt": "x", "n": 10000}'),  # above --max-n: the colocated server's 400 too
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "n": 17}'),
     ("/v1/completions", b'{"prompt": "\xff\xfe x"}'),
     ("/v1/completions", b'{"prompt": "\\ud800"}'),
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}'),
@@ -269,6 +271,8 @@ def test_malformed_input_gets_400_json_and_is_not_forwarded(path, raw):
     error = r.json()["error"]
     assert error["code"] == 400 and error["type"] == "invalid_request_error" and error["message"], error
     assert forwarded == []
+    if b'"n": 1' in raw:  # 10000, 17: the request-cost limit, named as the colocated server names it
+        assert "limit of 16 completions" in error["message"] and "--max-n" in error["message"], error
 
 
 def test_max_tokens_semantics_follow_vllm():

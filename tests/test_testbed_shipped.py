@@ -31,11 +31,21 @@ VLLM_NAMES = [n for n in NAMES if n != "testbed-c"]  # float32 token equality; t
 BARS = dict.fromkeys(NAMES, (0.85, 0.60))
 EOS = 0  # the testbed tokenizer's <|endoftext|>, checked below; both engines stop on it
 CONFIG = GenerationConfig(max_new_tokens=48, batch_size=16, eos_token_id=EOS)
-#: transformers' dtype for the bf16 checkpoints: as shipped where the CPU has bf16 matrix instructions; where it has
-#: none (AVX2 only) bf16 is emulated, so the same weights run exactly upcast to float32. Measured 2026-12-02 on such a
-#: CPU (AMD EPYC model 1, 2 cores): the card evaluations take 200, 197 and 287 s for a, b and c in bf16 against 49,
-#: 43 and 63 s in float32, every family within 2 points of the bf16 card.
-HF_DTYPE = torch.bfloat16 if bf16_support() else torch.float32
+#: Card checks run in the dtype the card records, where this CPU runs it natively: a float32 card (testbed-c) in
+#: float32 everywhere; a bf16 card in bf16 where the CPU has bf16 matrix instructions, and exactly upcast to float32
+#: where it has none (AVX2 only: bf16 is emulated there, about 4x slower, and the upcast scores within 2 problems of
+#: the bf16 card per family; see docs/reproducibility.md). So the card test depends on the CPU only through that
+#: choice, and its tolerance is in problems, not in floating-point shares.
+CARD_TOLERANCE = 3  # problems per family (of the card's 100): bf16 kernels round differently between CPUs
+
+
+def card_dtype(card: dict) -> torch.dtype:
+    if card.get("dtype", "bfloat16") == "float32" or not bf16_support():
+        return torch.float32
+    return torch.bfloat16
+
+
+HF_DTYPE = torch.bfloat16 if bf16_support() else torch.float32  # the other shipped-model checks (bf16 weights)
 
 
 def test_every_backbone_is_shipped():
@@ -87,28 +97,28 @@ def card_eval(name: str) -> dict:
 @pytest.mark.parametrize("name", NAMES)
 def test_the_card_is_the_model_and_meets_the_bars(name):
     """Re-run the card's own test evaluation (100 problems per family, seed 0, stock transformers classes and
-    experts, bfloat16 as shipped) and check (1) the card's figures are this model's: per-family accuracy within
-    3 points (bf16 kernels differ between CPUs) and the routing load within 0.05; (2) the issue's bars on the
+    experts, in the card's dtype: `card_dtype`) and check (1) the card's figures are this model's: per-family
+    correct answers within CARD_TOLERANCE problems and the routing load within 0.05; (2) the issue's bars on the
     recomputed figures: >= 85% on the target domain, >= 60% on every family, the busiest expert <= 3x uniform.
-    30-50 s per model (on an AVX2-only CPU in float32: see HF_DTYPE)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    Counts, not shares: 0.75 - 0.72 > 0.03 in floating point failed a 3-problem difference on an AVX512-BF16 CPU.
+    30-60 s per model."""
+    from transformers import AutoModelForCausalLM
 
     from slimwise.testbed.evaluate import evaluate_model
 
     card = card_eval(name)["test"]
     path = embedded_model_dir(name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=HF_DTYPE).eval()
-    # next to a qwen3_5_moe_text config AutoTokenizer swaps in Qwen3.5's own tokenizer class (see the card)
-    tok_class = PreTrainedTokenizerFast if name == "testbed-c" else AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=card_dtype(card)).eval()
+    # the checkpoint's own tokenizer (AutoTokenizer would swap in Qwen3.5's class next to testbed-c's config)
     # batch 128 (the card used 32): 1.7x faster here (testbed-c 90 -> 51 s), per-family figures equal but one
     # (testbed-a base 69% vs 68%: bf16 padding), inside the tolerance below
-    r = evaluate_model(model=model, tokenizer=tok_class.from_pretrained(path), split="test",
-                       n_per_family=card["n_per_family"], seed=card["seed"], max_new_tokens=card["max_new_tokens"],
-                       batch_size=128)
-    got = {f: v["accuracy"] for f, v in r["families"].items()}
-    want = {f: v["accuracy"] for f, v in card["families"].items()}
+    r = evaluate_model(model=model, tokenizer=load_tokenizer(path), split="test", n_per_family=card["n_per_family"],
+                       seed=card["seed"], max_new_tokens=card["max_new_tokens"], batch_size=128)
+    got = {f: round(v["accuracy"] * v["n"]) for f, v in r["families"].items()}
+    want = {f: round(v["accuracy"] * v["n"]) for f, v in card["families"].items()}
     assert got.keys() == want.keys()
-    assert all(abs(got[f] - want[f]) <= 0.03 for f in got), {f: (got[f], want[f]) for f in got}
+    assert all(abs(got[f] - want[f]) <= CARD_TOLERANCE for f in got), {f: (got[f], want[f]) for f in got}
+    got = {f: v["accuracy"] for f, v in r["families"].items()}
     target, weakest = BARS[name]
     assert r["domains"]["arithmetic"]["accuracy"] >= target, r["domains"]
     assert min(got.values()) >= weakest, got

@@ -280,7 +280,7 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
     import tempfile
     import time
 
-    from openai import OpenAI
+    from openai import APIStatusError, OpenAI
     from test_vllm_serve import free_port, group_alive, start, stop
 
     from slimwise.testbed import build_tokenizer, make_split
@@ -305,11 +305,23 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
     groups: set[int] = set()
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        # token-id prompts: next to a Qwen3.5 config vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for the testbed
-        # tokenizer (see slimwise.models.load_tokenizer), which would feed the server other ids than the reference
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=CONFIG.max_new_tokens, temperature=0,
-                                         extra_body={"return_token_ids": True, "ignore_eos": True}
-                                         ).choices[0].model_extra["token_ids"] for p in ids]
+        # text prompts, as clients send them: both instances encode them with the checkpoint's own tokenizer (vLLM's
+        # AutoTokenizer would swap in Qwen3_5Tokenizer next to this config: slimwise/serving/tokenizer.py)
+        got = []
+        for prompt, want_ids in zip(prompts, ids, strict=True):
+            choice = client.completions.create(model="tiny", prompt=prompt, max_tokens=CONFIG.max_new_tokens,
+                                               temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}
+                                               ).choices[0]
+            assert choice.model_extra["prompt_token_ids"] == want_ids  # the text reached the model as these ids
+            assert tok.decode(choice.model_extra["token_ids"]) == choice.text
+            got.append(choice.model_extra["token_ids"])
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[0].rstrip("\n")}],
+                                              max_tokens=CONFIG.max_new_tokens, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content == tok.decode(got[0])  # the chat template ends the turn with "\n"
+        with pytest.raises(APIStatusError) as err:  # the request-cost limit, as the colocated server answers it
+            client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2, n=10_000)
+        assert err.value.status_code == 400 and "--max-n" in str(err.value)
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                                    text=True).stdout.split()]
         groups = {os.getpgid(p) for p in children}  # prefill and decode instances, the watchdog

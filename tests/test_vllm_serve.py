@@ -67,13 +67,20 @@ def served(tmp_path_factory):
     return root, prompts, ref
 
 
-def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port),
-                             "--served-model-name", "tiny", *vllm_args], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**{k: v for k, v in os.environ.items()  # a real server:
-                                                             if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},  # engine
-                                                         "VLLM_LOGGING_LEVEL": "INFO"})  # core in its own process
-    deadline = time.monotonic() + 600
+def launch(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS, name: str | None = "tiny"
+           ) -> subprocess.Popen:
+    """`slimwise serve ARGS` as a user starts it (a process of its own; `name`: --served-model-name, None: the
+    default name). Returns at once: several servers can start side by side (`wait_healthy` each)."""
+    named = ["--served-model-name", name] if name else []
+    return subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port), *named,
+                             *vllm_args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**{k: v for k, v in os.environ.items()  # a real server: engine core in its
+                                    if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},  # own process
+                                 "VLLM_LOGGING_LEVEL": "INFO"})
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log, timeout: float = 600) -> subprocess.Popen:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:  # the server's log says why (CI shows only this message)
             raise AssertionError(f"server exited with code {proc.returncode} during start-up; log tail:\n"
@@ -84,7 +91,13 @@ def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS) -> 
         except httpx.HTTPError:
             pass
         time.sleep(2)
-    raise AssertionError("server did not become healthy within 600 s; log tail:\n" + Path(log.name).read_text()[-6000:])
+    raise AssertionError(f"server did not become healthy within {timeout:.0f} s; log tail:\n"
+                         + Path(log.name).read_text()[-6000:])
+
+
+def start(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS, name: str | None = "tiny"
+          ) -> subprocess.Popen:
+    return wait_healthy(launch(args, port, log, vllm_args, name), port, log)
 
 
 LOAD_TEST = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"

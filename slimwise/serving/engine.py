@@ -36,6 +36,7 @@ from slimwise.serving.routing import (
     PLANS_KEY,
     REQUEST_PLAN_ARG,
 )
+from slimwise.serving.tokenizer import TOKENIZER_MODE
 
 PlanLike = PrunePlan | str | Path
 
@@ -87,8 +88,9 @@ class VllmEngine:
         self.plan = plan
         self.tokenizer = tokenizer
         # an explicit KV budget: vLLM's CPU backend otherwise reserves 92% of RAM and refuses to start on a busy box
-        self.kwargs = dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_memory_bytes=512 << 20,
-                           **(engine_kwargs or {}))
+        # the checkpoint's own tokenizer (vLLM's AutoTokenizer may swap in a family class: serving/tokenizer.py)
+        self.kwargs = {**dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_memory_bytes=512 << 20,
+                              tokenizer_mode=TOKENIZER_MODE), **(engine_kwargs or {})}
         if max_model_len is not None:
             self.kwargs["max_model_len"] = max_model_len
         if "vision_config" in json.loads((Path(model_dir) / "config.json").read_text()):

@@ -7,7 +7,10 @@ which vLLM hands to the workers as `SamplingParams.extra_args` (what `DecodeRout
 puts the requested name back into the response's `model` field (vLLM echoes its first served name). A client
 that sets `vllm_xargs.slimwise_plan` itself gets 400 for a name the engine does not serve.
 
-The name -> plan map comes from the environment variable `PLAN_MODELS_ENV` (JSON), set by `slimwise serve`.
+Every colocated server runs it, plans or not: a body it cannot parse (malformed or deeply nested JSON, not an
+object, not UTF-8) and a request for more than `--max-n` completions get an OpenAI-style 400 here, the answers
+the disaggregated proxy gives (`validation.py`). The name -> plan map and the limit come from the environment
+variables `PLAN_MODELS_ENV` (JSON) and `MAX_N_ENV`, set by `slimwise serve`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import json
 import os
 
 from slimwise.serving.routing import REQUEST_PLAN_ARG
+from slimwise.serving.validation import MAX_N_DEFAULT, BadRequest, check_n, parse_body
 
 PLAN_MODELS_ENV = "SLIMWISE_PLAN_MODELS"  # {"served name": plan name or null (the default plan)}
+MAX_N_ENV = "SLIMWISE_MAX_N"  # completions per request the server accepts (slimwise serve --max-n)
 _PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
@@ -27,36 +32,41 @@ def served_names(base: str, plans: list[str]) -> dict[str, str | None]:
 
 
 class PlanSelectMiddleware:
-    """ASGI middleware: `model` -> `vllm_xargs.slimwise_plan` on requests, and the requested name on responses."""
+    """ASGI middleware in front of vLLM's OpenAI routes: refuses bodies it cannot parse and requests over the cost
+    limit (400, as the disaggregated proxy does), maps `model` -> `vllm_xargs.slimwise_plan` on requests, and puts
+    the requested name back on responses. Installed by every colocated `slimwise serve`, with or without plans."""
 
     def __init__(self, app) -> None:
         self.app = app
         self.models: dict[str, str | None] = json.loads(os.environ.get(PLAN_MODELS_ENV) or "{}")
+        self.max_n = int(os.environ.get(MAX_N_ENV) or MAX_N_DEFAULT)
         self.base = next(iter(self.models), None)
         self.plans = {p for p in self.models.values() if p is not None}
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _PATHS \
-                or not self.models:
+        if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _PATHS:
             await self.app(scope, receive, send)
             return
         chunks = []
         while True:
             message = await receive()
             chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
+            if message["type"] == "http.disconnect" or not message.get("more_body"):
                 break
         body, name = b"".join(chunks), None
         try:
-            request = json.loads(body or b"{}")
-        except ValueError:
-            request = None  # vLLM answers malformed JSON itself
-        if isinstance(request, dict):
+            request = parse_body(body)
+            check_n(request, self.max_n)
+        except BadRequest as exc:
+            await _error(send, exc.status, exc.payload())
+            return
+        if self.models:
             xargs = request.get("vllm_xargs") if isinstance(request.get("vllm_xargs"), dict) else {}
             asked = xargs.get(REQUEST_PLAN_ARG)
             if asked is not None and asked not in self.plans:
-                await _error(send, 400, f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; choose a plan "
-                                        f"by model name: {', '.join(self.models)}")
+                await _error(send, 400, BadRequest(f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; "
+                                                   f"choose a plan by model name: {', '.join(self.models)}",
+                                                   f"vllm_xargs.{REQUEST_PLAN_ARG}").payload())
                 return
             name = request.get("model")
             plan = self.models.get(name) if isinstance(name, str) else None
@@ -99,8 +109,8 @@ class PlanSelectMiddleware:
         await self.app(scope, replay, send_renamed)
 
 
-async def _error(send, status: int, text: str) -> None:
-    body = json.dumps({"error": {"message": text, "type": "BadRequestError", "code": status}}).encode()
+async def _error(send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})

@@ -2,10 +2,12 @@
 
 0. Lets vLLM's Qwen3.5/3.6 model file import on a CPU build without torchvision (`compat.py`; no-op elsewhere).
 1. Registers the SlimWise model classes with vLLM's ModelRegistry (lazily, by import path).
-2. Wraps the model runner's `_model_forward` (the documented per-step override point, outside any compiled
+2. Registers the tokenizer mode "slimwise" (`tokenizer.py`): the checkpoint's own tokenizer.json, as the
+   reference engine loads it; `slimwise serve` and `VllmEngine` select it.
+3. Wraps the model runner's `_model_forward` (the documented per-step override point, outside any compiled
    region or CUDA graph) so that, before each forward, the model's `DecodeRouting` learns which scheduled
    tokens are generated tokens: position >= the request's prompt length.
-Both steps are idempotent (vLLM may load plugins several times per process).
+Every step is idempotent (vLLM may load plugins several times per process).
 """
 
 from __future__ import annotations
@@ -111,6 +113,9 @@ def register() -> None:
         name = slimwise_arch(stock)
         if name not in ModelRegistry.get_supported_archs():
             ModelRegistry.register_model(name, f"slimwise.serving.models:{name}")
+    from slimwise.serving.tokenizer import register_tokenizer_mode
+
+    register_tokenizer_mode()
     _patch_model_runner()
     _add_worker_method()
 

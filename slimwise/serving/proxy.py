@@ -39,6 +39,8 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from slimwise.serving.validation import MAX_N_DEFAULT, BadRequest, check_n, parse_body
+
 # connect: an instance under load (hundreds of connections at once on 2 cores) can take seconds to accept;
 # 5 s lost a request at concurrency 256 while the instance was healthy. pool: waiting for a connection is
 # bounded by the per-instance semaphore instead. keepalive_expiry stays below the instances' keep-alive (vLLM's
@@ -70,6 +72,10 @@ def kv_folder(kv_dir: str | Path, token_ids: list[int]) -> Path:
     return Path(kv_dir) / digest
 
 
+def refusal(exc: BadRequest) -> JSONResponse:
+    return JSONResponse(exc.payload(), status_code=exc.status)
+
+
 def _error(status: int, message: str, kind: str = "service_unavailable", param: str | None = None,
            headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
@@ -82,18 +88,6 @@ class Unavailable(Exception):
     def __init__(self, message: str, sent: bool = True) -> None:
         super().__init__(message)
         self.sent = sent
-
-
-class BadRequest(Exception):
-    """A client error found by the proxy itself: 400 with an OpenAI-style JSON body."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
-
-    def response(self) -> JSONResponse:
-        return _error(self.status, str(self), "invalid_request_error" if self.status == 400 else "request_too_large",
-                      self.param)
 
 
 class Full(Exception):
@@ -110,60 +104,6 @@ class Upstream(Exception):
 
     def response(self) -> Response:
         return Response(self.content, status_code=self.status, media_type=self.media_type)
-
-
-# ----- request checks ------------------------------------------------------------------------------------------
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:40]} is out of range")
-    return value
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
-
-def _check_text(value, path: str = "body") -> None:
-    """Every string must be encodable: a lone surrogate ("\\ud800") parses but cannot be forwarded."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise BadRequest(f"{path} holds an unpaired surrogate (\\u{ord(value[exc.start]):04x}); send valid "
-                             "Unicode", path.removeprefix("body.")) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, path)
-            _check_text(item, f"{path}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_text(item, f"{path}[{i}]")
-
-
-def parse_body(raw: bytes) -> dict:
-    """The request body as a JSON object, or BadRequest: strict JSON (no NaN/Infinity, no number that overflows to
-    infinity such as 1e400), UTF-8, no lone surrogates."""
-    if not raw.strip():
-        raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"the request body is not UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})") from None
-    try:
-        body = json.loads(text, parse_float=_finite, parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
-    except (ValueError, RecursionError) as exc:  # _finite/_no_constant, an over-long integer, nesting too deep
-        raise BadRequest(f"the request body is not valid JSON: {str(exc)[:200]}") from None
-    if not isinstance(body, dict):
-        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(body), "null")
-        raise BadRequest(f"the request body must be a JSON object, not a JSON {kind}")
-    try:
-        _check_text(body)
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    return body
 
 
 def _validation_message(exc: Exception) -> tuple[str, str | None]:
@@ -363,12 +303,13 @@ class _Stream(StreamingResponse):
 # ----- the app -------------------------------------------------------------------------------------------------
 def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl: bool = False,
               down: Callable[[], str | None] = lambda: None, kv_dir_max_bytes: int = KV_DIR_MAX_BYTES,
-              upstream_concurrency: int = UPSTREAM_CONCURRENCY) -> FastAPI:
+              upstream_concurrency: int = UPSTREAM_CONCURRENCY, max_n: int = MAX_N_DEFAULT) -> FastAPI:
     """The proxy app. nixl=True asks the prefill instance for remote-decode transfer params (NixlConnector).
 
     `down()` names a supervised instance that exited (None while all run): `slimwise serve` stops the other
     instance then, so without it a request caught in that shutdown would blame the instance being stopped.
-    At most `upstream_concurrency` requests are in flight to each instance; more wait in the proxy.
+    At most `upstream_concurrency` requests are in flight to each instance; more wait in the proxy. A request for
+    more than `max_n` completions gets the same 400 as from the colocated server (the proxy serves n = 1 only).
     """
     request_models()
     app = FastAPI(title="SlimWise PD proxy")
@@ -484,7 +425,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             dec["min_tokens"] = body["min_tokens"] - 1
         return dec
 
-    def _finish(chat, rid, model, text, reason, n_prompt, n_completion, token_ids):
+    def _finish(chat, rid, model, text, reason, prompt_ids, n_completion, token_ids):
+        n_prompt = len(prompt_ids)
         usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion,
                  "total_tokens": n_prompt + n_completion}
         if chat:
@@ -495,6 +437,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             obj = "text_completion"
         if token_ids is not None:
             choice["token_ids"] = token_ids  # t1 from the full model, the rest from the pruned decoder
+            choice["prompt_token_ids"] = prompt_ids  # as vLLM answers return_token_ids: what the text became
         return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
                              "choices": [choice], "usage": usage})
 
@@ -570,7 +513,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             if streaming:
                 return StreamingResponse(first_only(chat, rid, model, t1_text, finish or "length"),
                                          media_type="text/event-stream")
-            return _finish(chat, rid, model, t1_text, finish or "length", len(prompt_ids), 1, [t1])
+            return _finish(chat, rid, model, t1_text, finish or "length", prompt_ids, 1, [t1])
         dec = decode_body(body, prompt_ids, t1, max_tokens - 1)
         if pre.get("kv_transfer_params"):  # NIXL-style connectors hand the decode side the remote block ids
             dec["kv_transfer_params"] = pre["kv_transfer_params"]
@@ -609,7 +552,7 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             choice = out["choices"][0]
             usage = out.get("usage") or {}
             return _finish(chat, rid, model, t1_text + choice["text"], choice.get("finish_reason"),
-                           len(prompt_ids), 1 + int(usage.get("completion_tokens", 0)),
+                           prompt_ids, 1 + int(usage.get("completion_tokens", 0)),
                            [t1, *(choice.get("token_ids") or [])])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise Unavailable(f"decode instance at {decode_url} gave an unexpected answer "
@@ -644,9 +587,10 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     async def handle(request: Request, chat: bool):
         try:
             body = parse_body(await read_body(request))
+            check_n(body, max_n)
             max_tokens, param, streaming = check_request(body, chat)
         except BadRequest as exc:
-            return exc.response()
+            return refusal(exc)
         body = strip_client_steering(body)
         # vLLM's --api-key (passed to both instances) is checked by the instances: the client's key goes with its
         # requests (a context variable: this request's task and the calls it awaits)
@@ -655,8 +599,8 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
             return _error(503, f"{reason}; restart slimwise serve")
         try:
             if max_tokens is not None and (limit := await max_model_len()) is not None and max_tokens > limit:
-                return BadRequest(f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please request "
-                                  "fewer output tokens.", param).response()  # vLLM's words
+                return refusal(BadRequest(f"{param}={max_tokens} cannot be greater than max_model_len={limit}. Please "
+                                          "request fewer output tokens.", param))  # vLLM's words
             return await complete(body, chat, max_tokens, streaming)
         except Upstream as exc:
             return exc.response()

