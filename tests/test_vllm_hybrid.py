@@ -313,12 +313,12 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
                                                temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}
                                                ).choices[0]
             assert choice.model_extra["prompt_token_ids"] == want_ids  # the text reached the model as these ids
-            assert tok.decode(choice.model_extra["token_ids"]) == choice.text
+            assert tok.decode(choice.model_extra["token_ids"], skip_special_tokens=True) == choice.text
             got.append(choice.model_extra["token_ids"])
-        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[0].rstrip("\n")}],
-                                              max_tokens=CONFIG.max_new_tokens, temperature=0,
+        chat = client.chat.completions.create(model="tiny", max_tokens=CONFIG.max_new_tokens, temperature=0,
+                                              messages=[{"role": "user", "content": prompts[0].rstrip("\n")}],
                                               extra_body={"ignore_eos": True})
-        assert chat.choices[0].message.content == tok.decode(got[0])  # the chat template ends the turn with "\n"
+        assert chat.choices[0].message.content == tok.decode(got[0], skip_special_tokens=True)  # template: turn + "\n"
         with pytest.raises(APIStatusError) as err:  # the request-cost limit, as the colocated server answers it
             client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2, n=10_000)
         assert err.value.status_code == 400 and "--max-n" in str(err.value)
