@@ -782,3 +782,25 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
     cfg = ServeConfig(model=model, vllm_args=["--dtype", "auto", "--max-num-seqs", "8"])
     line = _with_cpu_dtype(cfg, model)  # vLLM's CPU platform here
     assert cfg.vllm_args == ["--max-num-seqs", "8", "--dtype", "float32"] and "float32" in line["dtype"]
+
+
+def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu_fixes(tiny_dirs, tmp_path):
+    """What `slimwise serve` hands vLLM, engine-free: the name the user typed (an embedded name as is, a directory by
+    its name, never an absolute path), the checkpoint's own tokenizer (tokenizer mode slimwise) unless the user
+    chose a mode, the middleware on every colocated server, and SlimWise's class without a plan where it fixes vLLM
+    on CPU (DeepSeek-V3's MLA rotary; disaggregated instances and plan-less colocated servers once ran stock vLLM
+    there and gave other tokens than transformers) unless the user passes --hf-overrides."""
+    from slimwise.argtypes import option_value
+    from slimwise.serving.server import ServeConfig, colocated_command, cpu_fix_args, default_served_name
+
+    assert default_served_name("testbed-c") == "testbed-c"
+    deepseek, qwen = str(tiny_dirs("deepseek_v3")), str(tiny_dirs("qwen3_moe"))
+    assert default_served_name(deepseek) == "deepseek_v3" and default_served_name(deepseek + "/") == "deepseek_v3"
+    cmd = colocated_command(ServeConfig(model=deepseek))
+    assert option_value(cmd, "--served-model-name") == "deepseek_v3"
+    assert option_value(cmd, "--tokenizer-mode") == "slimwise"
+    assert option_value(cmd, "--middleware") == "slimwise.serving.plan_select.PlanSelectMiddleware"
+    assert json.loads(option_value(cmd, "--hf-overrides")) == {"architectures": ["SlimWiseDeepseekV3ForCausalLM"]}
+    assert cpu_fix_args(qwen, []) == [] and cpu_fix_args(deepseek, ["--hf-overrides", "{}"]) == []
+    mine = colocated_command(ServeConfig(model=qwen, vllm_args=["--tokenizer-mode", "hf"]))
+    assert mine.count("--tokenizer-mode") == 1 and option_value(mine, "--tokenizer-mode") == "hf"

@@ -10,8 +10,10 @@ model name it serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
   greedy tokens are checked against the float32 reference by the mean log-prob gap of tests/test_vllm_hybrid.py;
 - the tiny families serve one named plan (the case whose `MODEL:full` used to be served pruned), the shipped
   backbones two (`math` and `general`, as the README suggests).
-Disaggregated serving through the same client: tests/test_vllm_serve.py (text prompts, TP 2) and
-tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid (the hybrid with the testbed tokenizer).
+Disaggregated through the same client with text: testbed-a and testbed-c here, the tiny qwen3_moe at TP 2
+(tests/test_vllm_serve.py) and the tiny hybrid with the testbed tokenizer
+(tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid); the instances of every family at the engine
+level: tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to CI).
 Servers of one group start side by side (their start-up is mostly vLLM imports, one core each).
 """
 
@@ -91,12 +93,14 @@ class Served:
         return suffix or next(iter(self.plans))
 
 
-def check_client(port: int, served: Served) -> None:
+def check_client(port: int, served: Served, disaggregated: bool = False) -> None:
     """Every model name the server lists, through the openai client: completions (text and prompt ids), chat and
-    streaming equal the reference's text for that name's routing."""
+    streaming equal the reference's text for that name's routing (disaggregated: one name, the one plan)."""
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     names = [m.id for m in client.models.list().data]
-    assert names == [served.name, f"{served.name}:full", *(f"{served.name}:{n}" for n in served.plans)], names
+    expected = [served.name] if disaggregated else [served.name, f"{served.name}:full",
+                                                    *(f"{served.name}:{n}" for n in served.plans)]
+    assert names == expected, names
     for name in names:
         routing = served.routing_of(name)
         want = served.want[routing]
@@ -138,7 +142,7 @@ def check_client(port: int, served: Served) -> None:
             assert wrong >= WRONG_GAP, (name, wrong)
 
 
-def run_group(entries: list[tuple[Served, list[str], list[str]]], root) -> None:
+def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggregated: bool = False) -> None:
     """Start every (served, serve args, vLLM args) of a group side by side, then check each through the client."""
     running = []
     try:
@@ -147,13 +151,14 @@ def run_group(entries: list[tuple[Served, list[str], list[str]]], root) -> None:
             running.append((served, port, log, launch(args, port, log, vllm_args, name=None)))
         for served, port, log, proc in running:
             wait_healthy(proc, port, log)
-            check_client(port, served)
+            check_client(port, served, disaggregated)
     finally:
         for *_, proc in running:
             stop(proc)
-    for served, _, log, _ in running:
+    for served, port, log, _ in running:
         text = Path(log.name).read_text()
-        assert "SlimWise ready on http://127.0.0.1:" in text and f"as model {served.name!r}" in text, text[-2000:]
+        ready = "SlimWise PD proxy ready" if disaggregated else f"SlimWise ready on http://127.0.0.1:{port}"
+        assert ready in text and f"as model {served.name!r}" in text, text[-2000:]
 
 
 def vllm_dtype(model_dir: str) -> list[str]:
@@ -194,6 +199,22 @@ def test_shipped_backbones_answer_text_as_the_reference(names, tmp_path):
         served = Served(name, model_dir, {"math": math, "general": general}, prompts, MAX_TOKENS["shipped"], tmp_path)
         entries.append((served, served.args(name), vllm_dtype(model_dir)))
     run_group(entries, tmp_path)
+
+
+def test_shipped_backbones_disaggregated_answer_text_as_the_reference(tmp_path):
+    """`slimwise serve testbed-a|testbed-c --plan plan.json --disaggregated` (full-model prefill instance, exported
+    pruned decode instance, proxy): served as `testbed-a` / `testbed-c`, completions, streams and chats with text
+    equal the reference engine's SlimWise text (testbed-c bf16: the gap bound and the same answers). The proxy
+    refuses a request over --max-n as the colocated server does."""
+    prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
+    entries = []
+    for name in ("testbed-a", "testbed-c"):
+        model_dir = str(embedded_model_dir(name))
+        served = Served(name, model_dir, {"math": PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")},
+                        prompts, MAX_TOKENS["shipped"], tmp_path)
+        entries.append((served, [name, "--plan", str(served.plan_files["math"]), "--disaggregated"],
+                        vllm_dtype(model_dir)))
+    run_group(entries, tmp_path, disaggregated=True)
 
 
 def test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint(tmp_path):

@@ -261,13 +261,13 @@ def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup,
         engine.close()
 
 
-def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool) -> list[float]:
+def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool, prompts=None) -> list[float]:
     """Teacher-forced on the float32 reference: per generated token, best log-prob minus the token's log-prob,
     prompt tokens routed to every expert and fed-back generated tokens to the kept ones (decode_pruned)."""
     model = load_model(model_dir)
     mask = ExpertMask(model, plan)
     gaps = []
-    for prompt, tokens in zip(PROMPTS, outputs, strict=True):
+    for prompt, tokens in zip(PROMPTS if prompts is None else prompts, outputs, strict=True):
         ids = torch.tensor([prompt + tokens[:-1]])
         generated = torch.arange(ids.shape[1]) >= len(prompt)
         with torch.no_grad(), mask.pruned(decode_pruned, generated):

