@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+
+from slimwise.errors import SlimWiseError
+
 TOKENIZER_MODE = "slimwise"
 
 
@@ -48,3 +52,36 @@ def register_tokenizer_mode() -> None:
         TokenizerRegistry.register(TOKENIZER_MODE, __name__, ShippedTokenizer.__name__)
     if TOKENIZER_MODE not in RENDERER_REGISTRY.renderers:
         RENDERER_REGISTRY.register(TOKENIZER_MODE, "vllm.renderers.hf", "HfRenderer")
+
+
+#: text every served model's tokenizer must encode as the reference engine's does: template words, digits,
+#: punctuation, spaces and newlines, and characters outside ASCII
+TOKENIZER_PROBE = "add 565+70\nQ: what pet does Bob have?\n  sort [3, 1, 2] -> \"x\"\tüñ€ 数字 #### 42\n"
+
+
+def check_tokenizer(url: str, model: str, tokenizer_dir: str | None, what: str) -> None:
+    """Refuse to serve, in one line, when vLLM's tokenizer at `url` encodes TOKENIZER_PROBE differently from the
+    tokenizer the reference engine loads from `tokenizer_dir`: a client's text would reach the model as other
+    token ids than it was trained and calibrated on (vLLM's AutoTokenizer swaps classes for some model types)."""
+    from slimwise.models import load_tokenizer
+
+    reference = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    if reference is None:
+        return  # a checkpoint without tokenizer files: vLLM has none either (--skip-tokenizer-init), token ids only
+    want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    try:
+        r = httpx.post(url + "/tokenize", json={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False},
+                       timeout=60)
+        got = r.json().get("tokens") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SlimWiseError(f"{what} at {url} did not answer the tokenizer check ({type(exc).__name__})") from exc
+    if got != want:
+        raise SlimWiseError(f"{what}'s tokenizer encodes text differently from the checkpoint's tokenizer.json "
+                            f"({len(got or [])} vs {len(want)} tokens for a probe text, first difference at token "
+                            f"{_first_difference(got or [], want)}); clients' text would reach the model as other "
+                            "token ids. Drop --tokenizer-mode/--tokenizer, or give the tokenizer the model was "
+                            "trained with")
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
