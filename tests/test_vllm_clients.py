@@ -10,7 +10,7 @@ model name it serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
   greedy tokens are checked against the float32 reference by the mean log-prob gap of tests/test_vllm_hybrid.py;
 - the tiny families serve one named plan (the case whose `MODEL:full` used to be served pruned), the shipped
   backbones two (`math` and `general`, as the README suggests).
-Disaggregated through the same client with text: testbed-a and testbed-c here, the tiny qwen3_moe at TP 2
+Disaggregated through the same client with text: testbed-a, -b and -c here, the tiny qwen3_moe at TP 2
 (tests/test_vllm_serve.py) and the tiny hybrid with the testbed tokenizer
 (tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid); the instances of every family at the engine
 level: tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to CI).
@@ -121,8 +121,9 @@ def check_client(port: int, served: Served, disaggregated: bool = False) -> None
         # the testbed chat template ends the user's message with a newline: the same prompt as the completion's.
         # GPT-OSS chat is rendered by vLLM in OpenAI's Harmony format, whose o200k special-token ids only a GPT-OSS
         # tokenizer has (the testbed tokenizer gets 400 "Token id 200008 is out of vocabulary"): completions only
-        chat = None if served.family == "gpt_oss" else client.chat.completions.create(model=name, max_tokens=served.max_tokens, temperature=0,
-                                              messages=[{"role": "user", "content": served.prompts[1].rstrip("\n")}])
+        messages = [{"role": "user", "content": served.prompts[1].rstrip("\n")}]
+        chat = None if served.family == "gpt_oss" else client.chat.completions.create(
+            model=name, messages=messages, max_tokens=served.max_tokens, temperature=0)
         assert chat is None or (chat.choices[0].message.content == texts[1] and chat.model == name)
         if not served.hybrid:  # float32: the reference's tokens, and their text as an OpenAI server writes it
             assert tokens == [w.token_ids for w in want], (name, tokens, [w.token_ids for w in want])
@@ -202,13 +203,13 @@ def test_shipped_backbones_answer_text_as_the_reference(names, tmp_path):
 
 
 def test_shipped_backbones_disaggregated_answer_text_as_the_reference(tmp_path):
-    """`slimwise serve testbed-a|testbed-c --plan plan.json --disaggregated` (full-model prefill instance, exported
-    pruned decode instance, proxy): served as `testbed-a` / `testbed-c`, completions, streams and chats with text
+    """`slimwise serve testbed-X --plan plan.json --disaggregated` (full-model prefill instance, exported pruned
+    decode instance, proxy) for a, b and c, side by side: served as `testbed-X`, completions, streams and chats with text
     equal the reference engine's SlimWise text (testbed-c bf16: the gap bound and the same answers). The proxy
     refuses a request over --max-n as the colocated server does."""
     prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
     entries = []
-    for name in ("testbed-a", "testbed-c"):
+    for name in ("testbed-a", "testbed-b", "testbed-c"):
         model_dir = str(embedded_model_dir(name))
         served = Served(name, model_dir, {"math": PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")},
                         prompts, MAX_TOKENS["shipped"], tmp_path)

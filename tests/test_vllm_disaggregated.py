@@ -4,7 +4,7 @@ on the exported pruned checkpoint as kv_consumer), driven as the proxy drives th
 then prompt + first token as token ids. The decode instance must compute no prompt token (every prompt position is
 loaded from the full model) and the tokens must be the reference engine's SlimWise tokens: equal in float32,
 within the bf16 gap bound for the hybrid (vLLM's CPU Gated DeltaNet kernel is bf16 only). Through HTTP and the
-openai client with text: tests/test_vllm_clients.py (testbed-a, testbed-c), tests/test_vllm_serve.py (TP 2) and
+openai client with text: tests/test_vllm_clients.py (testbed-a, -b, -c), tests/test_vllm_serve.py (TP 2) and
 tests/test_vllm_hybrid.py (Qwen3.5-MoE).
 """
 

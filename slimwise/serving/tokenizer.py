@@ -5,7 +5,7 @@ vLLM's default mode ("hf") loads tokenizers through transformers' AutoTokenizer,
 tokenizer.json is another tokenizer (the testbeds', or any retrained one) is then served with other token ids
 than the model was trained on. This mode loads exactly what `slimwise.models.load_tokenizer` loads, so the
 reference engine, `VllmEngine` and `slimwise serve` tokenize alike; `slimwise serve` checks that at start-up
-(`slimwise.serving.server.check_tokenizer`). Registered by the plugin (`slimwise.serving.plugin.register`) with
+(`check_tokenizer`, below). Registered by the plugin (`slimwise.serving.plugin.register`) with
 vLLM's TokenizerRegistry, and with vLLM's Hugging Face renderer (chat templates) under the same name.
 """
 
