@@ -791,7 +791,13 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
     on CPU (DeepSeek-V3's MLA rotary; disaggregated instances and plan-less colocated servers once ran stock vLLM
     there and gave other tokens than transformers) unless the user passes --hf-overrides."""
     from slimwise.argtypes import option_value
-    from slimwise.serving.server import ServeConfig, colocated_command, cpu_fix_args, default_served_name
+    from slimwise.serving.server import (
+        ServeConfig,
+        colocated_command,
+        cpu_fix_args,
+        default_served_name,
+        local_address,
+    )
 
     assert default_served_name("testbed-c") == "testbed-c"
     deepseek, qwen = str(tiny_dirs("deepseek_v3")), str(tiny_dirs("qwen3_moe"))
@@ -804,3 +810,6 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
     assert cpu_fix_args(qwen, []) == [] and cpu_fix_args(deepseek, ["--hf-overrides", "{}"]) == []
     mine = colocated_command(ServeConfig(model=qwen, vllm_args=["--tokenizer-mode", "hf"]))
     assert mine.count("--tokenizer-mode") == 1 and option_value(mine, "--tokenizer-mode") == "hf"
+    # the start-up health and tokenizer checks reach the server where it listens
+    assert [local_address(h) for h in ("0.0.0.0", "::", "127.0.0.1", "10.1.2.3", "fd00::1")] == [
+        "127.0.0.1", "127.0.0.1", "127.0.0.1", "10.1.2.3", "[fd00::1]"]

@@ -379,6 +379,14 @@ class Supervisor:
             time.sleep(0.5)
 
 
+def local_address(host: str) -> str:
+    """Where this machine reaches a server bound to `host`: loopback for the wildcard addresses, else the host
+    itself (an IPv6 literal in brackets)."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
 def _tokenizer_dir(cfg: ServeConfig, model_dir: str) -> str | None:
     """Where the reference engine's tokenizer comes from: the user's --tokenizer, else the checkpoint; None when
     vLLM runs without one (--skip-tokenizer-init: clients send token ids)."""
@@ -491,9 +499,10 @@ def serve(cfg: ServeConfig) -> int:
         env[MAX_N_ENV] = str(cfg.max_n)
         proc = sup.start("vllm", colocated_command(cfg), env=server_env(env))
         try:
-            url = f"http://127.0.0.1:{cfg.port}"
+            url = f"http://{local_address(cfg.host)}:{cfg.port}"
             _wait_healthy(url, proc, cfg.startup_timeout, "the vLLM server")
-            check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server")
+            check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server",
+                            option_value(cfg.vllm_args, "--api-key"))
             print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}", flush=True)
             return sup.wait_any()
         except KeyboardInterrupt:
@@ -549,7 +558,7 @@ def serve(cfg: ServeConfig) -> int:
             _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
             # both against the full model's tokenizer: the proxy hands token ids from one instance to the other
             for url, what in ((prefill_url, "the prefill instance"), (decode_url, "the decode instance")):
-                check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what)
+                check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what, option_value(cfg.vllm_args, "--api-key"))
         except BaseException:
             sup.stop()
             raise

@@ -59,7 +59,7 @@ def register_tokenizer_mode() -> None:
 TOKENIZER_PROBE = "add 565+70\nQ: what pet does Bob have?\n  sort [3, 1, 2] -> \"x\"\tüñ€ 数字 #### 42\n"
 
 
-def check_tokenizer(url: str, model: str, tokenizer_dir: str | None, what: str) -> None:
+def check_tokenizer(url: str, model: str, tokenizer_dir: str | None, what: str, api_key: str | None = None) -> None:
     """Refuse to serve, in one line, when vLLM's tokenizer at `url` encodes TOKENIZER_PROBE differently from the
     tokenizer the reference engine loads from `tokenizer_dir`: a client's text would reach the model as other
     token ids than it was trained and calibrated on (vLLM's AutoTokenizer swaps classes for some model types)."""
@@ -69,12 +69,16 @@ def check_tokenizer(url: str, model: str, tokenizer_dir: str | None, what: str) 
     if reference is None:
         return  # a checkpoint without tokenizer files: vLLM has none either (--skip-tokenizer-init), token ids only
     want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     try:
         r = httpx.post(url + "/tokenize", json={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False},
-                       timeout=60)
+                       headers=headers, timeout=60)
         got = r.json().get("tokens") if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
         raise SlimWiseError(f"{what} at {url} did not answer the tokenizer check ({type(exc).__name__})") from exc
+    if r.status_code != 200:
+        raise SlimWiseError(f"{what} at {url} answered the tokenizer check with HTTP {r.status_code}: "
+                            f"{r.text[:200]}")
     if got != want:
         raise SlimWiseError(f"{what}'s tokenizer encodes text differently from the checkpoint's tokenizer.json "
                             f"({len(got or [])} vs {len(want)} tokens for a probe text, first difference at token "
