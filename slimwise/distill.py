@@ -190,7 +190,7 @@ class TeacherData:
         if not isinstance(state, dict) or state.get("format") != TEACHER_FORMAT:
             raise SlimWiseError(f"{path} is not SlimWise teacher data ({TEACHER_FORMAT}): delete it to rebuild")
         key = dict(state["key"])
-        if "batch_size" in key:  # written before session 7, when the training batch built the teacher data too
+        if "batch_size" in key:  # written by older releases, whose training batch built the teacher data too
             key["teacher_batch_size"] = key.pop("batch_size")
         return cls(key, state["continuations"], state["logprobs"], state["seconds"])
 

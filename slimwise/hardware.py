@@ -2,7 +2,7 @@
 
 Why a module of its own: the CPU speedup of expert pruning depends on the machine's bf16 support. On a CPU with bf16
 matrix instructions (AMX, AVX512-BF16) bf16 halves the bytes per step and decode stays memory-bound; on an AVX2-only
-CPU torch's bf16 matmul runs at about 0.4 GFLOP/s against 41-84 in float32 (measured on an AMD EPYC, issue #18),
+CPU torch's bf16 matmul runs at about 0.4 GFLOP/s against 41-84 in float32 (measured on an AMD EPYC: docs/serving.md, "dtype on CPU"),
 vLLM falls back to torch linears for bf16, and float32 decodes about 1.5x faster. `--dtype auto` on a CPU asks
 `choose_cpu_dtype`, and every results file records `describe()`.
 """
@@ -57,7 +57,7 @@ def choose_cpu_dtype(checkpoint_dtype: str | None, model_type: str | None = None
     if support:
         return dtype, f"the checkpoint's dtype ({dtype}); the CPU has {support} (bf16 matrix instructions)"
     return "float32", (f"the checkpoint is {dtype} but the CPU has no bf16 matrix instructions (no amx_bf16 or "
-                       "avx512_bf16): bf16 would be emulated, about 1.5x slower than float32 in decode (issue #18)")
+                       "avx512_bf16): bf16 would be emulated, about 1.5x slower than float32 in decode")
 
 
 def vllm_on_cpu() -> bool:

@@ -751,7 +751,7 @@ def test_cpu_kv_budget_is_sized_from_the_model_and_the_users_choice_wins(monkeyp
 
 def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, tmp_path):
     """`slimwise serve` on CPU without --dtype (or with auto): the checkpoint's dtype where the CPU has bf16 matrix
-    instructions, float32 for a bf16 checkpoint where it has none (measured 1.5x faster there, issue #18), bf16
+    instructions, float32 for a bf16 checkpoint where it has none (measured 1.5x faster there), bf16
     always for the hybrids (vLLM's CPU Gated DeltaNet kernel is bf16 only); the user's dtype wins."""
     import json
 
@@ -764,7 +764,7 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
     here = cpu_dtype(model, [], on_cpu=True)
     assert here[0] == ("bfloat16" if hardware.bf16_support() else "float32")
     assert cpu_dtype(model, ["--dtype", "float16"], on_cpu=True) is None and cpu_dtype(model, [], on_cpu=False) is None
-    avx2_only = {**hardware.cpu_info(), "flags": {"avx2", "fma"}}  # the AMD EPYC of issue #18
+    avx2_only = {**hardware.cpu_info(), "flags": {"avx2", "fma"}}  # an AVX2-only AMD EPYC
     monkeypatch.setattr(hardware, "cpu_info", lambda: avx2_only)
     dtype, why = cpu_dtype(model, ["--dtype=auto"], on_cpu=True)
     assert dtype == "float32" and "no bf16 matrix instructions" in why

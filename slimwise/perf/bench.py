@@ -103,11 +103,11 @@ class BenchConfig:
     max_num_batched_tokens: int | None = None  # default: max batch x prompt_len (one prefill step)
     restart: bool = False
     resume: bool = False  # resident mode: reuse batches already measured in out_dir/bench.partial.json
-    in_process: bool = False  # engine cores in the bench process: idle resident engines cannot poll (issue #18)
+    in_process: bool = False  # engine cores in the bench process: idle resident engines cannot poll
     count_experts: bool = True
     count_output_len: int = 16
     hardware: str | None = "cpu-measured"  # roofline hardware; None: no prediction
-    kernel_roofline: bool = False  # time vLLM's CPU fused-MoE op at the model's shapes; predict from it (issue #18)
+    kernel_roofline: bool = False  # time vLLM's CPU fused-MoE op at the model's shapes; predict from it
     suggest_threshold: float | None = None  # print the smallest batch where slimwise reaches this speedup
     out_dir: str = "runs/bench"
     plot: str | None = None  # PNG path (default out_dir/bench.png)

@@ -349,7 +349,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=integer(1), help="default: max batch x prompt length")
     p.add_argument("--in-process", action="store_true",
                    help="run the engine cores in this process: a resident engine that is not being measured runs "
-                        "nothing, where a subprocess engine core keeps polling (25-40%% of a core each, issue #18)")
+                        "nothing, where a subprocess engine core keeps polling (25-40%% of a core each)")
     p.add_argument("--restart", action="store_true",
                    help="one engine alive at a time, restarted every round (when the engines do not fit together)")
     p.add_argument("--resume", action="store_true",

@@ -1,4 +1,4 @@
-"""The fused-MoE kernel vLLM runs on a CPU, measured and modelled (issue #18's "roofline of the real kernels").
+"""The fused-MoE kernel vLLM runs on a CPU, measured and modelled.
 
 Why: the byte roofline (`roofline.py`) prices a decode step by the expert bytes it reads, but on a CPU vLLM's
 `cpu_fused_moe` also spends time per (token, expert) pair it computes, and that part does not shrink when the
