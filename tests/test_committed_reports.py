@@ -1,0 +1,53 @@
+"""The committed reports re-render bit for bit from their JSON with today's code.
+
+A refactor of the report, bench or card writers must not change a published figure or a word of the published
+text; these tests are what "moves change no behaviour" is checked against. Each compares a whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from slimwise.evaluation.report import write_index, write_markdown
+from slimwise.perf.bench import format_tables
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+EVAL_REPORTS = sorted(RESULTS.rglob("report.json"))
+BENCH_REPORTS = sorted(p for p in (RESULTS / "perf").glob("bench-*.json") if p.with_suffix(".md").exists())
+CHECKPOINTS = sorted(p for p in (ROOT / "slimwise" / "testbed" / "checkpoints").iterdir() if p.is_dir())
+
+
+def test_there_is_something_to_compare():
+    assert len(EVAL_REPORTS) >= 9 and len(BENCH_REPORTS) >= 10 and len(CHECKPOINTS) == 3
+
+
+@pytest.mark.parametrize("path", EVAL_REPORTS, ids=lambda p: str(p.parent.relative_to(RESULTS)))
+def test_evaluation_report_rerenders(path, tmp_path):
+    out = write_markdown(json.loads(path.read_text()), tmp_path / "report.md")
+    assert out.read_text() == path.with_name("report.md").read_text()
+
+
+def test_results_index_rerenders(tmp_path):
+    names = ["testbed-a", "testbed-b", "testbed-c"]
+    reports = [json.loads((RESULTS / n / "report.json").read_text()) for n in names]
+    assert write_index(reports, tmp_path, names).read_text() == (RESULTS / "index.md").read_text()
+
+
+@pytest.mark.parametrize("path", BENCH_REPORTS, ids=lambda p: p.stem)
+def test_bench_report_rerenders(path):
+    assert format_tables(json.loads(path.read_text())) == path.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("ckpt", CHECKPOINTS, ids=lambda p: p.name)
+def test_model_card_rerenders(ckpt, tmp_path):
+    from slimwise.testbed.evaluate import write_card
+
+    copy = tmp_path / ckpt.name
+    shutil.copytree(ckpt, copy)
+    (copy / "README.md").unlink()
+    assert write_card(copy).read_text() == (ckpt / "README.md").read_text()
