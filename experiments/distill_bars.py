@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from slimwise.delta import Delta
 from slimwise.distill import DistillConfig, build_teacher, distill
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_write_text
 from slimwise.plan import PrunePlan
 from slimwise.scoring import continue_on_cache, divergence, teacher_logprobs

@@ -21,7 +21,7 @@ import torch
 from experiments.distill_bars import BarsConfig, evaluate_run, family_length_check, length_drift, pool_runs
 from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
-from slimwise.generate import PhaseSplitEngine
+from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.io import atomic_write_text
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan

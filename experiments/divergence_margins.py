@@ -20,7 +20,7 @@ import torch
 
 from experiments.distill_bars import BarsConfig
 from slimwise.delta import Delta
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.scoring import logprobs_along

@@ -97,7 +97,7 @@ def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8
         select,
         start_engine,
     )
-    from slimwise.perf.timing import close_engine, make_prompts, vocab_size
+    from slimwise.perf.timing import make_prompts, shutdown_llm, vocab_size
 
     out = Path(out_dir)
     config = BenchConfig(synthetic=synthetic, variants=tuple(variants), batches=tuple(batches), output_len=tokens,
@@ -127,7 +127,7 @@ def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8
                     print(f"{v.name:9s} B={b:<3d} {1e3 * step['wall_s']:7.2f} ms/step  " + ", ".join(
                         f"{k} {x:.2f}" for k, x in split(step).items() if k != "step (wall)"), flush=True)
             finally:
-                close_engine(llm)
+                shutdown_llm(llm)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_profile.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "step_profile.md").write_text(table(result) + "\n")

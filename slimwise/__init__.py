@@ -29,7 +29,7 @@ _API: dict[str, str] = {
     "PrunePlan": "slimwise.plan", "make_plan": "slimwise.plan",
     "ExpertMask": "slimwise.masking",
     "export_pruned": "slimwise.export", "load_pruned": "slimwise.export",
-    "PhaseSplitEngine": "slimwise.generate", "GenerationConfig": "slimwise.generate", "Generation": "slimwise.generate",
+    "PhaseSplitEngine": "slimwise.engines.reference", "GenerationConfig": "slimwise.engines.reference", "Generation": "slimwise.engines.reference",
     "Delta": "slimwise.delta", "apply_delta": "slimwise.delta", "fold_delta": "slimwise.delta",
     "continuation_logprobs": "slimwise.scoring", "divergence": "slimwise.scoring",
     "distill": "slimwise.distill", "DistillConfig": "slimwise.distill", "build_teacher": "slimwise.distill",
@@ -60,10 +60,10 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from slimwise.data import load_prompts, load_records  # noqa: F401
     from slimwise.delta import Delta, apply_delta, fold_delta  # noqa: F401
     from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill  # noqa: F401
+    from slimwise.engines.reference import Generation, GenerationConfig, PhaseSplitEngine  # noqa: F401
     from slimwise.errors import SlimWiseError  # noqa: F401
     from slimwise.evaluation import EvalConfig, Sweep, run_eval  # noqa: F401
     from slimwise.export import export_pruned, load_pruned  # noqa: F401
-    from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine  # noqa: F401
     from slimwise.masking import ExpertMask  # noqa: F401
     from slimwise.models import load_model, load_tokenizer, resolve_model_dir  # noqa: F401
     from slimwise.plan import PrunePlan, make_plan  # noqa: F401

@@ -21,10 +21,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import MoEAdapter, MoELayer, get_adapter
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.fingerprint import model_fingerprint
 from slimwise.hooks import ForwardWrappers
-from slimwise.plan import model_fingerprint
 from slimwise.stats import ExpertStats
 
 Phase = Literal["prompt", "decode", "all"]

@@ -87,8 +87,8 @@ def cmd_prune(args) -> None:
 
 def cmd_generate(args) -> None:
     from slimwise.data import load_prompts
+    from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
     from slimwise.export import load_pruned
-    from slimwise.generate import GenerationConfig, PhaseSplitEngine
     from slimwise.models import load_model, load_tokenizer
     from slimwise.plan import PrunePlan
 

@@ -83,31 +83,3 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
             raise SlimWiseError("an EP-balanced plan prunes per layer: drop --global")
         return balanced_plan(score_experts(stats, criterion), stats.layers, ratio, ep_size, ep_placement, **kwargs)
     return make_plan(score_experts(stats, criterion), stats.layers, ratio, **kwargs)
-
-
-def random_plan(model, ratio: float, seed: int) -> PrunePlan:
-    """A plan keeping a seeded random subset of experts per layer (the benchmark's default: speed does not depend
-    on which experts are kept, and it needs no calibration)."""
-    from slimwise.adapters import get_adapter
-    from slimwise.plan import model_fingerprint
-
-    adapter = get_adapter(model.config)
-    layers = [layer.index for layer in adapter.moe_layers(model)]
-    scores = torch.rand(len(layers), adapter.num_experts(model.config), generator=torch.Generator().manual_seed(seed))
-    return make_plan(scores, layers, ratio, family=adapter.family, top_k=adapter.top_k(model.config),
-                     num_groups=adapter.num_groups(model.config),
-                     min_kept_per_group=adapter.min_kept_per_group(model.config), criterion="random",
-                     fingerprint=model_fingerprint(model), meta={"seed": seed})
-
-
-def usage_share_plan(model, shares: list[torch.Tensor], ratio: float, meta: dict | None = None) -> PrunePlan:
-    """Keep each layer's most used experts by given usage shares (one row per MoE layer), e.g. measured on another
-    model of the same shape (the benchmark's synthetic presets)."""
-    from slimwise.adapters import get_adapter
-    from slimwise.plan import model_fingerprint
-
-    adapter = get_adapter(model.config)
-    layers = [layer.index for layer in adapter.moe_layers(model)]
-    return make_plan(torch.stack([r.to(torch.float64) for r in shares]), layers, ratio, family=adapter.family,
-                     top_k=adapter.top_k(model.config), criterion="usage-share", fingerprint=model_fingerprint(model),
-                     meta=meta or {})

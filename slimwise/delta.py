@@ -22,10 +22,11 @@ from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
 from slimwise.errors import SlimWiseError
+from slimwise.fingerprint import fingerprints_match, model_fingerprint
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_dir, refuse_existing
 from slimwise.masking import ExpertMask
-from slimwise.plan import PrunePlan, fingerprints_match, model_fingerprint
+from slimwise.plan import PrunePlan
 
 DELTA_FORMAT = "slimwise-delta/1"
 TENSORS_FILE = "delta.safetensors"

@@ -51,10 +51,11 @@ from slimwise.delta import (
     plan_hash,
     resolve_lora_targets,
 )
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.fingerprint import memory_fingerprint
 from slimwise.io import atomic_torch_save, atomic_write_text
-from slimwise.plan import PrunePlan, memory_fingerprint
+from slimwise.plan import PrunePlan
 from slimwise.scoring import DIVERGENCES, continue_on_cache, divergence, logprobs_along, teacher_logprobs
 
 CHECKPOINT_FORMAT = "slimwise-distill-checkpoint/1"

@@ -21,9 +21,10 @@ from transformers import AutoModelForCausalLM
 from slimwise.adapters import get_adapter
 from slimwise.delta import fold_delta
 from slimwise.errors import SlimWiseError
+from slimwise.fingerprint import model_fingerprint
 from slimwise.io import atomic_dir, refuse_existing
 from slimwise.models import MANIFEST_FILE, PLAN_FILE, read_manifest
-from slimwise.plan import PrunePlan, model_fingerprint
+from slimwise.plan import PrunePlan
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                     "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from slimwise.generate import PhaseSplitEngine
+from slimwise.engines.reference import PhaseSplitEngine
 
 DIVERGENCES = ("fkl", "rkl", "jsd")
 

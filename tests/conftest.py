@@ -6,8 +6,7 @@ import os
 
 import pytest
 import torch
-
-from slimwise.tiny import TINY_CONFIGS, save_tiny_model
+from tiny import TINY_CONFIGS, save_tiny_model
 
 # Larger init than the default 0.02 so random routers spread tokens over experts and pruning changes outputs.
 TINY_INIT = 0.15

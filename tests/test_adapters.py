@@ -11,10 +11,10 @@ import json
 
 import pytest
 import torch
+from tiny import build_tiny_model, tiny_config
 
 from slimwise.adapters import MoEAdapter, get_adapter, supported_families
 from slimwise.errors import SlimWiseError
-from slimwise.tiny import build_tiny_model, tiny_config
 
 # family -> (model_type of the built model, experts, top-k, MoE layer indices, hybrid linear attention)
 EXPECTED = {
@@ -388,8 +388,8 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
 def test_slimwise_prompt_state_is_the_full_models_bit_for_bit(family):
     """What the README guarantees for hybrids too: SlimWise's prefill writes exactly the full model's cache, the
     attention KV and every Gated DeltaNet layer's conv and recurrent state (uniform pruning writes another one)."""
-    from slimwise.criteria import random_plan
-    from slimwise.generate import PhaseSplitEngine
+    from slimwise.baseline_plans import random_plan
+    from slimwise.engines.reference import PhaseSplitEngine
 
     model = tiny(family)
     engine = PhaseSplitEngine(model, plan=random_plan(model, 0.5, seed=0))

@@ -136,8 +136,8 @@ def test_the_package_never_imports_the_experiments():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("entry", ["slimwise.serving.plugin", "slimwise.serving.models", "slimwise.serving.engine",
-                                   "slimwise.serving.server", "slimwise.export", "slimwise.generate"])
+@pytest.mark.parametrize("entry", ["slimwise.serving.plugin", "slimwise.serving.models", "slimwise.engines.vllm_engine",
+                                   "slimwise.serving.server", "slimwise.export", "slimwise.engines.reference"])
 def test_serving_and_the_reference_engine_never_load_the_trainer(entry):
     """vLLM workers import the plugin and the model classes; none of it may pull the trainer or the evaluation."""
     deps = reachable(project_graph(), entry)

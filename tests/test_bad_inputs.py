@@ -28,13 +28,14 @@ def snapshot(root: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """One tiny model (with tokenizer), its stats, a valid plan and export, and a shelf of broken inputs."""
+    from tiny import save_tiny_model
+
     from slimwise.calibrate import CalibrationConfig, calibrate
     from slimwise.criteria import plan_from_stats
     from slimwise.export import export_pruned
+    from slimwise.fingerprint import model_fingerprint
     from slimwise.models import load_model
-    from slimwise.plan import model_fingerprint
     from slimwise.testbed import build_tokenizer, export_jsonl, make_split
-    from slimwise.tiny import save_tiny_model
 
     root = tmp_path_factory.mktemp("bad")
     model_dir = save_tiny_model("qwen3_moe", root / "model", initializer_range=0.15)

@@ -33,7 +33,7 @@ from slimwise.perf.bench import (
     summarize_runs,
     threshold_report,
 )
-from slimwise.perf.traffic import counters_delta, summarize_traffic
+from slimwise.perf.vllm_traffic import counters_delta, summarize_traffic
 from slimwise.plan import PrunePlan
 from slimwise.serving.routing import COUNT_EXPERTS_KEY, PLAN_KEY, DecodeRouting
 

@@ -14,9 +14,9 @@ import subprocess
 import sys
 
 import pytest
+from tiny import save_tiny_model
 
 from slimwise.testbed import build_tokenizer, export_jsonl, make_split
-from slimwise.tiny import save_tiny_model
 
 SLIMWISE = [sys.executable, "-m", "slimwise.cli"]
 

@@ -87,6 +87,7 @@ def test_shared_directory_connector_waits_for_every_rank_and_refuses_another_tp_
     naming the fix, a prompt stored at another size (whose shards do not fit its ranks). The files' writing and
     loading by real ranks is test_vllm_serve::test_disaggregated_serve."""
     import torch
+    from tiny import save_tiny_model
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs
@@ -94,7 +95,6 @@ def test_shared_directory_connector_waits_for_every_rank_and_refuses_another_tp_
 
     from slimwise.errors import SlimWiseError
     from slimwise.serving.connector import SlimWiseConnector, state_file_name
-    from slimwise.tiny import save_tiny_model
 
     model = save_tiny_model("qwen3_moe", tmp_path / "model")
     kv_dir = tmp_path / "kv"

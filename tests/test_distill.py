@@ -11,18 +11,18 @@ import pytest
 import torch
 from conftest import ALL_FAMILIES, TINY_INIT, random_prompts
 from test_pipeline import cache_tensors
+from tiny import build_tiny_model
 
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
 from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS, Delta, plan_hash
 from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill, init_delta
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import build_tokenizer, export_jsonl, make_split
-from slimwise.tiny import build_tiny_model
 
 GREEDY = GenerationConfig(max_new_tokens=12, batch_size=4)
 FAST = dict(steps=6, batch_size=8, max_new_tokens=10, lr=1e-2, progress=False)
@@ -391,8 +391,9 @@ def test_family_length_check():
 def test_replicate_on_fresh_samples(tmp_path):
     """`python -m experiments.distill_bars replicate` re-tests a bars run's plan and delta on another seed's test problems:
     the rows are the engine's own greedy results on those problems, written atomically beside the report."""
+    from tiny import save_tiny_model
+
     from experiments.distill_bars import BarsConfig, evaluate_run, replicate_bars
-    from slimwise.tiny import save_tiny_model
 
     tok = build_tokenizer(tmp_path / "model")
     save_tiny_model("qwen3_moe", tmp_path / "model", initializer_range=0.15, vocab_size=len(tok),

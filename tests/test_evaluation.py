@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_prompts
+from tiny import save_tiny_model
 
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
+from slimwise.engines.reference import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation import (
     DecodeTrafficMeter,
@@ -36,11 +38,9 @@ from slimwise.evaluation import (
     teacher_forced_kl,
 )
 from slimwise.evaluation.plots import PLOTS
-from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import make_plan
 from slimwise.testbed import build_tokenizer
-from slimwise.tiny import save_tiny_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -156,7 +156,7 @@ def test_config_refusals(monkeypatch):
 
 def test_vllm_engine_is_optional(monkeypatch):
     """Without vLLM, --engine vllm is one clear error (the engine is imported lazily)."""
-    monkeypatch.setitem(sys.modules, "slimwise.serving.engine", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "slimwise.engines.vllm_engine", None)  # makes the import fail
     with pytest.raises(SlimWiseError, match="engine vllm needs vLLM"):
         make_engine("vllm", None, None, None, None)
     with pytest.raises(SlimWiseError, match="unknown engine"):

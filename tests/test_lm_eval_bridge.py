@@ -19,17 +19,17 @@ pytest.importorskip("lm_eval")  # the `eval` extra
 import torch  # noqa: E402
 from conftest import random_prompts  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
+from tiny import save_tiny_model  # noqa: E402
 
 from slimwise.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from slimwise.criteria import plan_from_stats  # noqa: E402
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine  # noqa: E402
 from slimwise.errors import SlimWiseError  # noqa: E402
+from slimwise.evaluation.lm_eval_bridge import SlimWiseLM  # noqa: E402
 from slimwise.export import export_pruned  # noqa: E402
-from slimwise.generate import GenerationConfig, PhaseSplitEngine  # noqa: E402
-from slimwise.lm_eval_bridge import SlimWiseLM  # noqa: E402
 from slimwise.masking import ExpertMask  # noqa: E402
 from slimwise.models import load_model, load_tokenizer  # noqa: E402
 from slimwise.testbed import EOS_TOKEN, build_tokenizer, make_split  # noqa: E402
-from slimwise.tiny import save_tiny_model  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -229,11 +229,11 @@ def test_lm_eval_offline_yaml_task(setup, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_lm_eval_cli_through_module(setup, tmp_path):
-    """The documented command line: python -m slimwise.lm_eval_bridge (lm-eval's CLI, model registered)."""
+    """The documented command line: python -m slimwise.evaluation.lm_eval_bridge (lm-eval's CLI, model registered)."""
     tasks = write_tasks(setup, tmp_path)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf-cache")}
-    proc = subprocess.run([sys.executable, "-m", "slimwise.lm_eval_bridge", "run", "--model", "slimwise",
+    proc = subprocess.run([sys.executable, "-m", "slimwise.evaluation.lm_eval_bridge", "run", "--model", "slimwise",
                            "--model_args", f"pretrained={setup['model']},plan={setup['plan']}",
                            "--tasks", tasks[1], "--include_path", str(tmp_path), "--limit", "2"],
                           capture_output=True, text=True, timeout=300, env=env)

@@ -9,8 +9,8 @@ from conftest import ALL_FAMILIES, random_prompts
 
 from slimwise.calibrate import CalibrationConfig, ExpertObserver, calibrate
 from slimwise.criteria import plan_from_stats
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.export import export_pruned, load_pruned
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model
 from slimwise.plan import PrunePlan
 
@@ -168,8 +168,9 @@ def test_empty_plan_is_full_model(calibrated):
 
 def test_stop_strings_eos_and_length(tmp_path):
     """Text prompts: stop strings cut the output (not included), EOS ends a row, max_new_tokens truncates."""
+    from tiny import save_tiny_model
+
     from slimwise.testbed import build_tokenizer
-    from slimwise.tiny import save_tiny_model
 
     tok = build_tokenizer(tmp_path / "m")
     save_tiny_model("qwen3_moe", tmp_path / "m", initializer_range=0.15, vocab_size=len(tok),

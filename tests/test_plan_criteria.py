@@ -181,15 +181,15 @@ def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
     import shutil
 
     from safetensors.torch import load_file, save_file
+    from tiny import save_tiny_model
 
     from slimwise.models import load_model
-    from slimwise.plan import (
+    from slimwise.fingerprint import (
         checkpoint_fingerprint,
         fingerprints_match,
         memory_fingerprint,
         model_fingerprint,
     )
-    from slimwise.tiny import save_tiny_model
 
     a = save_tiny_model("qwen3_moe", tmp_path / "a", dtype=torch.bfloat16)
     b = save_tiny_model("qwen3_moe", tmp_path / "b", seed=1, dtype=torch.bfloat16)
@@ -227,11 +227,11 @@ def test_checkpoint_fingerprint_is_the_same_for_both_qwen3_5_layouts(tmp_path):
     """The published multimodal class (model.language_model.*, a vision tower) and the text-only class saved from
     it hold the same decoder weights: the same files checksum, so a plan made on one serves the other; a plan
     made on the one fits the model loaded from the other in process too (the weights' checksum decides)."""
+    from tiny import tiny_config
     from transformers import Qwen3_5MoeForConditionalGeneration
 
+    from slimwise.fingerprint import checkpoint_fingerprint, fingerprints_match, model_fingerprint
     from slimwise.models import load_model
-    from slimwise.plan import checkpoint_fingerprint, fingerprints_match, model_fingerprint
-    from slimwise.tiny import tiny_config
 
     torch.manual_seed(0)
     Qwen3_5MoeForConditionalGeneration(tiny_config("qwen3_5_moe")).save_pretrained(tmp_path / "multimodal")

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 from conftest import random_prompts
+from tiny import build_tiny_model, save_tiny_model
 
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
+from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned
-from slimwise.generate import PhaseSplitEngine
 from slimwise.models import load_model
 from slimwise.plan import PrunePlan
-from slimwise.tiny import build_tiny_model, save_tiny_model
 
 
 def snapshot(root: Path) -> dict[str, str]:

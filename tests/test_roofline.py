@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from tiny import TINY_CONFIGS, build_tiny_model, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimwise.adapters import get_adapter
@@ -38,7 +39,6 @@ from slimwise.perf.roofline import (
     weights_only_limit,
 )
 from slimwise.stats import ExpertStats
-from slimwise.tiny import TINY_CONFIGS, build_tiny_model, tiny_config
 
 
 @pytest.fixture(scope="module")

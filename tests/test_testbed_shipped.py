@@ -19,7 +19,7 @@ from safetensors import safe_open
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.embedded import EMBEDDED, embedded_model_dir
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.hardware import bf16_support
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import make_split
@@ -182,7 +182,7 @@ def reference():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", VLLM_NAMES)
 def test_vllm_equals_transformers_and_plugin_equals_reference(name, reference):
-    from slimwise.serving.engine import VllmEngine
+    from slimwise.engines.vllm_engine import VllmEngine
 
     prompts, plan, _, ref = reference(name)
     assert ref["slimwise"] != ref["full"]  # the plan changes outputs: the comparison can fail
@@ -202,7 +202,7 @@ def test_vllm_equals_transformers_and_plugin_equals_reference(name, reference):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_empty_plan_on_backbone_a(reference):
-    from slimwise.serving.engine import VllmEngine
+    from slimwise.engines.vllm_engine import VllmEngine
 
     prompts, plan, empty, ref = reference("testbed-a")
     assert empty.is_empty
@@ -222,7 +222,7 @@ def test_vllm_serves_the_hybrid_backbone(reference):
     under the routing its mode promises (mean log-prob gap, as in tests/test_vllm_hybrid.py)."""
     from test_vllm_hybrid import MEAN_GAP, mean_gap
 
-    from slimwise.serving.engine import VllmEngine
+    from slimwise.engines.vllm_engine import VllmEngine
 
     prompts, plan, _, ref = reference("testbed-c")
     assert ref["slimwise"] != ref["full"]  # the plan changes outputs

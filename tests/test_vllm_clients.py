@@ -29,15 +29,16 @@ from openai import OpenAI
 from test_vllm_hybrid import MEAN_GAP, WRONG_GAP, mean_gap
 from test_vllm_plugin import VLLM_TINY, set_selection_bias
 from test_vllm_serve import free_port, launch, stop, wait_healthy
+from tiny import build_tiny_model
 
+from slimwise.baseline_plans import random_plan
 from slimwise.calibrate import CalibrationConfig, calibrate
-from slimwise.criteria import plan_from_stats, random_plan
+from slimwise.criteria import plan_from_stats
 from slimwise.embedded import EMBEDDED, embedded_model_dir
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.models import is_hybrid, load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.testbed import build_tokenizer, make_split
-from slimwise.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_TOKENS = {"tiny": 12, "shipped": 40}

@@ -22,13 +22,13 @@ from test_vllm_plugin import (
     greedy_gaps,
     set_selection_bias,
 )
+from tiny import build_tiny_model
 
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.export import export_pruned
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model
-from slimwise.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 CONFIG = GenerationConfig(max_new_tokens=10, eos_token_id=-1)

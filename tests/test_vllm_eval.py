@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny import save_tiny_model
 
 from slimwise.cli import main as cli_main
 from slimwise.testbed import build_tokenizer
-from slimwise.tiny import save_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
@@ -46,9 +46,9 @@ def test_eval_engine_parity(tmp_path):
 def test_eval_traffic_mix_routes_each_domain_to_its_plan(tmp_path):
     """`slimwise eval --engine vllm --route`: one engine holding two plans; each problem's tokens equal the reference
     engine's for the plan its domain routes to (float32), the full run's the full model's; per-plan token counts."""
-    from slimwise.criteria import random_plan
+    from slimwise.baseline_plans import random_plan
+    from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
     from slimwise.evaluation.mix import MixConfig, evaluate_mix
-    from slimwise.generate import GenerationConfig, PhaseSplitEngine
     from slimwise.models import load_model, load_tokenizer
 
     tok = build_tokenizer(tmp_path / "model")

@@ -8,8 +8,8 @@ from stock_vllm import vllm_generate_here
 
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.export import export_pruned, load_pruned
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]

@@ -19,15 +19,15 @@ import json
 import pytest
 import torch
 from conftest import TINY_INIT, random_prompts
+from tiny import tiny_config
 
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.distill import DistillConfig, distill
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.vllm_engine import VllmEngine
 from slimwise.models import load_model
 from slimwise.scoring import continue_on_cache
-from slimwise.serving.engine import VllmEngine
-from slimwise.tiny import tiny_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 

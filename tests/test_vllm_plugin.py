@@ -11,16 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_INIT, random_prompts
+from tiny import build_tiny_model
 
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+from slimwise.engines.vllm_engine import VllmEngine
 from slimwise.masking import ExpertMask
 from slimwise.models import load_model
-from slimwise.serving.engine import VllmEngine
-from slimwise.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
@@ -125,7 +125,7 @@ def test_colocated_equals_reference_with_exact_counters(setup):
 def test_several_plans_in_one_engine_route_each_request_with_its_own(setup):
     """Two plans and full in one engine, chosen per request: every request's tokens equal the reference engine's
     slimwise mode with its plan, whether its batch is homogeneous or mixes plans (float32: exact); counters per plan."""
-    from slimwise.criteria import random_plan
+    from slimwise.baseline_plans import random_plan
 
     model_dir, plan_a, ref, _ = setup("qwen3_moe")
     model = load_model(model_dir)

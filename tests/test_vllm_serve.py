@@ -24,13 +24,14 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import APIStatusError, OpenAI
+from tiny import save_tiny_model
 
+from slimwise.baseline_plans import random_plan
 from slimwise.calibrate import CalibrationConfig, calibrate
-from slimwise.criteria import plan_from_stats, random_plan
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
+from slimwise.criteria import plan_from_stats
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import build_tokenizer, make_split
-from slimwise.tiny import save_tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)]

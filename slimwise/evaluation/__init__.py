@@ -25,10 +25,10 @@ from slimwise.evaluation.metrics import (
     paired_difference,
     teacher_forced_kl,
 )
+from slimwise.evaluation.reference_traffic import DecodeTrafficMeter
 from slimwise.evaluation.runs import ENGINES, GenerationEngine, evaluate_modes, make_engine, run_metrics
 from slimwise.evaluation.samples import GRADERS, GradedSample, load_samples, make_grader
 from slimwise.evaluation.sweep import Sweep, run_eval
-from slimwise.evaluation.traffic import DecodeTrafficMeter
 from slimwise.io import dumps_compact
 from slimwise.scoring import continuation_logprobs, kl_divergence
 from slimwise.stats import expected_union

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from slimwise.generate import Generation, PhaseSplitEngine
+from slimwise.engines.reference import Generation, PhaseSplitEngine
 from slimwise.scoring import continuation_logprobs, kl_divergence
 
 

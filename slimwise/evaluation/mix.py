@@ -13,10 +13,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from slimwise.engines.reference import GenerationConfig
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.metrics import accuracy_metrics, length_metrics, paired_difference
 from slimwise.evaluation.samples import domain_of, load_samples, make_grader
-from slimwise.generate import GenerationConfig
 from slimwise.io import atomic_write_text
 
 DEFAULT_ROUTE = "*"  # the route of domains no --route names
@@ -57,9 +57,9 @@ def evaluate_mix(model: str, config: MixConfig, tokenizer=None, keep_outputs: bo
     """Serve `config.plans` in one vLLM engine and route each sample by its domain; then the same samples with every
     expert (`full` for all) in the same engine. Returns (and writes to out_dir) the report; `keep_outputs` adds each
     run's generated token ids to the returned report (not to the files)."""
+    from slimwise.engines.vllm_engine import VllmEngine
     from slimwise.models import load_tokenizer, resolve_model_dir, structure_model
     from slimwise.plan import PrunePlan
-    from slimwise.serving.engine import VllmEngine
 
     check_mix(config)
     model_dir = str(resolve_model_dir(model))

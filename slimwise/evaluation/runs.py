@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from slimwise.engines.reference import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.metrics import (
     accuracy_metrics,
@@ -19,9 +20,8 @@ from slimwise.evaluation.metrics import (
     length_ratios,
     teacher_forced_kl,
 )
+from slimwise.evaluation.reference_traffic import DecodeTrafficMeter
 from slimwise.evaluation.samples import GradedSample, Grader
-from slimwise.evaluation.traffic import DecodeTrafficMeter
-from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.plan import PrunePlan
 
 ENGINES = ("hf", "vllm")
@@ -44,7 +44,7 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
         return PhaseSplitEngine(model, tokenizer, plan=plan)
     if kind == "vllm":
         try:
-            from slimwise.serving.engine import VllmEngine
+            from slimwise.engines.vllm_engine import VllmEngine
         except ImportError as exc:
             raise SlimWiseError(f"engine vllm needs vLLM, which does not import here ({exc}); use --engine hf") from exc
         # same dtype as the reference model, so greedy tokens can agree exactly

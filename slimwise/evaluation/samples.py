@@ -6,8 +6,8 @@ import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from slimwise.engines.reference import Generation
 from slimwise.errors import SlimWiseError
-from slimwise.generate import Generation
 
 GRADERS = ("testbed", "exact", "contains")
 

@@ -31,6 +31,7 @@ import torch
 
 from slimwise.adapters import get_adapter
 from slimwise.delta import Delta, plan_hash
+from slimwise.engines.reference import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.config import (
     KL_REFERENCE_BYTES,
@@ -45,6 +46,7 @@ from slimwise.evaluation.metrics import (
     paired_difference,
     teacher_forced_kl,
 )
+from slimwise.evaluation.reference_traffic import DecodeTrafficMeter
 from slimwise.evaluation.runs import (
     active_experts,
     close_engine,
@@ -52,10 +54,9 @@ from slimwise.evaluation.runs import (
     run_metrics,
 )
 from slimwise.evaluation.samples import domain_of, load_samples, make_grader
-from slimwise.evaluation.traffic import DecodeTrafficMeter
-from slimwise.generate import Generation, GenerationConfig, PhaseSplitEngine
+from slimwise.fingerprint import memory_fingerprint, model_fingerprint
 from slimwise.io import atomic_write_text, dumps_compact
-from slimwise.plan import PrunePlan, memory_fingerprint, model_fingerprint
+from slimwise.plan import PrunePlan
 
 
 def _digest(obj: Any) -> str:

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from slimwise.criteria import random_plan
+from slimwise.baseline_plans import random_plan
 from slimwise.errors import SlimWiseError
 from slimwise.hardware import scoped_environ
 from slimwise.io import atomic_write_text
@@ -64,11 +64,11 @@ from slimwise.perf.bench_report import (
 from slimwise.perf.mixes import mix_of, plan_b_path, variant_plans
 from slimwise.perf.roofline import RooflineConfig
 from slimwise.perf.timing import (
-    close_engine,
     engines_closed_on_sigterm,
     kv_bytes_per_token,
     make_prompts,
     measure,
+    shutdown_llm,
     state_bytes_per_layer,
     vocab_size,
 )
@@ -217,7 +217,7 @@ def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Pa
 def _shares_plan(model, stats_path: str, ratio: float):
     """Keep the most used experts per layer by the stats' usage shares (for models the stats were not made on)."""
     from slimwise.adapters import get_adapter
-    from slimwise.criteria import usage_share_plan
+    from slimwise.baseline_plans import usage_share_plan
     from slimwise.perf.presets import stats_rows
 
     adapter = get_adapter(model.config)
@@ -264,7 +264,7 @@ def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[
 
 
 def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
-    from slimwise.plan import fingerprints_match, model_fingerprint
+    from slimwise.fingerprint import fingerprints_match, model_fingerprint
 
     if config.stats:
         from slimwise.criteria import plan_from_stats
@@ -282,7 +282,7 @@ def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
 
 
 def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, pruned_dir: Path | None) -> list[Variant]:
-    from slimwise.serving.engine import slimwise_overrides
+    from slimwise.engines.vllm_engine import slimwise_overrides
 
     arch = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [None])[0]
     kept = plan.num_kept if plan.is_uniform else max(len(v) for v in plan.kept_experts.values())
@@ -414,7 +414,7 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
             _save_partial(config, signature, runs, starts)
     finally:
         for llm in {id(e): e for e in engines.values()}.values():
-            close_engine(llm)
+            shutdown_llm(llm)
     return runs, starts
 
 
@@ -440,7 +440,7 @@ def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log
                         log(f"  B={b:<4} round {r} {v.name:<16} {m['tokens_per_s']:8.1f} tok/s  "
                             f"TPOT {m['tpot_ms']:7.1f} ms  (load {m['loadavg']:.1f})")
             finally:
-                close_engine(llm)
+                shutdown_llm(llm)
     return runs, starts
 
 
@@ -450,7 +450,7 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
                   log) -> dict:
     """Distinct experts touched per layer per decode step, per variant and batch (separate eager engines: one
     SlimWise engine for the checkpoint, full counted in its mode "full", and one for the pruned checkpoint)."""
-    from slimwise.perf.traffic import counters_delta, summarize_traffic
+    from slimwise.perf.vllm_traffic import counters_delta, summarize_traffic
     from slimwise.serving.models import slimwise_arch
     from slimwise.serving.routing import COUNT_EXPERTS_KEY
 
@@ -489,7 +489,7 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
                     f"(uniform expectation {t['expected_uniform']:6.1f}), "
                     f"{t['expert_bytes_per_step'] / 1e6:8.1f} MB expert weights/step")
         finally:
-            close_engine(llm)
+            shutdown_llm(llm)
     return out
 
 

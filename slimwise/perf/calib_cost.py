@@ -93,7 +93,7 @@ class CalibCostConfig:
 
 def observe(model, prompts: Sequence[Sequence[int]], observer_cls: type, config: CalibCostConfig) -> dict:
     """One statistics pass over `prompts` with `observer_cls`; tokens processed per second."""
-    from slimwise.generate import GenerationConfig, PhaseSplitEngine
+    from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 
     observer = observer_cls(model, config.phase)
     engine = PhaseSplitEngine(model, None)

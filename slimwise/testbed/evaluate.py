@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
-from slimwise.generate import GenerationConfig, PhaseSplitEngine
 from slimwise.io import atomic_dir, atomic_write_text
 from slimwise.testbed.backbones import (
     CARD_NAMES,

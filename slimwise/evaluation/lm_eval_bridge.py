@@ -11,9 +11,9 @@ Modes `full` and `uniform` give the baselines with the same code path; `distille
 `slimwise distill`) judges the distilled decoder.
 
 Use (the model must be registered before lm-eval looks it up, so run lm-eval through this module):
-    python -m slimwise.lm_eval_bridge --model slimwise \\
+    python -m slimwise.evaluation.lm_eval_bridge --model slimwise \\
         --model_args pretrained=testbed-a,plan=plan.json,mode=slimwise --tasks TASK [--include_path DIR]
-or in Python: `import slimwise.lm_eval_bridge` then `lm_eval.simple_evaluate(model="slimwise", ...)`.
+or in Python: `import slimwise.evaluation.lm_eval_bridge` then `lm_eval.simple_evaluate(model="slimwise", ...)`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import model_registry, register_model
 
+from slimwise.engines.reference import MODES, GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
-from slimwise.generate import MODES, GenerationConfig, PhaseSplitEngine
 from slimwise.scoring import continuation_logprobs
 
 
@@ -184,7 +184,7 @@ class SlimWiseLM(LM):
 
 
 def main() -> None:
-    """`python -m slimwise.lm_eval_bridge ...`: lm-eval's own CLI with the `slimwise` model registered."""
+    """`python -m slimwise.evaluation.lm_eval_bridge ...`: lm-eval's own CLI with the `slimwise` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

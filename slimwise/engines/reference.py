@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 from slimwise.adapters import get_adapter
 from slimwise.delta import apply_delta
 from slimwise.errors import SlimWiseError
+from slimwise.fingerprint import fingerprints_match, model_fingerprint
 from slimwise.masking import ExpertMask
-from slimwise.plan import PrunePlan, fingerprints_match, model_fingerprint
+from slimwise.plan import PrunePlan
 
 Mode = Literal["full", "uniform", "slimwise", "distilled"]
 MODES: tuple[str, ...] = ("full", "uniform", "slimwise", "distilled")

@@ -1,6 +1,6 @@
 """Tiny random-weight models built from each family's real transformers config.
 
-Used by the tests (one per family) and as a fallback model when nothing else is available. Sizes follow
+Used by the tests only (one per family); the package never imports it. Sizes follow
 the vLLM CPU kernel rules (hidden and expert sizes multiples of 32, head size >= 32).
 """
 

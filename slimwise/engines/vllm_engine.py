@@ -21,8 +21,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from slimwise.engines.reference import Generation, GenerationConfig
 from slimwise.errors import SlimWiseError
-from slimwise.generate import Generation, GenerationConfig
 from slimwise.plan import PrunePlan
 from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
 from slimwise.serving.plugin import require_known_vllm

@@ -1,0 +1,141 @@
+"""Fingerprints that tie a plan, a cache or a delta to the weights it was made for.
+
+Three parts, each a 16-hex-digit sha256 prefix: `config_sha256` (the structural config fields), `weights_sha256`
+(a strided sample of every weight in memory, float32 view so dtype upcasts agree) and `files_sha256` (a window of
+every decoder-layer tensor in the checkpoint files, read from the safetensors headers without loading). Two
+fingerprints match when they agree on every part both carry (`fingerprints_match`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# config keys that fix the weights' shapes, routing and attention: what a plan depends on. A whitelist, because
+# loaders normalise other fields differently (vLLM rewrites sliding_window, label maps, architectures, ...).
+_STRUCTURAL_KEYS = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                    "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts",
+                    "num_experts_per_tok", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor",
+                    "n_shared_experts", "first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers",
+                    "layer_types", "hidden_act", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+                    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                    "swiglu_limit", "full_attention_interval"}
+
+
+def config_fingerprint(config_dict: dict) -> str:
+    """Hash of the structural fields of a model config (nested text_config merged in)."""
+    merged = dict(config_dict)
+    if isinstance(merged.get("text_config"), dict):
+        merged.update(merged["text_config"])
+    cfg = {k: v for k, v in merged.items() if k in _STRUCTURAL_KEYS or k.startswith("linear_")}
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def checkpoint_fingerprint(model_dir: str | Path, samples_per_tensor: int = 32) -> str | None:
+    """Checksum of a checkpoint's decoder-layer weights as stored, read without loading them: every layer tensor's
+    name from "layers." on, its shape and a window of values from its middle (float32, so a dtype upcast agrees),
+    one small read per tensor from the safetensors header's offsets; the same for the multimodal and the text-only
+    layout of the same weights. Lets `slimwise serve` refuse a plan made for other weights of the same shape
+    before any engine starts. None when the directory has no safetensors files or one cannot be read."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    key = tuple((str(f.resolve()), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
+    if key not in _FILES_FINGERPRINTS:
+        _FILES_FINGERPRINTS[key] = _read_checkpoint_fingerprint(files, samples_per_tensor)
+    return _FILES_FINGERPRINTS[key]
+
+
+_FILES_FINGERPRINTS: dict[tuple, str | None] = {}
+
+
+def _layer_name(name: str) -> str | None:
+    """The decoder-layer part of a tensor name ("layers.3.mlp.gate.weight"), None for what a plan does not depend
+    on and checkpoint layouts disagree about: the published multimodal class prefixes "model.language_model.",
+    the text-only class "model.", and only the former carries a vision tower (and some an MTP head)."""
+    at = name.find("layers.")
+    if at < 0 or any(part in name for part in ("visual", "vision", "mtp")):
+        return None
+    return name[at:]
+
+
+def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
+    entries = []  # (name, shape, sample bytes), sorted by name so resharding does not change the checksum
+    try:
+        for f in files:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+                for name, info in header.items():
+                    name = _layer_name(name)
+                    if name is None:
+                        continue
+                    dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+                    size = _SAFETENSORS_SIZES.get(dtype, 1)
+                    count = (end - begin) // size
+                    first = max(0, count // 2 - samples // 2)
+                    take = min(samples, count - first)
+                    fh.seek(8 + n + begin + first * size)
+                    raw = fh.read(take * size)
+                    if dtype in _SAFETENSORS_FLOATS and raw:
+                        raw = torch.frombuffer(bytearray(raw), dtype=_SAFETENSORS_FLOATS[dtype]).float().numpy().tobytes()
+                    entries.append((name, tuple(shape), raw))
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None  # unreadable: the loader says what is wrong with the file
+    h = hashlib.sha256()
+    for name, shape, raw in sorted(entries):
+        h.update(name.encode())
+        h.update(str(shape).encode())
+        h.update(raw)
+    return h.hexdigest()[:16]
+
+
+def fingerprints_match(a: dict | None, b: dict | None) -> bool:
+    """Two fingerprints agree on every part both carry. Parts: config_sha256 (structure), weights_sha256 (the
+    weights in memory) and files_sha256 (the checkpoint files; only for models loaded from a directory, and in
+    plans made since it was added), so a plan from before a part existed still matches on the others. Where both
+    carry the weights' checksum it decides, not the files': the same weights saved by another class (multimodal
+    vs text-only Qwen3.5) are other files."""
+    if not a or not b:
+        return a == b
+    keys = a.keys() & b.keys()
+    if "weights_sha256" in keys:
+        keys -= {"files_sha256"}
+    return all(a[k] == b[k] for k in keys)
+
+
+def memory_fingerprint(fingerprint: dict) -> dict:
+    """The parts of a fingerprint that describe the weights in memory (no files checksum): cache keys use it, so
+    caches written before the files checksum existed stay valid."""
+    return {k: v for k, v in fingerprint.items() if k != "files_sha256"}
+
+
+def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[str, str]:
+    """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree), and
+    for a model `load_model` read from a directory, that checkpoint's `checkpoint_fingerprint`."""
+    config_hash = config_fingerprint(model.config.to_dict())
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // samples_per_tensor)
+        sample = flat[::step][:samples_per_tensor].to(torch.float32).cpu().numpy().tobytes()
+        h.update(name.encode())
+        h.update(str(tuple(tensor.shape)).encode())
+        h.update(sample)
+    fingerprint = {"config_sha256": config_hash, "weights_sha256": h.hexdigest()[:16]}
+    source = getattr(model, "slimwise_source_dir", None)
+    files = checkpoint_fingerprint(source) if source else None
+    if files is not None:
+        fingerprint["files_sha256"] = files
+    return fingerprint
