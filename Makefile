@@ -1,8 +1,9 @@
 # The two commands a fresh machine needs (see README): `make demo` and `make test`.
+# `make test-fast` is the quick loop for changes that do not touch serving: no vLLM engine, no slow test.
 VENV ?= .venv
 export SLIMWISE_VENV := $(VENV)
 
-.PHONY: setup demo test lint
+.PHONY: setup demo test test-fast lint
 setup:
 	bash scripts/setup.sh
 
@@ -12,6 +13,10 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check slimwise tests scripts experiments
 	$(VENV)/bin/python -m pytest -q -ra --durations=30
+
+test-fast: setup
+	$(VENV)/bin/ruff check slimwise tests scripts experiments
+	$(VENV)/bin/python -m pytest -q -ra -m "not vllm and not slow" --durations=10
 
 lint:
 	$(VENV)/bin/ruff check slimwise tests scripts experiments
