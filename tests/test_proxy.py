@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slimwise.serving import proxy
 from slimwise.serving.proxy import KVFolders, build_app, kv_folder
+from slimwise.serving.proxy import upstream as proxy_upstream
 
 
 def test_proxy_fails_fast_when_an_instance_exits_mid_request():
@@ -362,7 +362,7 @@ def test_decode_4xx_passes_through_and_the_kv_folder_goes(tmp_path, stream):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_kv_folder_goes_after_success_and_when_decode_is_unreachable(tmp_path, monkeypatch, stream):
-    monkeypatch.setattr(proxy, "RETRY_BACKOFF_S", 0.01)
+    monkeypatch.setattr(proxy_upstream, "RETRY_BACKOFF_S", 0.01)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -428,7 +428,8 @@ def test_client_cannot_steer_the_connector():
 def test_connection_refused_at_first_is_retried(monkeypatch):
     """An instance that cannot take the connection yet (here: not listening for 0.5 s) gets the request on a retry;
     a connection never made carries no request, so the retry cannot run it twice."""
-    monkeypatch.setattr(proxy, "RETRY_BACKOFF_S", 0.5)  # retries until 7.5 s: 15x the 0.5 s the listener needs
+    # retries until 7.5 s: 15x the 0.5 s the listener needs
+    monkeypatch.setattr(proxy_upstream, "RETRY_BACKOFF_S", 0.5)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -517,7 +518,8 @@ def test_servers_keep_idle_connections_far_longer_than_their_clients():
     connection the server is closing."""
     from slimwise.serving.server import server_env
 
-    assert max(proxy.KEEPALIVE_S, httpx.Limits().keepalive_expiry) * 10 < proxy.SERVER_KEEPALIVE_S == 75
+    assert (max(proxy_upstream.KEEPALIVE_S, httpx.Limits().keepalive_expiry) * 10
+            < proxy_upstream.SERVER_KEEPALIVE_S == 75)
     assert server_env({}, {}) == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
     assert server_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9"}) == {
         "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # the user's setting wins
