@@ -1,7 +1,8 @@
 """The testbed bars experiment for decode-only distillation: full / uniform / SlimWise / distilled /
 uniform-distilled on the target domain, its replication on independent test problems, and its tables.
 
-An experiment, not library code: nothing in `slimwise/` imports it. It regenerates docs/results/distillation.md:
+An experiment, not library code: nothing in `slimwise/` imports it. It regenerates
+docs/results/distillation.md:
   python -m experiments.distill_bars bars testbed-a testbed-b --out runs/distill-bars
   python -m experiments.distill_bars replicate testbed-a runs/distill-bars/testbed-a --seeds 1 2
   python -m experiments.distill_bars report runs/distill-bars/*/report.json
@@ -53,8 +54,13 @@ class BarsConfig:
 
 
 @torch.no_grad()
-def teacher_forced_fidelity(engine: PhaseSplitEngine, prompts: list[list[int]], continuations: list[list[int]],
-                            mode: str, batch_size: int = 32) -> dict[str, float]:
+def teacher_forced_fidelity(
+    engine: PhaseSplitEngine,
+    prompts: list[list[int]],
+    continuations: list[list[int]],
+    mode: str,
+    batch_size: int = 32,
+) -> dict[str, float]:
     """Mean KL(full || mode) and argmax disagreement (%) per token over the full model's continuations: a
     low-noise view of what accuracy on a few hundred problems shows noisily."""
     kl = flips = count = 0.0
@@ -76,30 +82,39 @@ def teacher_forced_fidelity(engine: PhaseSplitEngine, prompts: list[list[int]], 
 
 def evaluate_run(engine: PhaseSplitEngine, samples: list, mode: str, config: BarsConfig,
                  reference: list[list[int]] | None = None) -> dict:
-    """Accuracy (testbed grader), generated lengths and (given the full model's tokens) fidelity of one mode."""
+    """Accuracy (testbed grader), generated lengths and (given the full model's tokens) fidelity of one
+    mode."""
     from slimwise.testbed import grade
 
     gen = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
     t0 = time.perf_counter()
     ids = engine.encode([s.prompt for s in samples])
     outs = engine.generate(ids, mode=mode, config=gen)
-    correct = [grade(s, o.text or "", o.finish_reason == "eos").correct for s, o in zip(samples, outs, strict=True)]
+    correct = [
+        grade(s, o.text or "", o.finish_reason == "eos").correct for s, o in zip(samples, outs, strict=True)
+    ]
     lengths = [len(o.token_ids) for o in outs]
     result = {"accuracy": 100 * sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths),
               "seconds": round(time.perf_counter() - t0, 1),
-              # how generations end: the drift accuracy hides shows here first (75%: fewer EOS, more truncated)
+              # how generations end: the drift accuracy hides shows here first (75%: fewer EOS, more
+              # truncated)
               "eos_pct": 100 * sum(o.finish_reason == "eos" for o in outs) / len(outs),
               "truncated_pct": 100 * sum(o.finish_reason == "length" for o in outs) / len(outs)}
     if reference is not None:
         result |= teacher_forced_fidelity(engine, ids, reference, mode, config.batch_size)
-    result |= {"correct": [int(c) for c in correct], "lengths": lengths, "families": [s.family for s in samples]}
+    result |= {
+        "correct": [int(c) for c in correct],
+        "lengths": lengths,
+        "families": [s.family for s in samples],
+    }
     if reference is None:
         result["token_ids"] = [o.token_ids for o in outs]  # the full model's, kept for the fidelity metrics
     return result
 
 
 def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
-    """Full / uniform / SlimWise / distilled / uniform-distilled on the target domain's test and held-out splits."""
+    """Full / uniform / SlimWise / distilled / uniform-distilled on the target domain's test and held-out
+    splits."""
     from slimwise.calibrate import CalibrationConfig, calibrate
     from slimwise.criteria import plan_from_stats
     from slimwise.models import load_model, load_tokenizer
@@ -111,8 +126,13 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
     model = load_model(model_name, dtype="float32")
     tok = load_tokenizer(model_name)
     calib = make_split("calib", config.calib_per_family, domain=TARGET_DOMAIN)
-    stats = calibrate(model, [s.prompt for s in calib], tok,
-                      CalibrationConfig(phase="decode", max_new_tokens=config.calib_max_new_tokens), progress=False)
+    stats = calibrate(
+        model,
+        [s.prompt for s in calib],
+        tok,
+        CalibrationConfig(phase="decode", max_new_tokens=config.calib_max_new_tokens),
+        progress=False,
+    )
     distill_prompts = [s.prompt for s in make_split("calib", config.distill_per_family, domain=TARGET_DOMAIN,
                                                     allow_fewer=True)]
     splits = {"test": make_split("test", config.test_per_family, domain=TARGET_DOMAIN),
@@ -123,7 +143,9 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
     engine.close()
     reference = {name: report["full"][name].pop("token_ids") for name in splits}
     # one teacher for every ratio and both modes: it depends on the model and prompts only
-    teacher = build_teacher(model, distill_prompts, tok, DistillConfig(**(asdict(config.distill) | {"progress": False})))
+    teacher = build_teacher(
+        model, distill_prompts, tok, DistillConfig(**(asdict(config.distill) | {"progress": False}))
+    )
     report["teacher"] = {"seconds": teacher.seconds, "prompts": len(teacher.continuations),
                          "continuation_tokens": sum(len(c) for c in teacher.continuations)}
     for ratio in config.ratios:
@@ -132,7 +154,9 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
         row: dict = {}
         engine = PhaseSplitEngine(model, tok, plan=plan)
         for mode in ("uniform", "slimwise"):
-            row[mode] = {name: evaluate_run(engine, s, mode, config, reference[name]) for name, s in splits.items()}
+            row[mode] = {
+                name: evaluate_run(engine, s, mode, config, reference[name]) for name, s in splits.items()
+            }
         engine.close()
         for mode, label in (("slimwise", "distilled"), ("uniform", "uniform_distilled")):
             cfg = DistillConfig(**(asdict(config.distill) | {"mode": mode, "progress": False}))
@@ -141,9 +165,18 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
             engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
             row[label] = {name: evaluate_run(engine, s, "distilled", config, reference[name])
                           for name, s in splits.items()}
-            row[label]["distill"] = {k: delta.manifest[k] for k in ("seconds", "train_seconds", "steps", "teacher_shared",
-                                                                    "trainable_params", "trainable_share",
-                                                                    "peak_memory_mb")}
+            row[label]["distill"] = {
+                k: delta.manifest[k]
+                for k in (
+                    "seconds",
+                    "train_seconds",
+                    "steps",
+                    "teacher_shared",
+                    "trainable_params",
+                    "trainable_share",
+                    "peak_memory_mb",
+                )
+            }
             row[label]["distill"]["loss_first_last"] = [delta.manifest["loss_history"][0],
                                                         delta.manifest["loss_history"][-1]]
             engine.close()
@@ -151,10 +184,15 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
         report["bars"] = bars_check(report)
         _atomic_write(out / "report.json", json.dumps(report, indent=1))
         _atomic_write(out / "report.md", bars_table(report))
-        tqdm.write(f"{model_name} ratio {ratio}: " + ", ".join(
-            f"{m} {row[m]['test']['accuracy']:.1f}%/{row[m]['test']['mean_length']:.1f}tok"
-            for m in ("uniform", "slimwise", "distilled", "uniform_distilled"))
-            + f" (full {report['full']['test']['accuracy']:.1f}%/{report['full']['test']['mean_length']:.1f}tok)")
+        tqdm.write(
+            f"{model_name} ratio {ratio}: "
+            + ", ".join(
+                f"{m} {row[m]['test']['accuracy']:.1f}%/{row[m]['test']['mean_length']:.1f}tok"
+                for m in ("uniform", "slimwise", "distilled", "uniform_distilled")
+            )
+            + " (full "
+              f"{report['full']['test']['accuracy']:.1f}%/{report['full']['test']['mean_length']:.1f}tok)"
+        )
     return report
 
 
@@ -171,8 +209,12 @@ def length_drift(run: dict, full: dict) -> dict:
     means; these say how far apart the runs really are and what difference the split can resolve."""
     diffs = np.asarray(run["lengths"], dtype=float) - np.asarray(full["lengths"], dtype=float)
     se = float(diffs.std(ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else float("nan")
-    return {"mean_diff": float(diffs.mean()), "mean_diff_se": se, "mean_abs_diff": float(np.abs(diffs).mean()),
-            "changed_pct": float(100 * (diffs != 0).mean())}
+    return {
+        "mean_diff": float(diffs.mean()),
+        "mean_diff_se": se,
+        "mean_abs_diff": float(np.abs(diffs).mean()),
+        "changed_pct": float(100 * (diffs != 0).mean()),
+    }
 
 
 #: |z| from which a per-family mean-length difference counts as drift rather than sampling noise
@@ -214,12 +256,15 @@ def family_length_check(sw: dict, d: dict, full: dict) -> dict:
 
 
 def bars_check(report: dict, split: str = "test") -> dict:
-    """The issue's bars per ratio: recovery of half the gap (when SlimWise loses >= 3 points), length within the
-    stricter of +-5% and half SlimWise's deviation, never worse than SlimWise; plus the total distillation cost."""
+    """The issue's bars per ratio: recovery of half the gap (when SlimWise loses >= 3 points), length within
+    the stricter of +-5% and half SlimWise's deviation, never worse than SlimWise; plus the total distillation
+    cost."""
     full = report["full"][split]
     # the backbone's cost: every ratio's SlimWise distillation, plus the teacher data once when they shared it
     shared = report.get("teacher", {}).get("seconds", 0.0)
-    out: dict = {"cost_seconds": shared + sum(r["distilled"]["distill"]["seconds"] for r in report["ratios"].values())}
+    out: dict = {
+        "cost_seconds": shared + sum(r["distilled"]["distill"]["seconds"] for r in report["ratios"].values())
+    }
     for ratio, row in report["ratios"].items():
         out[ratio] = cell_bars(row["slimwise"][split], row["distilled"][split], full)
     return out
@@ -255,13 +300,15 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
     config = BarsConfig()
     out: dict = {"model": model_name, "run": str(run_dir), "per_family": per_family, "seeds": {}}
     # replication samples are disjoint from the run's own test sample and from each other (issue #17: seeds 1
-    # and 2 drawn independently shared 161 of 1,000 prompts with seed 0); a family with fewer distinct problems
-    # left (base conversions: ~460 test problems in all) gives what remains, recorded per family
+    # and 2 drawn independently shared 161 of 1,000 prompts with seed 0); a family with fewer distinct
+    # problems left (base conversions: ~460 test problems in all) gives what remains, recorded per family
     used = {s.prompt for s in make_split("test", report.get("config", {}).get("test_per_family", per_family),
                                          domain=TARGET_DOMAIN)}
     out["disjoint"] = True
     for seed in tqdm(seeds, desc="seeds"):
-        samples = make_split("test", per_family, seed=seed, domain=TARGET_DOMAIN, exclude=used, allow_fewer=True)
+        samples = make_split(
+            "test", per_family, seed=seed, domain=TARGET_DOMAIN, exclude=used, allow_fewer=True
+        )
         used |= {s.prompt for s in samples}
         out.setdefault("sizes", {})[str(seed)] = {f: sum(x.family == f for x in samples)
                                                  for f in dict.fromkeys(x.family for x in samples)}
@@ -285,19 +332,25 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
 
 
 def replicate_table(report: dict, rep: dict) -> str:
-    """Markdown of a replication: each sample's bars, then all samples pooled (the bars report's sample 0 and the
-    fresh ones): accuracy, the literal length bar and the per-family drift."""
+    """Markdown of a replication: each sample's bars, then all samples pooled (the bars report's sample 0 and
+    the fresh ones): accuracy, the literal length bar and the per-family drift."""
     for seed, entry in rep["seeds"].items():  # replications written before runs carried family labels
         if not entry["full"].get("families"):
             fams = split_families("test", rep["per_family"], int(seed))
             for run in [entry["full"], *(m for r in report["ratios"] for m in entry[r].values())]:
                 run["families"] = fams
-    sizes = "; ".join(f"seed {k}: " + ", ".join(f"{f} {n}" for f, n in v.items()) for k, v in rep.get("sizes", {}).items())
+    sizes = "; ".join(
+        f"seed {k}: " + ", ".join(f"{f} {n}" for f, n in v.items()) for k, v in rep.get("sizes", {}).items()
+    )
     kind = (f"disjoint from the run's sample and from each other ({sizes})" if rep.get("disjoint")
             else "drawn independently: they may share problems with the run's sample")
-    lines = [f"## {rep['model']}: fresh test samples (up to {rep['per_family']} per family, {kind})", "",
-             "| seed | ratio | full % | SlimWise % | distilled % | recovered / gap | length Δ tokens SlimWise → "
-             "distilled (± se) | length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"## {rep['model']}: fresh test samples (up to {rep['per_family']} per family, {kind})",
+        "",
+        "| seed | ratio | full % | SlimWise % | distilled % | recovered / gap | length Δ tokens SlimWise → "
+        "distilled (± se) | length bar | never worse |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for seed, entry in rep["seeds"].items():
         full = entry["full"]
         for ratio in report["ratios"]:
@@ -307,9 +360,14 @@ def replicate_table(report: dict, rep: dict) -> str:
     full = pooled_run(report, rep)
     n = len(full["lengths"])
     label = ("sample 0 and seeds " if has_0 else "seeds ") + ", ".join(rep["seeds"])
-    lines += ["", f"### Pooled: {label} ({n:,} problems)", "",
-              "| ratio | full % | SlimWise % | distilled % | recovered / gap | recovery bar | length Δ tokens SlimWise → "
-              "distilled (± se) | mean-length bar | never worse |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        f"### Pooled: {label} ({n:,} problems)",
+        "",
+        "| ratio | full % | SlimWise % | distilled % | recovered / gap | recovery bar | length Δ tokens "
+        "SlimWise → distilled (± se) | mean-length bar | never worse |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     fam_rows, verdicts = [], []
     for ratio in report["ratios"]:
         sw, d = pooled_run(report, rep, ratio, "slimwise"), pooled_run(report, rep, ratio, "distilled")
@@ -319,8 +377,15 @@ def replicate_table(report: dict, rep: dict) -> str:
         verdicts.append(f"- {ratio}: {family_verdict(c['family_length'])}")
     table = family_table(fam_rows, full)
     if table:
-        lines += ["", "Length drift per family, pooled: paired mean difference from full, tokens (% of the family's "
-                  "length, z)", "", *table, "", *verdicts]
+        lines += [
+            "",
+            "Length drift per family, pooled: paired mean difference from full, tokens (% of the family's "
+            "length, z)",
+            "",
+            *table,
+            "",
+            *verdicts,
+        ]
     return "\n".join(lines)
 
 
@@ -329,19 +394,23 @@ def _bars_row(ratio: str, sw: dict, d: dict, full: dict, c: dict, pooled: bool) 
     a, b = c["length_drift"]["slimwise"], c["length_drift"]["distilled"]
     verdict = (lambda ok: "met" if ok else "not met") if c["applies"] else (lambda ok: "n/a (gap < 3)")
     recovery = f" {verdict(c['recovery_bar'])} |" if pooled else ""
-    return (f"| {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
-            f"{c['recovered']:+.1f} / {c['gap']:.1f} |{recovery} {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} → "
-            f"{b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | {verdict(c['length_bar'])} | "
-            f"{'yes' if c['never_worse'] else 'no'} |")
+    return (
+        f"| {ratio} | {full['accuracy']:.1f} | {sw['accuracy']:.1f} | {d['accuracy']:.1f} | "
+        f"{c['recovered']:+.1f} / {c['gap']:.1f} |{recovery} {a['mean_diff']:+.3f} ± {a['mean_diff_se']:.3f} "
+        f"→ {b['mean_diff']:+.3f} ± {b['mean_diff_se']:.3f} | {verdict(c['length_bar'])} | "
+        f"{'yes' if c['never_worse'] else 'no'} |"
+    )
 
 
 def pooled_run(report: dict, rep: dict, ratio: str | None = None, mode: str = "full") -> dict:
-    """One mode's test runs over every sample of a replication as one run: the bars report's own sample 0 (when
-    its report is complete) and the fresh seeds. ratio None: the full model."""
+    """One mode's test runs over every sample of a replication as one run: the bars report's own sample 0
+    (when its report is complete) and the fresh seeds. ratio None: the full model."""
     first = []
     if "full" in report:
         first = [report["full"]["test"] if ratio is None else report["ratios"][ratio][mode]["test"]]
-    return pool_runs([*first, *(e["full"] if ratio is None else e[ratio][mode] for e in rep["seeds"].values())])
+    return pool_runs(
+        [*first, *(e["full"] if ratio is None else e[ratio][mode] for e in rep["seeds"].values())]
+    )
 
 
 def split_families(split: str, per_family: int, seed: int = 0) -> list[str]:
@@ -353,7 +422,8 @@ def split_families(split: str, per_family: int, seed: int = 0) -> list[str]:
 
 def backfill_families(report: dict) -> dict:
     """Family labels for reports written before runs carried them: the splits are deterministic, so they are
-    regenerated from the run's settings (test: seed 0; held-out: seed 0) and checked against the run's size."""
+    regenerated from the run's settings (test: seed 0; held-out: seed 0) and checked against the run's
+    size."""
     for split, key in (("test", "test_per_family"), ("heldout", "heldout_per_family")):
         full, per_family = report.get("full", {}).get(split), report.get("config", {}).get(key)
         if full is None or full.get("families") or not per_family:
@@ -369,8 +439,13 @@ def pool_runs(runs: Sequence[dict]) -> dict:
     correct = [c for r in runs for c in r["correct"]]
     lengths = [n for r in runs for n in r["lengths"]]
     families = [f for r in runs for f in r.get("families") or []]
-    return {"accuracy": 100 * sum(correct) / len(correct), "mean_length": sum(lengths) / len(lengths),
-            "correct": correct, "lengths": lengths, "families": families if len(families) == len(lengths) else []}
+    return {
+        "accuracy": 100 * sum(correct) / len(correct),
+        "mean_length": sum(lengths) / len(lengths),
+        "correct": correct,
+        "lengths": lengths,
+        "families": families if len(families) == len(lengths) else [],
+    }
 
 
 def family_table(rows: Sequence[tuple[str, dict]], full: dict) -> list[str]:
@@ -391,9 +466,14 @@ def family_verdict(check: dict) -> str:
         return "no family labels"
     new = ", ".join(check["new_drift"]) or "none"
     if not check["drifting"]:
-        return f"SlimWise drifts (|z| >= {DRIFT_Z:g}) in no family, nothing to halve; new drift from distillation: {new}"
-    return (f"SlimWise drifts (|z| >= {DRIFT_Z:g}) in: {', '.join(check['drifting'])}; distillation halves every "
-            f"one: {'yes' if check['halved'] else 'no'}; new drift from distillation: {new}")
+        return (
+            f"SlimWise drifts (|z| >= {DRIFT_Z:g}) in no family, nothing to halve; new drift "
+            f"from distillation: {new}"
+        )
+    return (
+        f"SlimWise drifts (|z| >= {DRIFT_Z:g}) in: {', '.join(check['drifting'])}; distillation halves every "
+        f"one: {'yes' if check['halved'] else 'no'}; new drift from distillation: {new}"
+    )
 
 
 def length_distribution(run: dict) -> dict:
@@ -411,13 +491,18 @@ def length_table(report: dict, split: str = "test") -> list[str]:
         return "n/a" if x is None else f"{x:.1f}"
 
     full = report["full"][split]
-    lines = ["| ratio | mode | mean | p10 / median / p90 / max | EOS % | truncated % |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| ratio | mode | mean | p10 / median / p90 / max | EOS % | truncated % |",
+        "|---|---|---|---|---|---|",
+    ]
     rows = [("0", "full", full)] + [(ratio, mode, row[mode][split]) for ratio, row in report["ratios"].items()
                                     for mode in BARS_MODES[1:] if mode in row]
     for ratio, mode, run in rows:
         d = length_distribution(run)
-        lines.append(f"| {ratio} | {mode} | {d['mean']:.2f} | {d['p10']:.0f} / {d['median']:.0f} / {d['p90']:.0f} / "
-                     f"{d['max']} | {pct(d['eos_pct'])} | {pct(d['truncated_pct'])} |")
+        lines.append(
+            f"| {ratio} | {mode} | {d['mean']:.2f} | {d['p10']:.0f} / {d['median']:.0f} / {d['p90']:.0f} / "
+            f"{d['max']} | {pct(d['eos_pct'])} | {pct(d['truncated_pct'])} |"
+        )
     return lines
 
 
@@ -426,19 +511,24 @@ def bars_table(report: dict) -> str:
     lines = [f"## {report['model']}", ""]
     for split in ("test", "heldout"):
         full = report["full"][split]
-        lines += [f"### {split} split (target domain, {len(full['correct'])} problems)", "",
-                  "| ratio | mode | accuracy % | mean length (vs full) | length Δ per problem: mean ± se / mean abs / "
-                  "changed % | KL(full‖mode) /token | argmax flips % |",
-                  "| --- | --- | --- | --- | --- | --- | --- |",
-                  f"| 0 | full | {full['accuracy']:.1f} | {full['mean_length']:.2f} | 0 | 0 | 0 |"]
+        lines += [
+            f"### {split} split (target domain, {len(full['correct'])} problems)",
+            "",
+            "| ratio | mode | accuracy % | mean length (vs full) | length Δ per problem: mean ± se / mean "
+            "abs / changed % | KL(full‖mode) /token | argmax flips % |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            f"| 0 | full | {full['accuracy']:.1f} | {full['mean_length']:.2f} | 0 | 0 | 0 |",
+        ]
         for ratio, row in report["ratios"].items():
             for mode in BARS_MODES[1:]:
                 r = row[mode][split]
                 drift = length_drift(r, full)
-                lines.append(f"| {ratio} | {mode} | {r['accuracy']:.1f} | {r['mean_length']:.2f} "
-                             f"({_length_dev(r, full):+.2f}%) | {drift['mean_diff']:+.3f} ± {drift['mean_diff_se']:.3f}"
-                             f" / {drift['mean_abs_diff']:.2f} / {drift['changed_pct']:.1f} | {r['kl']:.5f} | "
-                             f"{r['flip_pct']:.2f} |")
+                lines.append(
+                    f"| {ratio} | {mode} | {r['accuracy']:.1f} | {r['mean_length']:.2f} "
+                    f"({_length_dev(r, full):+.2f}%) | {drift['mean_diff']:+.3f} ± "
+                    f"{drift['mean_diff_se']:.3f} / {drift['mean_abs_diff']:.2f} / "
+                    f"{drift['changed_pct']:.1f} | {r['kl']:.5f} | {r['flip_pct']:.2f} |"
+                )
         lines.append("")
     lines += ["### Generated length and end of generation (test split)", "", *length_table(report), ""]
     full = report["full"]["test"]
@@ -446,13 +536,21 @@ def bars_table(report: dict) -> str:
                 for mode in BARS_MODES[1:]]
     table = family_table(fam_rows, full)
     if table:
-        lines += ["### Length drift per family (test split): paired mean difference from full, tokens (% of the "
-                  "family's length, z)", "", *table, ""]
+        lines += [
+            "### Length drift per family (test split): paired mean difference from full, tokens (% of the "
+            "family's length, z)",
+            "",
+            *table,
+            "",
+        ]
         for ratio, row in report["ratios"].items():
             check = family_length_check(row["slimwise"]["test"], row["distilled"]["test"], full)
             lines.append(f"- {ratio}: {family_verdict(check)}")
         lines.append("")
-    lines += ["| ratio | distill s | trainable (share) | peak MB | loss first -> last |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "| ratio | distill s | trainable (share) | peak MB | loss first -> last |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for ratio, row in report["ratios"].items():
         for mode in ("distilled", "uniform_distilled"):
             c = row[mode]["distill"]
@@ -461,11 +559,20 @@ def bars_table(report: dict) -> str:
                          f"{c['loss_first_last'][0]:.5f} -> {c['loss_first_last'][1]:.5f} |")
     if "teacher" in report:
         t = report["teacher"]
-        lines += ["", f"Teacher data (full-model continuations and log-probs, shared by every run above): "
-                  f"{t['prompts']} prompts, {t['continuation_tokens']:,} tokens, {t['seconds']:.0f} s, counted once "
-                  "in the cost."]
-    bars = {k: ({**v, "family_length": {x: y for x, y in v["family_length"].items() if x != "families"}}
-                if isinstance(v, dict) and "family_length" in v else v) for k, v in report.get("bars", {}).items()}
+        lines += [
+            "",
+            "Teacher data (full-model continuations and log-probs, shared by every run above): "
+            f"{t['prompts']} prompts, {t['continuation_tokens']:,} tokens, {t['seconds']:.0f} s, "
+            "counted once in the cost.",
+        ]
+    bars = {
+        k: (
+            {**v, "family_length": {x: y for x, y in v["family_length"].items() if x != "families"}}
+            if isinstance(v, dict) and "family_length" in v
+            else v
+        )
+        for k, v in report.get("bars", {}).items()
+    }
     lines += ["", "Bars (test split; per-family figures in the table above): " + json.dumps(bars), ""]
     return "\n".join(lines)
 
@@ -474,7 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     D = DistillConfig()  # noqa: N806  (the library's defaults: declared once, in DistillConfig)
-    p = argparse.ArgumentParser(prog="python -m experiments.distill_bars", description="distillation bars on the testbed")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.distill_bars", description="distillation bars on the testbed"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bars", help="full / uniform / slimwise / distilled / uniform-distilled, per backbone")
     b.add_argument("models", nargs="+")
@@ -484,7 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--params", default=",".join(D.params))
     b.add_argument("--steps", type=int, default=D.steps)
     b.add_argument("--lr", type=float, default=D.lr)
-    b.add_argument("--minutes", type=float, default=7.0, help="cap per distillation run (2 ratios: <= 15 min)")
+    b.add_argument(
+        "--minutes", type=float, default=7.0, help="cap per distillation run (2 ratios: <= 15 min)"
+    )
     b.add_argument("--test-per-family", type=int, default=200)
     b.add_argument("--heldout-per-family", type=int, default=50)
     b.add_argument("--distill-per-family", type=int, default=1000,
@@ -494,12 +605,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--loss", default=D.loss, choices=["fkl", "rkl", "jsd"])
     b.add_argument("--ce-weight", type=float, default=D.ce_weight)
-    b.add_argument("--on-policy", type=float, default=D.on_policy, help="share of steps on the student's own samples")
+    b.add_argument(
+        "--on-policy", type=float, default=D.on_policy, help="share of steps on the student's own samples"
+    )
     r = sub.add_parser("report", help="re-render report.md and the bars of finished bars runs (report.json)")
     r.add_argument("reports", nargs="+", help="report.json files")
-    rp = sub.add_parser("replicate", help="re-test a finished bars run's plans and deltas on fresh test samples")
+    rp = sub.add_parser(
+        "replicate", help="re-test a finished bars run's plans and deltas on fresh test samples"
+    )
     rp.add_argument("model")
-    rp.add_argument("run_dir", help="the bars output folder holding report.json, plan-*.json, delta-distilled-*")
+    rp.add_argument(
+        "run_dir", help="the bars output folder holding report.json, plan-*.json, delta-distilled-*"
+    )
     rp.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     rp.add_argument("--per-family", type=int, default=200)
     rp.add_argument("--threads", type=int, default=2)
@@ -520,9 +637,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _atomic_write(path.with_name("replicate.md"), text)
                 print(text)
         return 0
-    dcfg = DistillConfig(params=tuple(x for x in args.params.split(",") if x), steps=args.steps, lr=args.lr,
-                         max_minutes=args.minutes, loss=args.loss, ce_weight=args.ce_weight, on_policy=args.on_policy,
-                         teacher_batch_size=args.teacher_batch_size)
+    dcfg = DistillConfig(
+        params=tuple(x for x in args.params.split(",") if x),
+        steps=args.steps,
+        lr=args.lr,
+        max_minutes=args.minutes,
+        loss=args.loss,
+        ce_weight=args.ce_weight,
+        on_policy=args.on_policy,
+        teacher_batch_size=args.teacher_batch_size,
+    )
     cfg = BarsConfig(ratios=tuple(args.ratios), test_per_family=args.test_per_family,
                      heldout_per_family=args.heldout_per_family,
                      distill_per_family=args.distill_per_family, threads=args.threads, distill=dcfg)

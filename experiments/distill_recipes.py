@@ -29,7 +29,8 @@ from slimwise.testbed import TARGET_DOMAIN, make_split
 from slimwise.testbed.tasks import select_families
 
 VARIANTS = {
-    "default": {},  # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp) since session 6
+    # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp) since session 6
+    "default": {},
     # session 5's probe, around its default (LoRA on attention)
     "attention": {"lora_targets": ATTENTION_TARGETS},
     "lr6e-3": {"lora_targets": ATTENTION_TARGETS, "lr": 6e-3},
@@ -74,7 +75,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--per-family", type=int, default=1000, help="distillation prompts per task family")
     p.add_argument("--teacher", help="teacher data file: loaded if it exists, else built and saved there")
-    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["attention", "lr6e-3", "steps1800", "jsd"])
+    p.add_argument(
+        "--variants", nargs="+", choices=list(VARIANTS), default=["attention", "lr6e-3", "steps1800", "jsd"]
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype="float32"), load_tokenizer(args.model)
@@ -91,7 +94,8 @@ def main() -> None:
     samples = [make_split("test", 200, seed=s, domain=TARGET_DOMAIN) for s in (0, 1, 2)]
     cfg = BarsConfig()
     full = pool_runs([evaluate_run(PhaseSplitEngine(model, tok), s, "full", cfg) for s in samples])
-    with PhaseSplitEngine(model, tok, plan=plan) as engine:  # masks and deltas stack on the model: one at a time
+    with PhaseSplitEngine(model, tok, plan=plan) as engine:
+        # masks and deltas stack on the model: one at a time
         sw = pool_runs([evaluate_run(engine, s, "slimwise", cfg) for s in samples])
     print(f"full {full['accuracy']:.1f} slimwise {sw['accuracy']:.1f}", flush=True)
     out = {}
@@ -103,13 +107,20 @@ def main() -> None:
         with PhaseSplitEngine(model, tok, plan=plan, delta=delta) as engine:
             d = pool_runs([evaluate_run(engine, s, "distilled", cfg) for s in samples])
         check = family_length_check(sw, d, full)
-        out[label] = {"accuracy": d["accuracy"], "trainable_share": delta.manifest["trainable_share"],
-                      "train_seconds": delta.manifest["train_seconds"], "loss_last": delta.manifest["loss_history"][-1],
-                      "drift": length_drift(d, full), "family_halved": check["halved"], "new_drift": check["new_drift"],
-                      "family_drift": {f: round(x["distilled"]["mean_diff"], 3) for f, x in check["families"].items()}}
+        out[label] = {
+            "accuracy": d["accuracy"],
+            "trainable_share": delta.manifest["trainable_share"],
+            "train_seconds": delta.manifest["train_seconds"],
+            "loss_last": delta.manifest["loss_history"][-1],
+            "drift": length_drift(d, full),
+            "family_halved": check["halved"],
+            "new_drift": check["new_drift"],
+            "family_drift": {f: round(x["distilled"]["mean_diff"], 3) for f, x in check["families"].items()},
+        }
         print(label, json.dumps(out[label]), flush=True)
     path = Path(args.run) / f"recipes-{args.ratio}.json"
-    earlier = json.loads(path.read_text())["variants"] if path.is_file() else {}  # runs of other variants stay
+    # runs of other variants stay
+    earlier = json.loads(path.read_text())["variants"] if path.is_file() else {}
     atomic_write_text(path, json.dumps({"full": full["accuracy"], "slimwise": sw["accuracy"],
                                         "variants": earlier | out}, indent=1))
     print(f"wrote {path}")

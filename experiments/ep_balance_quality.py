@@ -24,7 +24,10 @@ from slimwise.testbed import TARGET_DOMAIN, grade, make_split
 
 def accuracy(engine: PhaseSplitEngine, samples, mode: str, gen: GenerationConfig) -> list[int]:
     outs = engine.generate(engine.encode([s.prompt for s in samples]), mode, gen)
-    return [int(grade(s, o.text or "", o.finish_reason == "eos").correct) for s, o in zip(samples, outs, strict=True)]
+    return [
+        int(grade(s, o.text or "", o.finish_reason == "eos").correct)
+        for s, o in zip(samples, outs, strict=True)
+    ]
 
 
 def main(argv=None) -> int:
@@ -39,8 +42,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     gen = GenerationConfig(max_new_tokens=160, batch_size=32)
-    rows, lines = [], [f"| backbone | ratio | full % | free % | EP-{args.ep_size}-balanced % | balanced - free, points "
-                       f"(95% CI) | free plan's imbalance at EP {args.ep_size} (mean / max) |", "|---|---|---|---|---|---|---|"]
+    rows, lines = (
+        [],
+        [
+            f"| backbone | ratio | full % | free % | EP-{args.ep_size}-balanced % | balanced - free, points "
+            f"(95% CI) | free plan's imbalance at EP {args.ep_size} (mean / max) |",
+            "|---|---|---|---|---|---|---|",
+        ],
+    )
     for name in args.models:
         model, tok = load_model(name, dtype="float32"), load_tokenizer(name)
         calib = make_split("calib", 16, domain=TARGET_DOMAIN)
@@ -55,19 +64,24 @@ def main(argv=None) -> int:
             b = accuracy(PhaseSplitEngine(model, tok, plan=bal), samples, "slimwise", gen)
             d = paired_difference(b, a, seed=args.seed)
             imb = imbalance(free, args.ep_size)
-            overlap = sum(len(set(free.kept_experts[k]) & set(bal.kept_experts[k])) for k in free.kept_experts) / sum(
-                len(v) for v in free.kept_experts.values())
+            overlap = sum(
+                len(set(free.kept_experts[k]) & set(bal.kept_experts[k])) for k in free.kept_experts
+            ) / sum(len(v) for v in free.kept_experts.values())
             row = {"model": name, "ratio": ratio, "n": len(samples), "full": 100 * sum(full) / len(full),
                    "free": 100 * sum(a) / len(a), "balanced": 100 * sum(b) / len(b),
                    "diff": {k: 100 * v for k, v in d.items()}, "imbalance": imb, "kept_overlap": overlap}
             rows.append(row)
-            lines.append(f"| {name} | {ratio:g} | {row['full']:.1f} | {row['free']:.1f} | {row['balanced']:.1f} | "
-                         f"{row['diff']['diff']:+.1f} ({row['diff']['ci_low']:+.1f} to {row['diff']['ci_high']:+.1f}) | "
-                         f"{imb['mean']:.2f} / {imb['max']:.2f} |")
+            lines.append(
+                f"| {name} | {ratio:g} | {row['full']:.1f} | {row['free']:.1f} | {row['balanced']:.1f} | "
+                f"{row['diff']['diff']:+.1f} ({row['diff']['ci_low']:+.1f} to {row['diff']['ci_high']:+.1f}) "
+                f"| {imb['mean']:.2f} / {imb['max']:.2f} |"
+            )
             print(lines[-1], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "ep_balance.json", json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    atomic_write_text(
+        out / "ep_balance.json", json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n"
+    )
     atomic_write_text(out / "ep_balance.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

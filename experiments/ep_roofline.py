@@ -1,7 +1,8 @@
 """Predicted decode speedup under expert parallelism, free vs EP-balanced plans (docs/results/roofline.md):
 Qwen3.6-35B-A3B and Qwen3-30B-A3B at EP 8 on H200 (NVLink 4), 50% pruned, global batch 32-256.
 
-  python -m experiments.ep_roofline --out docs/results      # table printed, roofline_ep.md + .png written; bit-exact
+  python -m experiments.ep_roofline --out docs/results
+  # table printed, roofline_ep.md + .png written; bit-exact
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=0.5)
     args = p.parse_args(argv)
     hw, link = HARDWARE["h200"], INTERCONNECTS["nvlink4"]
-    lines = ["| model | plan (busiest / mean kept per rank) | " + " | ".join(f"B={b}" for b in BATCHES) + " |",
-             "|---|---|" + "---|" * len(BATCHES)]
+    lines = [
+        "| model | plan (busiest / mean kept per rank) | " + " | ".join(f"B={b}" for b in BATCHES) + " |",
+        "|---|---|" + "---|" * len(BATCHES),
+    ]
     curves = {}
     for preset in PRESETS:
         rc = RooflineConfig.from_hf(preset_config(preset), name=preset)

@@ -1,9 +1,10 @@
 """Does the fused-MoE kernel care where the kept experts lie in the weight tensor? (issue #18)
 
 The step profile found vLLM's `cpu_fused_moe` 3 ms slower per step in the colocated engine (the full 64-expert
-tensor, decode tokens routed to 32 kept experts) than in the packed pruned checkpoint (a 32-expert tensor), for
-the same number of experts read. This isolates the kernel: the `cpu` bench preset's shapes (8 MoE layers, hidden
-1024, experts of 512, top-4, bf16), one call per layer per step as in a decode step, three weight layouts:
+tensor, decode tokens routed to 32 kept experts) than in the packed pruned checkpoint (a 32-expert tensor),
+for the same number of experts read. This isolates the kernel: the `cpu` bench preset's shapes (8 MoE layers,
+hidden 1024, experts of 512, top-4, bf16), one call per layer per step as in a decode step, three weight
+layouts:
 
 - packed:     a 32-expert tensor, tokens routed among all 32 (the pruned checkpoint);
 - scattered:  the 64-expert tensor, tokens routed among 32 experts spread over it (colocated SlimWise today);
@@ -31,12 +32,20 @@ LAYOUTS = ("packed", "scattered", "contiguous", "full")
 
 
 def build(layers: int, experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int) -> dict:
-    """Per layer: the 64-expert weights prepacked for the kernel, the packed 32-expert weights of the same kept
-    experts, the contiguous (kept-first) permutation of the 64, and the kept ids."""
+    """Per layer: the 64-expert weights prepacked for the kernel, the packed 32-expert weights of the same
+    kept experts, the contiguous (kept-first) permutation of the 64, and the kept ids."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     g = torch.Generator().manual_seed(seed)
-    out = {"w13": [], "w2": [], "w13_packed": [], "w2_packed": [], "w13_front": [], "w2_front": [], "kept": []}
+    out = {
+        "w13": [],
+        "w2": [],
+        "w13_packed": [],
+        "w2_packed": [],
+        "w13_front": [],
+        "w2_front": [],
+        "kept": [],
+    }
     for _ in range(layers):
         w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).to(dtype)
         w2 = (torch.randn(experts, hidden, inter, generator=g) * 0.02).to(dtype)
@@ -51,8 +60,8 @@ def build(layers: int, experts: int, hidden: int, inter: int, dtype: torch.dtype
 
 
 def step(weights: dict, layout: str, x: torch.Tensor, choice: list[torch.Tensor], topw: torch.Tensor) -> None:
-    """One decode step's MoE calls: `choice[layer]` holds per token top-k positions into the kept list (or, for
-    `full`, expert ids of the 64)."""
+    """One decode step's MoE calls: `choice[layer]` holds per token top-k positions into the kept list (or,
+    for `full`, expert ids of the 64)."""
     from vllm._custom_ops import cpu_fused_moe
 
     out = torch.empty_like(x)
@@ -93,8 +102,15 @@ def main(argv=None) -> None:
         for r in range(args.rounds + 1):  # round 0 warms up
             draws = [[torch.stack([torch.randperm(half, generator=g)[: args.topk] for _ in range(batch)])
                       for _ in range(args.layers)] for _ in range(args.steps)]
-            full_draws = [[torch.stack([torch.randperm(args.experts, generator=g)[: args.topk] for _ in range(batch)])
-                           for _ in range(args.layers)] for _ in range(args.steps)]
+            full_draws = [
+                [
+                    torch.stack(
+                        [torch.randperm(args.experts, generator=g)[: args.topk] for _ in range(batch)]
+                    )
+                    for _ in range(args.layers)
+                ]
+                for _ in range(args.steps)
+            ]
             order = LAYOUTS[r % len(LAYOUTS):] + LAYOUTS[: r % len(LAYOUTS)]
             for layout in order:
                 t0 = time.perf_counter()
@@ -107,13 +123,22 @@ def main(argv=None) -> None:
             t = times[layout]
             rows.append({"batch": batch, "layout": layout, "ms_per_step": statistics.median(t), "min": min(t),
                          "max": max(t), "rounds": t})
-            print(f"B={batch:3d} {layout:10s} {statistics.median(t):7.2f} ms/step ({min(t):.2f}-{max(t):.2f})",
-                  flush=True)
+            print(
+                f"B={batch:3d} {layout:10s} {statistics.median(t):7.2f} ms/step ({min(t):.2f}-{max(t):.2f})",
+                flush=True,
+            )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "moe-layout.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                              "threads": torch.get_num_threads(), "rows": rows},
-                                                             indent=1))
+        (args.out / "moe-layout.json").write_text(
+            json.dumps(
+                {
+                    "args": {k: str(v) for k, v in vars(args).items()},
+                    "threads": torch.get_num_threads(),
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Where a decode step goes (issue #18): full vs pruned checkpoint vs colocated SlimWise, split by operator.
 
-Each variant's engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one engine alive at a time), so
-torch's profiler sees every operator the model runs. Decode is isolated by difference: a batch generating N
+Each variant's engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one engine alive at a time),
+so torch's profiler sees every operator the model runs. Decode is isolated by difference: a batch generating N
 tokens minus the same batch generating 1 token (same prompts, so the same prefill), divided by N - 1 steps.
 Operator self-times are grouped into the MoE expert kernel, dense linears, attention, norms and activations,
 sampling, and SlimWise's own mask ops (present only in the colocated engine); what the operators do not cover
@@ -28,7 +28,8 @@ CATEGORIES = (  # first match wins; checked against the lower-cased operator nam
     ("norms and activations", ("norm", "silu", "gelu", "act_and_mul", "sigmoid", "pow", "rsqrt")),
     ("sampling", ("sample", "argmax", "sort", "multinomial", "gumbel", "cumsum")),
 )
-MASK_OPS = ("aten::masked_fill", "aten::index", "aten::where")  # what the gate hook adds (index: table[row_plan])
+# what the gate hook adds (index: table[row_plan])
+MASK_OPS = ("aten::masked_fill", "aten::index", "aten::where")
 
 
 def category(op: str) -> str:
@@ -39,8 +40,11 @@ def category(op: str) -> str:
     return "other operators"
 
 
-def profile_generate(llm, prompts: list[list[int]], tokens: int) -> tuple[float, dict[str, tuple[float, int]]]:
-    """(wall seconds, operator -> (self CPU seconds, calls)) of one batched greedy generate of `tokens` tokens."""
+def profile_generate(
+    llm, prompts: list[list[int]], tokens: int
+) -> tuple[float, dict[str, tuple[float, int]]]:
+    """(wall seconds, operator -> (self CPU seconds, calls)) of one batched greedy generate of `tokens`
+    tokens."""
     from torch.profiler import ProfilerActivity, profile
 
     from slimwise.perf.timing import measure
@@ -83,8 +87,15 @@ def split(step: dict) -> dict[str, float]:
     return out
 
 
-def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8, 32), tokens: int = 33,
-        repetitions: int = 3, dtype: str = "auto", variants: Sequence[str] = ("full", "pruned", "slimwise")) -> dict:
+def run(
+    out_dir: str | Path,
+    synthetic: str = "cpu",
+    batches: Sequence[int] = (8, 32),
+    tokens: int = 33,
+    repetitions: int = 3,
+    dtype: str = "auto",
+    variants: Sequence[str] = ("full", "pruned", "slimwise"),
+) -> dict:
     from dataclasses import replace
 
     from slimwise import hardware
@@ -100,8 +111,17 @@ def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8
     from slimwise.perf.timing import make_prompts, shutdown_llm, vocab_size
 
     out = Path(out_dir)
-    config = BenchConfig(synthetic=synthetic, variants=tuple(variants), batches=tuple(batches), output_len=tokens,
-                         dtype=dtype, out_dir=str(out), count_experts=False, hardware=None, in_process=True)
+    config = BenchConfig(
+        synthetic=synthetic,
+        variants=tuple(variants),
+        batches=tuple(batches),
+        output_len=tokens,
+        dtype=dtype,
+        out_dir=str(out),
+        count_experts=False,
+        hardware=None,
+        in_process=True,
+    )
     model_dir = prepare_model(config)
     used, why = hardware.resolve_dtype(dtype, model_dir)
     config = replace(config, dtype=used)
@@ -120,7 +140,8 @@ def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8
                 for b in batches:
                     prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
                     # warm-up at full length: a short one left the first engine's first repetitions 20% slow
-                    # (B = 32: 89-98 ms per step, then 78; the weights' first touches and the profiler's first use)
+                    # (B = 32: 89-98 ms per step, then 78; the weights' first touches and the profiler's first
+                    # use)
                     profile_generate(llm, prompts, tokens)
                     step = decode_step(llm, prompts, tokens, repetitions)
                     result["steps"].setdefault(v.name, {})[str(b)] = {**step, "split": split(step)}
@@ -137,24 +158,38 @@ def run(out_dir: str | Path, synthetic: str = "cpu", batches: Sequence[int] = (8
 
 def table(result: dict) -> str:
     cats = [c for c, _ in CATEGORIES] + ["other operators", "engine outside operators", "step (wall)"]
-    lines = [f"Decode step split, ms per step (median of {result['repetitions']} differences of a "
-             f"{result['tokens']}-token and a 1-token generate); synthetic preset `{result['synthetic']}`, "
-             f"{result['plan']['kept']} of {result['plan']['experts']} experts kept, dtype {result['dtype']['used']}.",
-             "", "| variant | batch | " + " | ".join(cats) + " |", "|---|---|" + "---|" * len(cats)]
+    lines = [
+        f"Decode step split, ms per step (median of {result['repetitions']} differences of a "
+        f"{result['tokens']}-token and a 1-token generate); synthetic preset `{result['synthetic']}`, "
+        f"{result['plan']['kept']} of {result['plan']['experts']} experts kept, dtype "
+        f"{result['dtype']['used']}.",
+        "",
+        "| variant | batch | " + " | ".join(cats) + " |",
+        "|---|---|" + "---|" * len(cats),
+    ]
     for name, by_batch in result["steps"].items():
         for b, step in by_batch.items():
-            lines.append(f"| {name} | {b} | " + " | ".join(f"{step['split'].get(c, 0.0):.2f}" for c in cats) + " |")
+            lines.append(
+                f"| {name} | {b} | " + " | ".join(f"{step['split'].get(c, 0.0):.2f}" for c in cats) + " |"
+            )
     if "slimwise" in result["steps"] and "pruned" in result["steps"]:
-        lines += ["", "Colocated minus pruned checkpoint, per step: the operators whose time differs most (ms; "
-                  "calls per step in brackets)", "", "| batch | operator | colocated | pruned | difference |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Colocated minus pruned checkpoint, per step: the operators whose time differs most (ms; "
+            "calls per step in brackets)",
+            "",
+            "| batch | operator | colocated | pruned | difference |",
+            "|---|---|---|---|---|",
+        ]
         for b, step in result["steps"]["slimwise"].items():
             other = result["steps"]["pruned"][b]["ops"]
             diffs = sorted(step["ops"], key=lambda k: -abs(step["ops"][k][0] - other.get(k, (0.0, 0))[0]))[:8]
             for k in diffs:
                 a, p = step["ops"][k], other.get(k, (0.0, 0))
-                lines.append(f"| {b} | `{k}` | {1e3 * a[0]:.3f} ({a[1]:.0f}) | {1e3 * p[0]:.3f} ({p[1]:.0f}) | "
-                             f"{1e3 * (a[0] - p[0]):+.3f} |")
+                lines.append(
+                    f"| {b} | `{k}` | {1e3 * a[0]:.3f} ({a[1]:.0f}) | {1e3 * p[0]:.3f} ({p[1]:.0f}) | "
+                    f"{1e3 * (a[0] - p[0]):+.3f} |"
+                )
             mask = sum(step["ops"].get(k, (0.0, 0))[0] - other.get(k, (0.0, 0))[0] for k in MASK_OPS)
             lines.append(f"| {b} | mask ops ({', '.join(MASK_OPS)}) | | | {1e3 * mask:+.3f} |")
     return "\n".join(lines)
@@ -179,7 +214,9 @@ def plot(result: dict, path: Path) -> None:
         bottom = [x + y for x, y in zip(bottom, vals, strict=True)]
     ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"Where a decode step goes ({result['synthetic']} preset, {result['dtype']['used']})", fontsize=10)
+    ax.set_title(
+        f"Where a decode step goes ({result['synthetic']} preset, {result['dtype']['used']})", fontsize=10
+    )
     ax.legend(fontsize=7, loc="upper left")
     save_figure(fig, path, dpi=110)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Load test of a running `slimwise serve` endpoint (colocated or disaggregated) on this machine.
 
-Sends ROUNDS rounds of CONCURRENCY requests at once to http://127.0.0.1:PORT/v1/completions (one round after the
-other), a share of them streamed, and prints one row per round and a total:
+Sends ROUNDS rounds of CONCURRENCY requests at once to http://127.0.0.1:PORT/v1/completions (one round after
+the other), a share of them streamed, and prints one row per round and a total:
 
     sent     requests sent
     ok       HTTP 200 with a well-formed answer: max_tokens tokens (ignore_eos) or, streamed, a finish reason
@@ -12,8 +12,8 @@ other), a share of them streamed, and prints one row per round and a total:
     p50/p99  latency of the ok requests, seconds
 
 Exit code 0 when every request was ok, 1 otherwise, 2 for bad arguments or an endpoint that is not healthy.
-Bounded: at most 1,024 concurrent requests and 20 rounds, localhost only, and a wall-clock deadline (--deadline)
-after which whatever is still in flight counts as lost.
+Bounded: at most 1,024 concurrent requests and 20 rounds, localhost only, and a wall-clock deadline
+(--deadline) after which whatever is still in flight counts as lost.
 
     slimwise serve testbed-a --plan plan.json --disaggregated --port 8000 &
     python scripts/load_test.py --port 8000 --rounds 3 --concurrency 256
@@ -50,7 +50,8 @@ class Round:
 
 
 def prompt(round_index: int, i: int) -> str:
-    """A different prompt per request (lengths vary), so no two requests share a KV folder or a cache hit by design."""
+    """A different prompt per request (lengths vary), so no two requests share a KV folder or a cache hit by
+    design."""
     words = [WORDS[(round_index * 7 + i * 3 + k) % len(WORDS)] for k in range(3 + i % 13)]
     return f"request {round_index}-{i}: " + " ".join(words) + "\n"
 
@@ -62,7 +63,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
 
 
-async def one(client: httpx.AsyncClient, model: str, text: str, max_tokens: int, stream: bool) -> tuple[str, str]:
+async def one(
+    client: httpx.AsyncClient, model: str, text: str, max_tokens: int, stream: bool
+) -> tuple[str, str]:
     """(outcome, reason): outcome is ok, failed or lost."""
     body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": stream}
@@ -105,7 +108,9 @@ async def one(client: httpx.AsyncClient, model: str, text: str, max_tokens: int,
 async def run(port: int, rounds: int, concurrency: int, max_tokens: int, stream_every: int, timeout: float,
               deadline_s: float, model: str | None) -> list[Round]:
     # idle connections go after 2 s, before the server's 5 s keep-alive closes them under a request being sent
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0)
+    limits = httpx.Limits(
+        max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0
+    )
     async with httpx.AsyncClient(base_url=f"http://{HOST}:{port}", limits=limits,
                                  timeout=httpx.Timeout(timeout, connect=60.0, pool=None)) as client:
         if model is None:
@@ -148,11 +153,16 @@ async def run(port: int, rounds: int, concurrency: int, max_tokens: int, stream_
 
 
 def table(results: list[Round]) -> str:
-    rows = ["| round | sent | ok | failed | lost | p50 s | p99 s | wall s |", "|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| round | sent | ok | failed | lost | p50 s | p99 s | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     total = Round()
     for i, s in enumerate(results, 1):
-        rows.append(f"| {i} | {s.sent} | {s.ok} | {s.failed} | {s.lost} | {percentile(s.latencies, 50):.2f} | "
-                    f"{percentile(s.latencies, 99):.2f} | {s.wall:.1f} |")
+        rows.append(
+            f"| {i} | {s.sent} | {s.ok} | {s.failed} | {s.lost} | {percentile(s.latencies, 50):.2f} | "
+            f"{percentile(s.latencies, 99):.2f} | {s.wall:.1f} |"
+        )
         total.sent += s.sent
         total.ok += s.ok
         total.failed += s.failed
@@ -160,8 +170,10 @@ def table(results: list[Round]) -> str:
         total.latencies += s.latencies
         total.reasons += s.reasons
         total.wall += s.wall
-    rows.append(f"| all | {total.sent} | {total.ok} | {total.failed} | {total.lost} | "
-                f"{percentile(total.latencies, 50):.2f} | {percentile(total.latencies, 99):.2f} | {total.wall:.1f} |")
+    rows.append(
+        f"| all | {total.sent} | {total.ok} | {total.failed} | {total.lost} | "
+        f"{percentile(total.latencies, 50):.2f} | {percentile(total.latencies, 99):.2f} | {total.wall:.1f} |"
+    )
     for reason, count in total.reasons.most_common(5):
         rows.append(f"  {count} x {reason}")
     return "\n".join(rows)
@@ -178,10 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     parser.add_argument("--deadline", type=float, default=1800.0, help="seconds the whole test may take")
     args = parser.parse_args(argv)
-    if not (1 <= args.concurrency <= MAX_CONCURRENCY and 1 <= args.rounds <= MAX_ROUNDS and 1 <= args.port <= 65535
-            and args.max_tokens >= 1 and args.stream_every >= 0 and args.timeout > 0 and args.deadline > 0):
-        print(f"load_test: error: need 1 <= --concurrency <= {MAX_CONCURRENCY}, 1 <= --rounds <= {MAX_ROUNDS}, a port, "
-              "--max-tokens >= 1, --stream-every >= 0 and positive --timeout/--deadline", file=sys.stderr)
+    if not (
+        1 <= args.concurrency <= MAX_CONCURRENCY
+        and 1 <= args.rounds <= MAX_ROUNDS
+        and 1 <= args.port <= 65535
+        and args.max_tokens >= 1
+        and args.stream_every >= 0
+        and args.timeout > 0
+        and args.deadline > 0
+    ):
+        print(
+            f"load_test: error: need 1 <= --concurrency <= {MAX_CONCURRENCY}, 1 <= --rounds <= {MAX_ROUNDS}, "
+            "a port, --max-tokens >= 1, --stream-every >= 0 and positive --timeout/--deadline",
+            file=sys.stderr,
+        )
         return 2
     try:
         health = httpx.get(f"http://{HOST}:{args.port}/health", timeout=30)
@@ -191,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     if health.status_code != 200:
         print(f"load_test: error: {HOST}:{args.port}/health answered {health.status_code}", file=sys.stderr)
         return 2
-    print(f"load test: {args.rounds} rounds of {args.concurrency} concurrent requests, {args.max_tokens} tokens each, "
-          f"every {args.stream_every or 'no'}th streamed, on {HOST}:{args.port}", flush=True)
+    print(
+        f"load test: {args.rounds} rounds of {args.concurrency} concurrent requests, {args.max_tokens} "
+        f"tokens each, every {args.stream_every or 'no'}th streamed, on {HOST}:{args.port}",
+        flush=True,
+    )
     results = asyncio.run(run(args.port, args.rounds, args.concurrency, args.max_tokens, args.stream_every,
                               args.timeout, args.deadline, args.model))
     print(table(results), flush=True)

@@ -1,14 +1,14 @@
 """SlimWise: decode-only expert pruning for MoE serving.
 
-The public Python API, importable from `slimwise` itself (loaded on first use, so `import slimwise` stays cheap and
-vLLM workers, which import `slimwise.serving`, never load the trainer or the evaluation):
+The public Python API, importable from `slimwise` itself (loaded on first use, so `import slimwise` stays
+cheap and vLLM workers, which import `slimwise.serving`, never load the trainer or the evaluation):
 
     from slimwise import load_model, load_tokenizer, calibrate, CalibrationConfig, plan_from_stats
     from slimwise import PhaseSplitEngine, GenerationConfig, export_pruned, distill, DistillConfig
 
 Stages, in pipeline order: data -> models/adapters -> calibrate (ExpertStats) -> criteria -> plan -> export |
-generate (reference engine) + masking + delta -> distill -> evaluation -> perf. docs/architecture.md has one line
-per module.
+generate (reference engine) + masking + delta -> distill -> evaluation -> perf. docs/architecture.md has one
+line per module.
 """
 
 from __future__ import annotations
@@ -19,22 +19,41 @@ from typing import TYPE_CHECKING, Any
 #: public name -> the module that defines it
 _API: dict[str, str] = {
     "SlimWiseError": "slimwise.errors",
-    "load_prompts": "slimwise.data", "load_records": "slimwise.data",
-    "load_model": "slimwise.models", "load_tokenizer": "slimwise.models", "resolve_model_dir": "slimwise.models",
-    "get_adapter": "slimwise.adapters", "register_adapter": "slimwise.adapters", "MoEAdapter": "slimwise.adapters",
-    "calibrate": "slimwise.calibrate", "CalibrationConfig": "slimwise.calibrate",
+    "load_prompts": "slimwise.data",
+    "load_records": "slimwise.data",
+    "load_model": "slimwise.models",
+    "load_tokenizer": "slimwise.models",
+    "resolve_model_dir": "slimwise.models",
+    "get_adapter": "slimwise.adapters",
+    "register_adapter": "slimwise.adapters",
+    "MoEAdapter": "slimwise.adapters",
+    "calibrate": "slimwise.calibrate",
+    "CalibrationConfig": "slimwise.calibrate",
     "ExpertStats": "slimwise.stats",
-    "CRITERIA": "slimwise.criteria", "register_criterion": "slimwise.criteria", "score_experts": "slimwise.criteria",
+    "CRITERIA": "slimwise.criteria",
+    "register_criterion": "slimwise.criteria",
+    "score_experts": "slimwise.criteria",
     "plan_from_stats": "slimwise.criteria",
-    "PrunePlan": "slimwise.plan", "make_plan": "slimwise.plan",
+    "PrunePlan": "slimwise.plan",
+    "make_plan": "slimwise.plan",
     "ExpertMask": "slimwise.masking",
-    "export_pruned": "slimwise.export", "load_pruned": "slimwise.export",
-    "PhaseSplitEngine": "slimwise.engines.reference", "GenerationConfig": "slimwise.engines.reference", "Generation": "slimwise.engines.reference",
-    "Delta": "slimwise.delta", "apply_delta": "slimwise.delta", "fold_delta": "slimwise.delta",
-    "continuation_logprobs": "slimwise.scoring", "divergence": "slimwise.scoring",
-    "distill": "slimwise.distill", "DistillConfig": "slimwise.distill", "build_teacher": "slimwise.distill",
+    "export_pruned": "slimwise.export",
+    "load_pruned": "slimwise.export",
+    "PhaseSplitEngine": "slimwise.engines.reference",
+    "GenerationConfig": "slimwise.engines.reference",
+    "Generation": "slimwise.engines.reference",
+    "Delta": "slimwise.delta",
+    "apply_delta": "slimwise.delta",
+    "fold_delta": "slimwise.delta",
+    "continuation_logprobs": "slimwise.scoring",
+    "divergence": "slimwise.scoring",
+    "distill": "slimwise.distill",
+    "DistillConfig": "slimwise.distill",
+    "build_teacher": "slimwise.distill",
     "TeacherData": "slimwise.distill",
-    "EvalConfig": "slimwise.evaluation", "run_eval": "slimwise.evaluation", "Sweep": "slimwise.evaluation",
+    "EvalConfig": "slimwise.evaluation",
+    "run_eval": "slimwise.evaluation",
+    "Sweep": "slimwise.evaluation",
 }
 
 __all__ = sorted(_API)

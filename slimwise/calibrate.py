@@ -50,12 +50,17 @@ class ExpertObserver:
         self.adapter = adapter or get_adapter(model.config)
         self.phase = phase
         self.layers = self.adapter.moe_layers(model)
-        self.stats = ExpertStats.zeros([layer.index for layer in self.layers], self.adapter.num_experts(model.config))
+        self.stats = ExpertStats.zeros(
+            [layer.index for layer in self.layers], self.adapter.num_experts(model.config)
+        )
         self.rows: torch.Tensor | None = None
         self.counted_tokens = 0
         self._wrappers = ForwardWrappers("calibration observer")
-        for row, layer in enumerate(self.layers):  # replaces the experts forward (an equivalent loop that measures)
-            self._wrappers.wrap(layer.experts, lambda _stock, row=row, layer=layer: self._make_forward(row, layer))
+        for row, layer in enumerate(self.layers):
+            # replaces the experts forward (an equivalent loop that measures)
+            self._wrappers.wrap(
+                layer.experts, lambda _stock, row=row, layer=layer: self._make_forward(row, layer)
+            )
 
     def before_forward(self, phase: str, rows: torch.Tensor) -> None:
         """phase is "prompt" or "decode"; rows marks real (non-padding, unfinished) tokens, flattened."""
@@ -68,16 +73,20 @@ class ExpertObserver:
         num_experts = stats.num_experts
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            # Sorted by expert: one gather, one contiguous slice per hit expert, one scatter, and the statistics
-            # of all experts from a handful of bincounts (no per-expert Python work beyond the matmuls).
+            # Sorted by expert: one gather, one contiguous slice per hit expert, one scatter, and the
+            # statistics of all experts from a handful of bincounts (no per-expert Python work beyond the
+            # matmuls).
             top_k = top_k_index.shape[-1]
             flat = top_k_index.reshape(-1)
-            valid = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(-1)  # EP/padding sentinels drop out
+            # EP/padding sentinels drop out
+            valid = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(-1)
             order = valid[torch.argsort(flat[valid], stable=True)]
             expert_of = flat[order]
             token_of = order // top_k
             counts = torch.bincount(expert_of, minlength=num_experts)
-            rows = self.rows if self.rows is not None and self.rows.numel() == hidden_states.shape[0] else None
+            rows = (
+                self.rows if self.rows is not None and self.rows.numel() == hidden_states.shape[0] else None
+            )
             y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts.tolist(), rows)
             gate = top_k_weights.reshape(-1)[order]
             out = torch.zeros_like(hidden_states)
@@ -87,18 +96,26 @@ class ExpertObserver:
                 g = gate.double()
                 for name, w in (("count", keep), ("gate_sum", g * keep), ("norm_sum", norms * keep),
                                 ("norm_sq_sum", norms * norms * keep), ("gate_norm_sum", g * norms * keep)):
-                    getattr(stats, name)[row] += torch.bincount(expert_of, weights=w, minlength=num_experts).to(
-                        getattr(stats, name).dtype)
+                    getattr(stats, name)[row] += torch.bincount(
+                        expert_of, weights=w, minlength=num_experts
+                    ).to(getattr(stats, name).dtype)
                 stats.tokens[row] += rows.sum()
             return out
 
         return forward
 
-    def _expert_outputs(self, row: int, experts: nn.Module, hidden_states: torch.Tensor, token_of: torch.Tensor,
-                        counts: list[int], rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """f_e(x) and ||f_e(x)|| (float64) for every (token, expert) assignment, sorted by expert: each hit expert on
-        its routed rows. The norm is taken per expert while its output is in cache (one float64 copy of all
-        outputs at once costs more than the expert matmuls at long prompts)."""
+    def _expert_outputs(
+        self,
+        row: int,
+        experts: nn.Module,
+        hidden_states: torch.Tensor,
+        token_of: torch.Tensor,
+        counts: list[int],
+        rows: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """f_e(x) and ||f_e(x)|| (float64) for every (token, expert) assignment, sorted by expert: each hit
+        expert on its routed rows. The norm is taken per expert while its output is in cache (one float64 copy
+        of all outputs at once costs more than the expert matmuls at long prompts)."""
         x = hidden_states[token_of]
         y = torch.empty_like(x)
         norms = torch.empty(token_of.numel(), dtype=torch.float64)
@@ -137,13 +154,17 @@ def calibrate(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]]
             outs = engine.generate(batch, mode="full", config=gen_cfg, observer=observer)
             processed += sum(len(o.prompt_ids) + max(len(o.token_ids) - 1, 0) for o in outs)
             bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{processed / (time.perf_counter() - t0):.0f}", counted=observer.counted_tokens)
+            bar.set_postfix(
+                tok_s=f"{processed / (time.perf_counter() - t0):.0f}", counted=observer.counted_tokens
+            )
     finally:
         bar.close()
         observer.remove()
     if observer.counted_tokens == 0:
-        raise SlimWiseError(f"no {config.phase} tokens were counted (max_new_tokens={config.max_new_tokens}); "
-                            "use longer continuations or another phase")
+        raise SlimWiseError(
+            f"no {config.phase} tokens were counted (max_new_tokens={config.max_new_tokens}); "
+            "use longer continuations or another phase"
+        )
     stats = observer.stats
     adapter = observer.adapter
     stats.meta.update({"fingerprint": model_fingerprint(model), "family": adapter.family,

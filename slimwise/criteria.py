@@ -23,8 +23,9 @@ def register_criterion(name: str) -> Callable[[Criterion], Criterion]:
 
     def deco(fn: Criterion) -> Criterion:
         if name in CRITERIA and CRITERIA[name] is not fn:
-            raise SlimWiseError(f"criterion {name!r} is already registered ({CRITERIA[name].__name__}); choose another "
-                                "name")
+            raise SlimWiseError(
+                f"criterion {name!r} is already registered ({CRITERIA[name].__name__}); choose another name"
+            )
         CRITERIA[name] = fn
         return fn
 
@@ -67,11 +68,14 @@ def score_experts(stats: ExpertStats, criterion: str) -> torch.Tensor:
 
 def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str = "layer", ep_size: int = 1,
                     ep_placement: str = "linear") -> PrunePlan:
-    """Score experts with `criterion` and prune `ratio` of them; the plan inherits the stats' model fingerprint.
-    `ep_size` > 1: keep the same number of experts in every expert-parallel rank's block (`slimwise.parallel`)."""
+    """Score experts with `criterion` and prune `ratio` of them; the plan inherits the stats' model
+    fingerprint. `ep_size` > 1: keep the same number of experts in every expert-parallel rank's block
+    (`slimwise.parallel`)."""
     meta = stats.meta
     if "family" not in meta or "top_k" not in meta:
-        raise SlimWiseError("stats file lacks model metadata (family, top_k); recalibrate with `slimwise calibrate`")
+        raise SlimWiseError(
+            "stats file lacks model metadata (family, top_k); recalibrate with `slimwise calibrate`"
+        )
     kwargs = dict(family=meta["family"], top_k=int(meta["top_k"]), num_groups=int(meta.get("num_groups", 1)),
                   min_kept_per_group=int(meta.get("min_kept_per_group", 1)), scope=scope, criterion=criterion,
                   phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
@@ -81,5 +85,7 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
 
         if scope != "layer":
             raise SlimWiseError("an EP-balanced plan prunes per layer: drop --global")
-        return balanced_plan(score_experts(stats, criterion), stats.layers, ratio, ep_size, ep_placement, **kwargs)
+        return balanced_plan(
+            score_experts(stats, criterion), stats.layers, ratio, ep_size, ep_placement, **kwargs
+        )
     return make_plan(score_experts(stats, criterion), stats.layers, ratio, **kwargs)

@@ -19,10 +19,14 @@ def _text_lines(path: Path) -> list[str]:
     try:
         return path.read_text(encoding="utf-8").split("\n")  # not splitlines: JSON strings may hold U+2028
     except UnicodeDecodeError as exc:
-        raise SlimWiseError(f"{path} is not UTF-8 text (byte {exc.start}); pass .jsonl with one JSON object per line "
-                            "or .txt with one prompt per line") from exc
+        raise SlimWiseError(
+            f"{path} is not UTF-8 text (byte {exc.start}); pass .jsonl with one JSON object per line "
+            "or .txt with one prompt per line"
+        ) from exc
     except IsADirectoryError as exc:
-        raise SlimWiseError(f"{path} is a directory inside the data directory; pass .jsonl or .txt files") from exc
+        raise SlimWiseError(
+            f"{path} is a directory inside the data directory; pass .jsonl or .txt files"
+        ) from exc
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

@@ -36,30 +36,52 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     t0 = time.perf_counter()
     model_dir = Path(model) if model is not None else resolve_model_dir("testbed-a")
     per_family = math.ceil(samples / len(families_in_domain(TARGET_DOMAIN)))
-    config = EvalConfig(criteria=(criterion,), ratios=(ratio,), phases=("decode",), modes=MODES,
-                        n_per_family=per_family, max_samples=samples, seed=seed, max_new_tokens=max_new_tokens,
-                        batch_size=batch_size, out_dir=str(out_dir), cache=False, headline=(criterion, ratio, "decode"),
-                        threads=threads, calib_mixes=(), other_per_family=per_family, **overrides)
+    config = EvalConfig(
+        criteria=(criterion,),
+        ratios=(ratio,),
+        phases=("decode",),
+        modes=MODES,
+        n_per_family=per_family,
+        max_samples=samples,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        out_dir=str(out_dir),
+        cache=False,
+        headline=(criterion, ratio, "decode"),
+        threads=threads,
+        calib_mixes=(),
+        other_per_family=per_family,
+        **overrides,
+    )
     console.rule("[bold]1/4 load")
     sweep = Sweep(model_dir, config, out_dir, console)
-    console.print(f"model: {model_dir} ({sum(p.numel() for p in sweep.model.parameters()) / 1e6:.1f}M parameters, "
-                  f"{sweep.adapter.num_experts(sweep.model.config)} experts, top-{sweep.adapter.top_k(sweep.model.config)});"
-                  f" {len(sweep.samples)} {TARGET_DOMAIN} test problems")
+    console.print(
+        f"model: {model_dir} ({sum(p.numel() for p in sweep.model.parameters()) / 1e6:.1f}M parameters, "
+        f"{sweep.adapter.num_experts(sweep.model.config)} experts, "
+        f"top-{sweep.adapter.top_k(sweep.model.config)}); {len(sweep.samples)} {TARGET_DOMAIN} test problems"
+    )
 
     console.rule("[bold]2/4 decode-aware calibration and plan")
     spec = sweep.build_plans()[0]
     plan = spec.plan
     export_pruned(load_model(model_dir), plan, out_dir / "pruned", source_dir=model_dir, force=True)
-    console.print(f"plan: {criterion} at {ratio:.0%} keeps {plan.num_kept}/{plan.num_experts} experts per layer "
-                  f"({spec.path}); pruned checkpoint in {out_dir / 'pruned'}")
+    console.print(
+        f"plan: {criterion} at {ratio:.0%} keeps {plan.num_kept}/{plan.num_experts} experts per layer "
+        f"({spec.path}); pruned checkpoint in {out_dir / 'pruned'}"
+    )
 
     console.rule("[bold]3/4 generate full / uniform / SlimWise")
     report = sweep.run([spec])
     sweep.close()
 
     console.rule("[bold]4/4 result")
-    Console(width=max(console.width, 130)).print(console_table(report, f"SlimWise demo: {criterion} {ratio:.0%} on {report['tasks']['n']} "
-                                        f"{TARGET_DOMAIN} test problems"))
+    Console(width=max(console.width, 130)).print(
+        console_table(
+            report,
+            f"SlimWise demo: {criterion} {ratio:.0%} on {report['tasks']['n']} {TARGET_DOMAIN} test problems",
+        )
+    )
     if report.get("other_domains"):
         od = report["other_domains"]
         acc = {r["mode"]: r["other_metrics"]["accuracy"] for r in report["runs"] if "other_metrics" in r}
@@ -67,5 +89,7 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
                       f"{od['full']['accuracy']:.1%}, " + ", ".join(f"{m} {a:.1%}" for m, a in acc.items())
                       + f" -- a plan calibrated on {TARGET_DOMAIN} costs the other domains this much")
     report["demo_seconds_total"] = round(time.perf_counter() - t0, 1)
-    console.print(f"report: {out_dir / 'report.md'} (+ report.json, plots)  total {report['demo_seconds_total']}s")
+    console.print(
+        f"report: {out_dir / 'report.md'} (+ report.json, plots)  total {report['demo_seconds_total']}s"
+    )
     return report

@@ -100,8 +100,10 @@ def verify_export(path: Path, plan: PrunePlan, originals: dict[int, dict[str, to
     adapter = get_adapter(reloaded.config)
     n_keep = plan.num_kept
     if adapter.num_experts(reloaded.config) != n_keep:
-        raise SlimWiseError(f"export check failed: reloaded config has {adapter.num_experts(reloaded.config)} "
-                            f"experts, expected {n_keep}")
+        raise SlimWiseError(
+            f"export check failed: reloaded config has {adapter.num_experts(reloaded.config)} "
+            f"experts, expected {n_keep}"
+        )
     layers = adapter.moe_layers(reloaded)
     if {layer.index for layer in layers} != set(originals):
         raise SlimWiseError("export check failed: the reloaded model has different MoE layers")
@@ -113,12 +115,15 @@ def verify_export(path: Path, plan: PrunePlan, originals: dict[int, dict[str, to
             got = now.get(name)
             want = src.index_select(0, kept) if src.dim() > 0 and src.shape[0] == plan.num_experts else src
             if got is None or got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
-                raise SlimWiseError(f"export check failed: layer {layer.index} {name} does not match the source's "
-                                    "kept experts; the checkpoint was not written")
+                raise SlimWiseError(
+                    f"export check failed: layer {layer.index} {name} does not match the source's "
+                    "kept experts; the checkpoint was not written"
+                )
 
 
 def load_pruned(path: str | Path, dtype: str | torch.dtype = "auto") -> tuple[nn.Module, PrunePlan | None]:
-    """A pruned checkpoint and the plan it was exported from (None for a checkpoint SlimWise did not write)."""
+    """A pruned checkpoint and the plan it was exported from (None for a checkpoint SlimWise did not
+    write)."""
     from slimwise.models import load_model
 
     model = load_model(path, dtype=dtype)

@@ -1,9 +1,10 @@
 """Fingerprints that tie a plan, a cache or a delta to the weights it was made for.
 
-Three parts, each a 16-hex-digit sha256 prefix: `config_sha256` (the structural config fields), `weights_sha256`
-(a strided sample of every weight in memory, float32 view so dtype upcasts agree) and `files_sha256` (a window of
-every decoder-layer tensor in the checkpoint files, read from the safetensors headers without loading). Two
-fingerprints match when they agree on every part both carry (`fingerprints_match`).
+Three parts, each a 16-hex-digit sha256 prefix: `config_sha256` (the structural config fields),
+`weights_sha256` (a strided sample of every weight in memory, float32 view so dtype upcasts agree) and
+`files_sha256` (a window of every decoder-layer tensor in the checkpoint files, read from the safetensors
+headers without loading). Two fingerprints match when they agree on every part both carry
+(`fingerprints_match`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# config keys that fix the weights' shapes, routing and attention: what a plan depends on. A whitelist, because
-# loaders normalise other fields differently (vLLM rewrites sliding_window, label maps, architectures, ...).
+# config keys that fix the weights' shapes, routing and attention: what a plan depends on. A whitelist,
+# because loaders normalise other fields differently (vLLM rewrites sliding_window, label maps, architectures,
+# ...).
 _STRUCTURAL_KEYS = {"model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                     "shared_expert_intermediate_size", "num_hidden_layers", "num_attention_heads",
                     "num_key_value_heads", "head_dim", "num_experts", "num_local_experts", "n_routed_experts",
@@ -37,17 +39,23 @@ def config_fingerprint(config_dict: dict) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-_SAFETENSORS_FLOATS = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_SAFETENSORS_FLOATS = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
 _SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                       "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 def checkpoint_fingerprint(model_dir: str | Path, samples_per_tensor: int = 32) -> str | None:
-    """Checksum of a checkpoint's decoder-layer weights as stored, read without loading them: every layer tensor's
-    name from "layers." on, its shape and a window of values from its middle (float32, so a dtype upcast agrees),
-    one small read per tensor from the safetensors header's offsets; the same for the multimodal and the text-only
-    layout of the same weights. Lets `slimwise serve` refuse a plan made for other weights of the same shape
-    before any engine starts. None when the directory has no safetensors files or one cannot be read."""
+    """Checksum of a checkpoint's decoder-layer weights as stored, read without loading them: every layer
+    tensor's name from "layers." on, its shape and a window of values from its middle (float32, so a dtype
+    upcast agrees), one small read per tensor from the safetensors header's offsets; the same for the
+    multimodal and the text-only layout of the same weights. Lets `slimwise serve` refuse a plan made for
+    other weights of the same shape before any engine starts. None when the directory has no safetensors files
+    or one cannot be read."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None
@@ -61,9 +69,10 @@ _FILES_FINGERPRINTS: dict[tuple, str | None] = {}
 
 
 def _layer_name(name: str) -> str | None:
-    """The decoder-layer part of a tensor name ("layers.3.mlp.gate.weight"), None for what a plan does not depend
-    on and checkpoint layouts disagree about: the published multimodal class prefixes "model.language_model.",
-    the text-only class "model.", and only the former carries a vision tower (and some an MTP head)."""
+    """The decoder-layer part of a tensor name ("layers.3.mlp.gate.weight"), None for what a plan does not
+    depend on and checkpoint layouts disagree about: the published multimodal class prefixes
+    "model.language_model.", the text-only class "model.", and only the former carries a vision tower (and
+    some an MTP head)."""
     at = name.find("layers.")
     if at < 0 or any(part in name for part in ("visual", "vision", "mtp")):
         return None
@@ -89,7 +98,12 @@ def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
                     fh.seek(8 + n + begin + first * size)
                     raw = fh.read(take * size)
                     if dtype in _SAFETENSORS_FLOATS and raw:
-                        raw = torch.frombuffer(bytearray(raw), dtype=_SAFETENSORS_FLOATS[dtype]).float().numpy().tobytes()
+                        raw = (
+                            torch.frombuffer(bytearray(raw), dtype=_SAFETENSORS_FLOATS[dtype])
+                            .float()
+                            .numpy()
+                            .tobytes()
+                        )
                     entries.append((name, tuple(shape), raw))
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None  # unreadable: the loader says what is wrong with the file
@@ -104,9 +118,9 @@ def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
 def fingerprints_match(a: dict | None, b: dict | None) -> bool:
     """Two fingerprints agree on every part both carry. Parts: config_sha256 (structure), weights_sha256 (the
     weights in memory) and files_sha256 (the checkpoint files; only for models loaded from a directory, and in
-    plans made since it was added), so a plan from before a part existed still matches on the others. Where both
-    carry the weights' checksum it decides, not the files': the same weights saved by another class (multimodal
-    vs text-only Qwen3.5) are other files."""
+    plans made since it was added), so a plan from before a part existed still matches on the others. Where
+    both carry the weights' checksum it decides, not the files': the same weights saved by another class
+    (multimodal vs text-only Qwen3.5) are other files."""
     if not a or not b:
         return a == b
     keys = a.keys() & b.keys()
@@ -116,14 +130,14 @@ def fingerprints_match(a: dict | None, b: dict | None) -> bool:
 
 
 def memory_fingerprint(fingerprint: dict) -> dict:
-    """The parts of a fingerprint that describe the weights in memory (no files checksum): cache keys use it, so
-    caches written before the files checksum existed stay valid."""
+    """The parts of a fingerprint that describe the weights in memory (no files checksum): cache keys use it,
+    so caches written before the files checksum existed stay valid."""
     return {k: v for k, v in fingerprint.items() if k != "files_sha256"}
 
 
 def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[str, str]:
-    """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree), and
-    for a model `load_model` read from a directory, that checkpoint's `checkpoint_fingerprint`."""
+    """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree),
+    and for a model `load_model` read from a directory, that checkpoint's `checkpoint_fingerprint`."""
     config_hash = config_fingerprint(model.config.to_dict())
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):

@@ -1,10 +1,10 @@
 """The machine SlimWise runs on: CPU model and ISA flags, and the dtype a CPU decodes fastest in.
 
-Why a module of its own: the CPU speedup of expert pruning depends on the machine's bf16 support. On a CPU with bf16
-matrix instructions (AMX, AVX512-BF16) bf16 halves the bytes per step and decode stays memory-bound; on an AVX2-only
-CPU torch's bf16 matmul runs at about 0.4 GFLOP/s against 41-84 in float32 (measured on an AMD EPYC: docs/serving.md, "dtype on CPU"),
-vLLM falls back to torch linears for bf16, and float32 decodes about 1.5x faster. `--dtype auto` on a CPU asks
-`choose_cpu_dtype`, and every results file records `describe()`.
+Why a module of its own: the CPU speedup of expert pruning depends on the machine's bf16 support. On a CPU
+with bf16 matrix instructions (AMX, AVX512-BF16) bf16 halves the bytes per step and decode stays memory-bound;
+on an AVX2-only CPU torch's bf16 matmul runs at about 0.4 GFLOP/s against 41-84 in float32 (measured on an AMD
+EPYC: docs/serving.md, "dtype on CPU"), vLLM falls back to torch linears for bf16, and float32 decodes about
+1.5x faster. `--dtype auto` on a CPU asks `choose_cpu_dtype`, and every results file records `describe()`.
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def bf16_support() -> str | None:
 
 
 def choose_cpu_dtype(checkpoint_dtype: str | None, model_type: str | None = None) -> tuple[str, str]:
-    """(dtype, why) for `--dtype auto` on a CPU. vLLM's own "auto" is the checkpoint's dtype; SlimWise keeps it
-    except for a bf16/fp16 checkpoint on a CPU without bf16 matrix instructions, which decodes in float32 (bf16
-    would be emulated there). Models whose vLLM CPU kernels exist in bf16 only stay bf16."""
+    """(dtype, why) for `--dtype auto` on a CPU. vLLM's own "auto" is the checkpoint's dtype; SlimWise keeps
+    it except for a bf16/fp16 checkpoint on a CPU without bf16 matrix instructions, which decodes in float32
+    (bf16 would be emulated there). Models whose vLLM CPU kernels exist in bf16 only stay bf16."""
     dtype = str(checkpoint_dtype or "float32").removeprefix("torch.")
     if model_type in BF16_ONLY_ON_CPU:
         return "bfloat16", f"{model_type}: vLLM's CPU Gated DeltaNet kernel runs in bf16 only"
@@ -56,8 +56,10 @@ def choose_cpu_dtype(checkpoint_dtype: str | None, model_type: str | None = None
     support = bf16_support()
     if support:
         return dtype, f"the checkpoint's dtype ({dtype}); the CPU has {support} (bf16 matrix instructions)"
-    return "float32", (f"the checkpoint is {dtype} but the CPU has no bf16 matrix instructions (no amx_bf16 or "
-                       "avx512_bf16): bf16 would be emulated, about 1.5x slower than float32 in decode")
+    return "float32", (
+        f"the checkpoint is {dtype} but the CPU has no bf16 matrix instructions (no amx_bf16 or "
+        "avx512_bf16): bf16 would be emulated, about 1.5x slower than float32 in decode"
+    )
 
 
 def vllm_on_cpu() -> bool:
@@ -71,9 +73,10 @@ def vllm_on_cpu() -> bool:
 
 def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None,
                   engine: str = "vllm") -> tuple[str, str]:
-    """(dtype, why) an engine gets for a requested dtype. "auto" on vLLM's CPU backend goes through `choose_cpu_dtype`
-    with the checkpoint's dtype and model type; engine "hf" (the transformers reference, which runs on the CPU)
-    through `choose_cpu_dtype` without the model type, as torch has no bf16-only kernels. Anything else is kept."""
+    """(dtype, why) an engine gets for a requested dtype. "auto" on vLLM's CPU backend goes through
+    `choose_cpu_dtype` with the checkpoint's dtype and model type; engine "hf" (the transformers reference,
+    which runs on the CPU) through `choose_cpu_dtype` without the model type, as torch has no bf16-only
+    kernels. Anything else is kept."""
     if dtype != "auto":
         return dtype, "as requested"
     if engine == "vllm" and not (vllm_on_cpu() if on_cpu is None else on_cpu):
@@ -82,8 +85,10 @@ def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None,
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = config.get("text_config") or config
-    return choose_cpu_dtype(text.get("dtype") or config.get("dtype") or config.get("torch_dtype"),
-                            (text.get("model_type") or config.get("model_type")) if engine == "vllm" else None)
+    return choose_cpu_dtype(
+        text.get("dtype") or config.get("dtype") or config.get("torch_dtype"),
+        (text.get("model_type") or config.get("model_type")) if engine == "vllm" else None,
+    )
 
 
 def describe() -> dict:
@@ -94,8 +99,16 @@ def describe() -> dict:
             "bf16_support": bf16_support()}
 
 
-__all__ = ["BF16_FLAGS", "BF16_ONLY_ON_CPU", "bf16_support", "choose_cpu_dtype", "cpu_info", "describe", "resolve_dtype",
-           "vllm_on_cpu"]
+__all__ = [
+    "BF16_FLAGS",
+    "BF16_ONLY_ON_CPU",
+    "bf16_support",
+    "choose_cpu_dtype",
+    "cpu_info",
+    "describe",
+    "resolve_dtype",
+    "vllm_on_cpu",
+]
 
 
 #: vLLM's CPU backend: per-rank OpenMP core lists, "a-b|c-d" (one entry per local rank)
@@ -103,10 +116,10 @@ THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def cpu_thread_binding(ranks: int, cpus: list[int] | None = None) -> str:
-    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` local CPU workers (tensor x pipeline parallel): the allowed cores split
-    into equal contiguous blocks, one per rank. vLLM's own "auto" binds one NUMA node per rank and refuses to start
-    with more ranks than nodes ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"), which is
-    every single-socket machine."""
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` local CPU workers (tensor x pipeline parallel): the allowed
+    cores split into equal contiguous blocks, one per rank. vLLM's own "auto" binds one NUMA node per rank and
+    refuses to start with more ranks than nodes ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"), which is every single-socket machine."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -121,13 +134,15 @@ def parallel_ranks(args: list[str]) -> int:
     """Local ranks of one vLLM instance from its command-line options: tensor x pipeline parallel size."""
     from slimwise.argtypes import option_count
 
-    return option_count(args, "--tensor-parallel-size", "-tp") * option_count(args, "--pipeline-parallel-size", "-pp")
+    return option_count(args, "--tensor-parallel-size", "-tp") * option_count(
+        args, "--pipeline-parallel-size", "-pp"
+    )
 
 
 def cpu_binding_env(ranks: int, on_cpu: bool | None = None, environ=None) -> dict[str, str]:
-    """On vLLM's CPU backend with `ranks` local ranks (tensor x pipeline parallel): the per-rank core binding vLLM
-    needs on a single-NUMA-node machine, where its default ("auto": one node per rank) refuses to start. The user's
-    own VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed."""
+    """On vLLM's CPU backend with `ranks` local ranks (tensor x pipeline parallel): the per-rank core binding
+    vLLM needs on a single-NUMA-node machine, where its default ("auto": one node per rank) refuses to start.
+    The user's own VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed."""
     environ = os.environ if environ is None else environ
     if ranks == 1 or THREADS_BIND_ENV in environ or not (vllm_on_cpu() if on_cpu is None else on_cpu):
         return {}
@@ -136,8 +151,8 @@ def cpu_binding_env(ranks: int, on_cpu: bool | None = None, environ=None) -> dic
 
 @contextlib.contextmanager
 def scoped_environ(env: dict[str, str]):
-    """Set `env` in os.environ for the block (what processes started in it inherit), then restore every key as it
-    was: nothing leaks into the caller's later processes or the next test."""
+    """Set `env` in os.environ for the block (what processes started in it inherit), then restore every key as
+    it was: nothing leaks into the caller's later processes or the next test."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

@@ -1,10 +1,11 @@
-"""One way to act on a module's forward: wrap it (replace it for a while) or hook it (observe it), and undo both.
+"""One way to act on a module's forward: wrap it (replace it for a while) or hook it (observe it), and undo
+both.
 
-Why one helper: the expert mask, a distilled delta, the calibration observer, the traffic meter and the testbed's
-router capture all sit on the same modules of one model, often several at once (an engine's mask under its delta,
-two engines sharing a model). Wrappers stack, so they must come off in the reverse order they went on: removing
-one from under another would silently drop the one on top. `ForwardWrappers.remove` refuses that with one clear
-message instead. llm-compressor's `HooksMixin` plays the same role for its modifiers.
+Why one helper: the expert mask, a distilled delta, the calibration observer, the traffic meter and the
+testbed's router capture all sit on the same modules of one model, often several at once (an engine's mask
+under its delta, two engines sharing a model). Wrappers stack, so they must come off in the reverse order they
+went on: removing one from under another would silently drop the one on top. `ForwardWrappers.remove` refuses
+that with one clear message instead. llm-compressor's `HooksMixin` plays the same role for its modifiers.
 """
 
 from __future__ import annotations
@@ -19,16 +20,18 @@ Forward = Callable[..., object]
 
 
 class ForwardWrappers:
-    """The forward wrappers and forward hooks one owner (a mask, a delta, an observer) installed on a model."""
+    """The forward wrappers and forward hooks one owner (a mask, a delta, an observer) installed on a
+    model."""
 
     def __init__(self, what: str):
         self.what = what
-        self._wrapped: list[tuple[nn.Module, object, Forward]] = []  # (module, its own forward attribute, ours)
+        # (module, its own forward attribute, ours)
+        self._wrapped: list[tuple[nn.Module, object, Forward]] = []
         self._handles: list = []
 
     def wrap(self, module: nn.Module, make: Callable[[Forward], Forward]) -> Forward:
-        """Replace `module.forward` with `make(previous)`, where `previous` is the forward it replaces (the stock
-        one, or the wrapper installed before it); returns the new forward."""
+        """Replace `module.forward` with `make(previous)`, where `previous` is the forward it replaces (the
+        stock one, or the wrapper installed before it); returns the new forward."""
         ours = make(module.forward)
         self._wrapped.append((module, module.__dict__.get("forward"), ours))
         module.forward = ours
@@ -44,11 +47,13 @@ class ForwardWrappers:
         return all(module.__dict__.get("forward") is ours for module, _, ours in self._wrapped)
 
     def remove(self) -> None:
-        """Restore every wrapped forward (newest first) and remove the hooks; refuse if another owner wrapped the
-        same modules after us and is still installed."""
+        """Restore every wrapped forward (newest first) and remove the hooks; refuse if another owner wrapped
+        the same modules after us and is still installed."""
         if not self.on_top():
-            raise SlimWiseError(f"cannot remove this {self.what}: another mask or delta was installed on the same "
-                                "model after it; close engines in the reverse order of creation")
+            raise SlimWiseError(
+                f"cannot remove this {self.what}: another mask or delta was installed on the same "
+                "model after it; close engines in the reverse order of creation"
+            )
         for module, previous, _ in reversed(self._wrapped):
             if previous is None:
                 del module.forward

@@ -1,9 +1,9 @@
 """Atomic file and directory writes: every file SlimWise writes appears whole or not at all.
 
 Why one helper: plans, statistics, reports, checkpoints and caches are read by other processes (a resumed run,
-a serving instance, a re-rendered report) and a crash mid-write must not leave half a file under the real name.
-Each write goes to a unique temporary sibling (same directory, so the rename is atomic on POSIX) and is renamed
-over the target only once complete; on any error the temporary file is removed.
+a serving instance, a re-rendered report) and a crash mid-write must not leave half a file under the real
+name. Each write goes to a unique temporary sibling (same directory, so the rename is atomic on POSIX) and is
+renamed over the target only once complete; on any error the temporary file is removed.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def atomic_torch_save(obj, path: str | Path) -> Path:
 
 
 def save_figure(fig, path: str | Path, *, dpi: float | None = None, rect: tuple | None = None) -> Path:
-    """Lay out, write atomically (parents created) and close a matplotlib figure: the one ending of every SlimWise
-    plot. `rect` is tight_layout's (room for a legend below the axes)."""
+    """Lay out, write atomically (parents created) and close a matplotlib figure: the one ending of every
+    SlimWise plot. `rect` is tight_layout's (room for a legend below the axes)."""
     import matplotlib.pyplot as plt
 
     if rect is None:
@@ -72,7 +72,8 @@ def save_figure(fig, path: str | Path, *, dpi: float | None = None, rect: tuple 
 
 
 def _blocking_file(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` if it is a file (so `path`'s directory cannot be created), else None."""
+    """The nearest existing ancestor of `path` if it is a file (so `path`'s directory cannot be created), else
+    None."""
     for p in Path(path).absolute().parents:
         if p.exists():
             return None if p.is_dir() else p
@@ -80,7 +81,9 @@ def _blocking_file(path: Path) -> Path | None:
 
 
 def _blocked(path: str | Path, blocker: Path) -> SlimWiseError:
-    return SlimWiseError(f"cannot write {path}: {blocker} is a file, not a directory; choose another output path")
+    return SlimWiseError(
+        f"cannot write {path}: {blocker} is a file, not a directory; choose another output path"
+    )
 
 
 def refuse_blocked_parent(path: str | Path) -> None:
@@ -100,7 +103,8 @@ def make_parent(path: str | Path) -> None:
 
 
 def refuse_existing(path: str | Path, force: bool = False) -> None:
-    """Refuse to write over a file or a non-empty directory unless `force` (the one wording for every output)."""
+    """Refuse to write over a file or a non-empty directory unless `force` (the one wording for every
+    output)."""
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())) and not force:
         raise SlimWiseError(f"output {path} exists and is not empty; choose a new path or pass --force")
@@ -175,5 +179,16 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
-__all__ = ["atomic_dir", "atomic_path", "atomic_torch_save", "atomic_write_text", "dumps_compact", "make_parent",
-           "pid_alive", "refuse_blocked_parent", "refuse_existing", "remove_stale_temporaries", "save_figure"]
+__all__ = [
+    "atomic_dir",
+    "atomic_path",
+    "atomic_torch_save",
+    "atomic_write_text",
+    "dumps_compact",
+    "make_parent",
+    "pid_alive",
+    "refuse_blocked_parent",
+    "refuse_existing",
+    "remove_stale_temporaries",
+    "save_figure",
+]

@@ -66,8 +66,8 @@ class ExpertMask:
             self.active, self.token_mask = previous
 
     def remove(self) -> None:
-        """Restore each router's forward. Wrappers stack (another engine's mask, a delta), so they must come off
-        in reverse order: removing one from under another would silently drop the one on top."""
+        """Restore each router's forward. Wrappers stack (another engine's mask, a delta), so they must come
+        off in reverse order: removing one from under another would silently drop the one on top."""
         self._wrappers.remove()
 
     def __enter__(self) -> ExpertMask:

@@ -21,9 +21,10 @@ MANIFEST_FILE = "slimwise_manifest.json"
 
 
 def is_hybrid(config_or_dir) -> bool:
-    """True for models with linear-attention (Gated-DeltaNet) layers (Qwen3-Next, Qwen3.5/3.6-MoE): their decode state
-    includes each such layer's conv and recurrent state beside the attention KV, and the CPU training kernels ignore
-    packed-sample boundaries. Takes a config (object or dict) or a checkpoint directory."""
+    """True for models with linear-attention (Gated-DeltaNet) layers (Qwen3-Next, Qwen3.5/3.6-MoE): their
+    decode state includes each such layer's conv and recurrent state beside the attention KV, and the CPU
+    training kernels ignore packed-sample boundaries. Takes a config (object or dict) or a checkpoint
+    directory."""
     config = config_or_dir
     if isinstance(config_or_dir, (str, Path)):
         path = Path(config_or_dir) / "config.json"
@@ -37,7 +38,8 @@ def is_hybrid(config_or_dir) -> bool:
 
 
 def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int:
-    """Attention KV bytes one token adds to the cache (full-attention layers only; bf16/fp16 unless float32)."""
+    """Attention KV bytes one token adds to the cache (full-attention layers only; bf16/fp16 unless
+    float32)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     text = cfg.get("text_config", cfg)
     heads = text.get("num_attention_heads", 1)
@@ -78,31 +80,39 @@ def resolve_model_dir(path: str | Path) -> Path:
 
 
 # names different writers give the routed-expert count; a config.json that states two of them differently is
-# contradictory (llm-compressor 0.14 writes num_experts beside the original num_local_experts) and transformers would
-# silently pick one
+# contradictory (llm-compressor 0.14 writes num_experts beside the original num_local_experts) and
+# transformers would silently pick one
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def load_config(path: str | Path):
-    """The model's config, refused in one line when config.json is unreadable, malformed or self-contradictory."""
+    """The model's config, refused in one line when config.json is unreadable, malformed or
+    self-contradictory."""
     model_dir = resolve_model_dir(path)
     try:
         raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SlimWiseError(f"{model_dir}/config.json is not readable JSON ({type(exc).__name__}); restore the "
-                            "checkpoint's config.json") from exc
+        raise SlimWiseError(
+            f"{model_dir}/config.json is not readable JSON ({type(exc).__name__}); restore the "
+            "checkpoint's config.json"
+        ) from exc
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
-        raise SlimWiseError(f"{model_dir}/config.json has no model_type; restore the checkpoint's config.json")
+        raise SlimWiseError(
+            f"{model_dir}/config.json has no model_type; restore the checkpoint's config.json"
+        )
     for section in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
         counts = {k: section[k] for k in _EXPERT_COUNT_KEYS if k in section and section[k] is not None}
         if len(set(map(str, counts.values()))) > 1:
-            raise SlimWiseError(f"{model_dir}/config.json contradicts itself on the expert count ({counts}); keep the "
-                                "one that matches the weights")
+            raise SlimWiseError(
+                f"{model_dir}/config.json contradicts itself on the expert count ({counts}); keep the "
+                "one that matches the weights"
+            )
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, TypeError, KeyError, StrictDataclassError) as exc:
-        raise SlimWiseError(f"{model_dir}/config.json is invalid: {_first_line(exc)}; restore the checkpoint's "
-                            "config.json") from exc
+        raise SlimWiseError(
+            f"{model_dir}/config.json is invalid: {_first_line(exc)}; restore the checkpoint's config.json"
+        ) from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -112,7 +122,8 @@ def _first_line(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def _progress_on_terminal_only():
-    """transformers' weight-loading bar only when stderr is a terminal: in logs and pipes an error stays one line."""
+    """transformers' weight-loading bar only when stderr is a terminal: in logs and pipes an error stays one
+    line."""
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
@@ -126,8 +137,8 @@ def _progress_on_terminal_only():
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu") -> nn.Module:
-    """Load a supported MoE checkpoint for inference; refuse dense or unknown models up front, and refuse truncated,
-    corrupt or mis-shaped weights in one line."""
+    """Load a supported MoE checkpoint for inference; refuse dense or unknown models up front, and refuse
+    truncated, corrupt or mis-shaped weights in one line."""
     from safetensors import SafetensorError
 
     model_dir = resolve_model_dir(path)
@@ -135,27 +146,33 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     adapter = get_adapter(config)  # clear error for dense/unknown families before loading weights
     n, k = adapter.num_experts(config), adapter.top_k(config)
     if not (isinstance(n, int) and isinstance(k, int) and 1 <= k <= n):
-        raise SlimWiseError(f"{model_dir}/config.json routes top-{k} of {n} experts; top-k must be in [1, experts]: "
-                            "restore the checkpoint's config.json")
+        raise SlimWiseError(
+            f"{model_dir}/config.json routes top-{k} of {n} experts; top-k must be in [1, experts]: "
+            "restore the checkpoint's config.json"
+        )
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     try:
         with _progress_on_terminal_only():
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
     except SafetensorError as exc:
-        raise SlimWiseError(f"the weights in {model_dir} are truncated or corrupt ({_first_line(exc)}); copy the "
-                            "checkpoint again") from exc
+        raise SlimWiseError(
+            f"the weights in {model_dir} are truncated or corrupt ({_first_line(exc)}); copy the "
+            "checkpoint again"
+        ) from exc
     except RuntimeError as exc:
         if "mismatched" not in str(exc) and "size mismatch" not in str(exc):
             raise
-        raise SlimWiseError(f"the weights in {model_dir} do not have the shapes its config.json describes; restore "
-                            "the config.json written with these weights") from exc
+        raise SlimWiseError(
+            f"the weights in {model_dir} do not have the shapes its config.json describes; restore "
+            "the config.json written with these weights"
+        ) from exc
     model.slimwise_source_dir = str(model_dir)
     return model.to(device).eval()
 
 
 def structure_model(path: str | Path) -> nn.Module:
-    """The model's modules on the meta device (no weights read, no memory): what a plan's layers, expert count and
-    top-k are checked against before an engine starts (the weights' fingerprint needs `load_model`)."""
+    """The model's modules on the meta device (no weights read, no memory): what a plan's layers, expert count
+    and top-k are checked against before an engine starts (the weights' fingerprint needs `load_model`)."""
     config = load_config(path)
     get_adapter(config)
     with torch.device("meta"):
@@ -171,10 +188,10 @@ def load_tokenizer(path: str | Path):
     A checkpoint's `tokenizer.json` is its whole tokenizer (normalizer, pre-tokenizer, model, post-processor,
     decoder), so it is loaded as saved, whatever `tokenizer_class` tokenizer_config.json names: transformers'
     AutoTokenizer swaps in a family's own class for some model types (qwen3_5_moe*: Qwen3_5Tokenizer, which
-    rebuilds the pipeline from the vocabulary and encodes another tokenizer's text differently), and other tools
-    write other class names (llm-compressor: "TokenizersBackend"). Only a checkpoint without tokenizer.json (slow
-    sentencepiece files) goes through AutoTokenizer. vLLM loads the same object through the plugin's tokenizer
-    mode (`slimwise.serving.tokenizer`)."""
+    rebuilds the pipeline from the vocabulary and encodes another tokenizer's text differently), and other
+    tools write other class names (llm-compressor: "TokenizersBackend"). Only a checkpoint without
+    tokenizer.json (slow sentencepiece files) goes through AutoTokenizer. vLLM loads the same object through
+    the plugin's tokenizer mode (`slimwise.serving.tokenizer`)."""
     model_dir = resolve_model_dir(path)
     try:
         if (model_dir / TOKENIZER_FILE).is_file():

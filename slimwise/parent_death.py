@@ -1,4 +1,5 @@
-"""Children that die with their parent: the serving supervisor's vLLM processes and the trainer's ranks share this.
+"""Children that die with their parent: the serving supervisor's vLLM processes and the trainer's ranks share
+this.
 
 Standard library only, so a spawned training rank imports nothing heavy to use it."""
 
@@ -13,9 +14,10 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def parent_death_hook(parent: int | None = None) -> Callable[[], None] | None:
-    """A function to run in a child that makes it get SIGTERM when `parent` (default: this process) exits, even by
-    SIGKILL; None where prctl is missing (not Linux). libc is loaded here, in the caller, so the hook itself
-    imports nothing (safe as a `preexec_fn` in a forked child). The signal follows the thread that forked."""
+    """A function to run in a child that makes it get SIGTERM when `parent` (default: this process) exits,
+    even by SIGKILL; None where prctl is missing (not Linux). libc is loaded here, in the caller, so the hook
+    itself imports nothing (safe as a `preexec_fn` in a forked child). The signal follows the thread that
+    forked."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):

@@ -55,8 +55,10 @@ class PrunePlan:
     @property
     def num_kept(self) -> int:
         if not self.is_uniform:
-            raise SlimWiseError("this plan keeps a different number of experts per layer (made with --global); "
-                                "a stock checkpoint needs one count: serve it by masking instead of exporting")
+            raise SlimWiseError(
+                "this plan keeps a different number of experts per layer (made with --global); "
+                "a stock checkpoint needs one count: serve it by masking instead of exporting"
+            )
         return len(next(iter(self.kept_experts.values()))) if self.kept_experts else self.num_experts
 
     @property
@@ -74,38 +76,54 @@ class PrunePlan:
         group = self.num_experts // self.num_groups
         for layer, kept in self.kept_experts.items():
             if any(e < 0 or e >= self.num_experts for e in kept) or len(set(kept)) != len(kept):
-                raise SlimWiseError(f"plan layer {layer}: expert ids must be distinct and in [0, {self.num_experts})")
+                raise SlimWiseError(
+                    f"plan layer {layer}: expert ids must be distinct and in [0, {self.num_experts})"
+                )
             if len(kept) < self.top_k:
-                raise SlimWiseError(f"plan layer {layer} keeps {len(kept)} experts, fewer than top-k={self.top_k}; "
-                                    "use a smaller ratio")
+                raise SlimWiseError(
+                    f"plan layer {layer} keeps {len(kept)} experts, fewer than top-k={self.top_k}; "
+                    "use a smaller ratio"
+                )
             if self.num_groups > 1:
                 per_group = [sum(1 for e in kept if e // group == g) for g in range(self.num_groups)]
                 if min(per_group) < min_kept_per_group:
-                    raise SlimWiseError(f"plan layer {layer} keeps {per_group} experts per group; every one of the "
-                                        f"{self.num_groups} groups needs at least {min_kept_per_group}: use a smaller ratio")
+                    raise SlimWiseError(
+                        f"plan layer {layer} keeps {per_group} experts per group; every one of the "
+                        f"{self.num_groups} groups needs at least {min_kept_per_group}: use a smaller ratio"
+                    )
 
-    def check_model(self, model: nn.Module, adapter: MoEAdapter | None = None, check_fingerprint: bool = True) -> None:
+    def check_model(
+        self, model: nn.Module, adapter: MoEAdapter | None = None, check_fingerprint: bool = True
+    ) -> None:
         """Refuse a plan made for another model (family, expert count, layers, fingerprint)."""
         adapter = adapter or get_adapter(model.config)
         if adapter.family != self.family or adapter.num_experts(model.config) != self.num_experts:
-            raise SlimWiseError(f"plan is for a {self.family} model with {self.num_experts} experts, but the model is "
-                                f"{adapter.family} with {adapter.num_experts(model.config)}: use the plan's source model")
+            raise SlimWiseError(
+                f"plan is for a {self.family} model with {self.num_experts} experts, but the model is "
+                f"{adapter.family} with {adapter.num_experts(model.config)}: use the plan's source model"
+            )
         if adapter.top_k(model.config) != self.top_k:
             raise SlimWiseError(f"plan is for top-{self.top_k} routing but the model routes top-"
                                 f"{adapter.top_k(model.config)}: use the plan's source model")
         layers = {layer.index for layer in adapter.moe_layers(model)}
         if not set(self.kept_experts) <= layers:
-            raise SlimWiseError(f"plan names MoE layers {sorted(set(self.kept_experts) - layers)} that the model "
-                                "does not have: use the plan's source model")
+            raise SlimWiseError(
+                f"plan names MoE layers {sorted(set(self.kept_experts) - layers)} that the model "
+                "does not have: use the plan's source model"
+            )
         if set(self.kept_experts) != layers:
-            raise SlimWiseError(f"plan has no entry for MoE layers {sorted(layers - set(self.kept_experts))} of the "
-                                "model: a plan names every MoE layer; make it with `slimwise plan`")
+            raise SlimWiseError(
+                f"plan has no entry for MoE layers {sorted(layers - set(self.kept_experts))} of the "
+                "model: a plan names every MoE layer; make it with `slimwise plan`"
+            )
         if check_fingerprint and self.fingerprint is not None:
             actual = getattr(model, "_slimwise_fingerprint", None) or model_fingerprint(model)
             model._slimwise_fingerprint = actual
             if not fingerprints_match(actual, self.fingerprint):
-                raise SlimWiseError(f"plan fingerprint {self.fingerprint} does not match the model's {actual}: "
-                                    "the plan was made for other weights; recalibrate or pass the right model")
+                raise SlimWiseError(
+                    f"plan fingerprint {self.fingerprint} does not match the model's {actual}: "
+                    "the plan was made for other weights; recalibrate or pass the right model"
+                )
 
     # ----- io ------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -118,11 +136,14 @@ class PrunePlan:
 
     @classmethod
     def from_dict(cls, d: object, source: str = "plan") -> PrunePlan:
-        """The one validated way in from JSON (files, vLLM overrides): types, ranges, distinct ids, no unknown or
-        missing keys, then the family-independent constraints of `validate` (ids in range, >= top-k kept)."""
+        """The one validated way in from JSON (files, vLLM overrides): types, ranges, distinct ids, no unknown
+        or missing keys, then the family-independent constraints of `validate` (ids in range, >= top-k
+        kept)."""
         problem = _schema_problem(d)
         if problem:
-            raise SlimWiseError(f"{source} is not a valid SlimWise plan: {problem}; make one with `slimwise plan`")
+            raise SlimWiseError(
+                f"{source} is not a valid SlimWise plan: {problem}; make one with `slimwise plan`"
+            )
         plan = cls(**d)
         plan.validate()
         return plan
@@ -133,10 +154,14 @@ class PrunePlan:
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SlimWiseError(f"cannot read plan {path} ({type(exc).__name__}: {str(exc).splitlines()[0]}); pass a "
-                                "plan JSON written by `slimwise plan`") from exc
+            raise SlimWiseError(
+                f"cannot read plan {path} ({type(exc).__name__}: {str(exc).splitlines()[0]}); pass a "
+                "plan JSON written by `slimwise plan`"
+            ) from exc
         if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
-            raise SlimWiseError(f"{path} is not a SlimWise plan (format {PLAN_FORMAT}); make one with `slimwise plan`")
+            raise SlimWiseError(
+                f"{path} is not a SlimWise plan (format {PLAN_FORMAT}); make one with `slimwise plan`"
+            )
         return cls.from_dict(d, f"plan {path}")
 
     @classmethod
@@ -149,32 +174,44 @@ class PrunePlan:
                    num_groups=adapter.num_groups(model.config), fingerprint=model_fingerprint(model))
 
 
-def check_plan_for_checkpoints(plan: PrunePlan, model_dir: str | Path, decode_model: str | Path | None = None) -> None:
-    """Before an engine starts, reading only the weights' headers and a few values per tensor: the plan fits the
-    model's structure (family, expert count, top-k, every MoE layer) and was made for these weights (when it
-    carries a files checksum), and a pruned decode checkpoint SlimWise exported was exported from this plan and
-    model."""
+def check_plan_for_checkpoints(
+    plan: PrunePlan, model_dir: str | Path, decode_model: str | Path | None = None
+) -> None:
+    """Before an engine starts, reading only the weights' headers and a few values per tensor: the plan fits
+    the model's structure (family, expert count, top-k, every MoE layer) and was made for these weights (when
+    it carries a files checksum), and a pruned decode checkpoint SlimWise exported was exported from this plan
+    and model."""
     from slimwise.models import PLAN_FILE, read_manifest, resolve_model_dir, structure_model
 
     plan.check_model(structure_model(model_dir), check_fingerprint=False)
     files = checkpoint_fingerprint(resolve_model_dir(model_dir))
     made_for = (plan.fingerprint or {}).get("files_sha256")
     if files and made_for and files != made_for:
-        raise SlimWiseError(f"plan was made for other weights than {model_dir} (same configuration, checkpoint "
-                            f"checksum {made_for}, this one {files}): make the plan from the served model "
-                            "(`slimwise plan`) or serve the model it was made from")
+        raise SlimWiseError(
+            f"plan was made for other weights than {model_dir} (same configuration, checkpoint "
+            f"checksum {made_for}, this one {files}): make the plan from the served model "
+            "(`slimwise plan`) or serve the model it was made from"
+        )
     if decode_model is None or not Path(decode_model).is_dir():
         return
     exported = Path(decode_model) / PLAN_FILE
     if exported.is_file() and PrunePlan.load(exported).kept_experts != plan.kept_experts:
-        raise SlimWiseError(f"decode model {decode_model} was exported from another plan than --plan: pass the plan "
-                            f"it was exported with ({exported}) or export it again (`slimwise prune`)")
+        raise SlimWiseError(
+            f"decode model {decode_model} was exported from another plan than --plan: pass the plan "
+            f"it was exported with ({exported}) or export it again (`slimwise prune`)"
+        )
     source = (read_manifest(decode_model) or {}).get("source_fingerprint")
     served = {"files_sha256": files} if files else None
-    for fingerprint in (plan.fingerprint, PrunePlan.load(exported).fingerprint if exported.is_file() else None, served):
+    for fingerprint in (
+        plan.fingerprint,
+        PrunePlan.load(exported).fingerprint if exported.is_file() else None,
+        served,
+    ):
         if source and fingerprint and not fingerprints_match(source, fingerprint):
-            raise SlimWiseError(f"decode model {decode_model} was pruned from other weights than the plan was made "
-                                "for or than the served model (fingerprint mismatch): export it from the served model")
+            raise SlimWiseError(
+                f"decode model {decode_model} was pruned from other weights than the plan was made "
+                "for or than the served model (fingerprint mismatch): export it from the served model"
+            )
 
 
 def _is_int(x: object) -> bool:

@@ -1,9 +1,10 @@
-"""Teacher-forced scoring on a prefill cache: continue a cache with a mode's decoder, and compare distributions.
+"""Teacher-forced scoring on a prefill cache: continue a cache with a mode's decoder, and compare
+distributions.
 
 Shared by the trainer (`slimwise.distill`: the loss), the evaluation (teacher-forced KL) and the experiments
-(fidelity of a bars run). One forward of a whole continuation on the cache gives every position's logits, which is
-what both training and measurement need; generation (`PhaseSplitEngine.generate`) runs the same decode model one
-token at a time.
+(fidelity of a bars run). One forward of a whole continuation on the cache gives every position's logits,
+which is what both training and measurement need; generation (`PhaseSplitEngine.generate`) runs the same
+decode model one token at a time.
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ from slimwise.engines.reference import PhaseSplitEngine
 DIVERGENCES = ("fkl", "rkl", "jsd")
 
 
-def continue_on_cache(engine: PhaseSplitEngine, mode: str, cache, attention: torch.Tensor, positions: torch.Tensor,
-                      continuations: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+def continue_on_cache(
+    engine: PhaseSplitEngine,
+    mode: str,
+    cache,
+    attention: torch.Tensor,
+    positions: torch.Tensor,
+    continuations: Sequence[Sequence[int]],
+    width: int,
+) -> torch.Tensor:
     """Logits [B, width-1, V] of one teacher-forced forward of continuation[:-1] on a prefill cache, with
     `mode`'s decode model (right padding; causal attention keeps it out of the real positions)."""
-    ids = torch.full((len(continuations), width - 1), engine.pad_id, dtype=torch.long, device=attention.device)
+    ids = torch.full(
+        (len(continuations), width - 1), engine.pad_id, dtype=torch.long, device=attention.device
+    )
     for i, c in enumerate(continuations):
         if len(c) > 1:
             ids[i, :len(c) - 1] = torch.tensor(list(c[:-1]), dtype=torch.long)
@@ -57,7 +67,8 @@ def teacher_logprobs(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
 @torch.no_grad()
 def logprobs_along(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
                    continuations: Sequence[Sequence[int]], batch_size: int) -> list[torch.Tensor]:
-    """The full model's log-probs [len, V] along each continuation, computed `batch_size` prompts at a time."""
+    """The full model's log-probs [len, V] along each continuation, computed `batch_size` prompts at a
+    time."""
     out: list[torch.Tensor] = []
     for start in range(0, len(prompts), batch_size):
         chunk = continuations[start:start + batch_size]
@@ -85,8 +96,8 @@ def divergence(teacher_lp: torch.Tensor, student_logits: torch.Tensor, kind: str
 
 
 def kl_divergence(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) between two sets of log-probabilities (the evaluation metric), in float32 and clamped at 0
-    against rounding."""
+    """KL(ref || other) between two sets of log-probabilities (the evaluation metric), in float32 and clamped
+    at 0 against rounding."""
     return _kl(ref_logprobs.float(), logprobs.float()).clamp_min(0.0)
 
 

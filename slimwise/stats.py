@@ -54,7 +54,9 @@ class ExpertStats:
         return self.layers.index(layer)
 
     def norm_mean(self) -> torch.Tensor:
-        return torch.where(self.count > 0, self.norm_sum / self.count.clamp_min(1), torch.zeros_like(self.count))
+        return torch.where(
+            self.count > 0, self.norm_sum / self.count.clamp_min(1), torch.zeros_like(self.count)
+        )
 
     def norm_std(self) -> torch.Tensor:
         n = self.count.clamp_min(1)
@@ -69,8 +71,12 @@ class ExpertStats:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {name: getattr(self, name).contiguous() for name in (*_FIELDS, "tokens")}
-        header = {"format": STATS_FORMAT, "layers": json.dumps(self.layers), "num_experts": str(self.num_experts),
-                  "meta": json.dumps(self.meta)}
+        header = {
+            "format": STATS_FORMAT,
+            "layers": json.dumps(self.layers),
+            "num_experts": str(self.num_experts),
+            "meta": json.dumps(self.meta),
+        }
         with atomic_path(path) as tmp:
             save_file(tensors, str(tmp), metadata=header)
         return path
@@ -82,14 +88,23 @@ class ExpertStats:
             with safe_open(str(path), framework="pt") as f:
                 header = f.metadata() or {}
                 if header.get("format") != STATS_FORMAT:
-                    raise SlimWiseError(f"{path} is not a SlimWise stats file; make one with `slimwise calibrate`")
+                    raise SlimWiseError(
+                        f"{path} is not a SlimWise stats file; make one with `slimwise calibrate`"
+                    )
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
         except SlimWiseError:
             raise
         except Exception as exc:
-            raise SlimWiseError(f"cannot read stats {path}: {exc}; make one with `slimwise calibrate`") from exc
-        return cls(json.loads(header["layers"]), int(header["num_experts"]),
-                   *(tensors[name] for name in _FIELDS), tensors["tokens"], json.loads(header.get("meta", "{}")))
+            raise SlimWiseError(
+                f"cannot read stats {path}: {exc}; make one with `slimwise calibrate`"
+            ) from exc
+        return cls(
+            json.loads(header["layers"]),
+            int(header["num_experts"]),
+            *(tensors[name] for name in _FIELDS),
+            tensors["tokens"],
+            json.loads(header.get("meta", "{}")),
+        )
 
     def merge(self, other: ExpertStats) -> ExpertStats:
         """Sum two passes over different data (same model)."""

@@ -26,7 +26,9 @@ def tiny_dirs(tmp_path_factory):
     return get
 
 
-def random_prompts(n: int = 6, vocab: int = 512, seed: int = 0, lengths=(5, 9, 1, 14, 3, 7)) -> list[list[int]]:
+def random_prompts(
+    n: int = 6, vocab: int = 512, seed: int = 0, lengths=(5, 9, 1, 14, 3, 7)
+) -> list[list[int]]:
     """Token-id prompts of different lengths (a 1-token prompt included)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
@@ -37,10 +39,10 @@ ALL_FAMILIES = sorted(TINY_CONFIGS)
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_vllm_shared_memory_left():
-    """vLLM's killed tensor-parallel workers leave shared-memory segments in /dev/shm (slimwise/serving/shm.py):
-    about 8 MB per TP=2 engine, for good. Before the session, remove what earlier runs left (segments no live
-    process maps), so a small /dev/shm filled by past runs cannot make this run's TP engines die at start-up;
-    after it, what this run left."""
+    """vLLM's killed tensor-parallel workers leave shared-memory segments in /dev/shm
+    (slimwise/serving/shm.py): about 8 MB per TP=2 engine, for good. Before the session, remove what earlier
+    runs left (segments no live process maps), so a small /dev/shm filled by past runs cannot make this run's
+    TP engines die at start-up; after it, what this run left."""
     from slimwise.serving import shm
 
     shm.remove_leftovers()
@@ -51,12 +53,13 @@ def _no_vllm_shared_memory_left():
 @pytest.fixture(autouse=True)
 def _vllm_engine_in_process(request, monkeypatch):
     """Tests marked `vllm_in_process` run vLLM's engine core inside the test process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same engine, scheduler, worker and SlimWise plugin, without spawning and
-    re-importing a process per engine. Measured on 2 cores: a tiny engine's start and first generate take 7 s (2 s
-    from the second on) instead of 23-26 s, and closing it 2 s instead of 5.5 s; memory is returned (RSS 859 ->
-    864 MiB over four engines). vLLM's CPU worker then replaces `torch.set_num_threads` process-wide and sets
-    VLLM_DIST_IDENT; both are restored after the test, so no process state leaks into the next one. Servers the
-    tests start (`slimwise serve`) never inherit the switch (tests/test_vllm_serve.py `start`)."""
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same engine, scheduler, worker and SlimWise plugin, without
+    spawning and re-importing a process per engine. Measured on 2 cores: a tiny engine's start and first
+    generate take 7 s (2 s from the second on) instead of 23-26 s, and closing it 2 s instead of 5.5 s; memory
+    is returned (RSS 859 -> 864 MiB over four engines). vLLM's CPU worker then replaces
+    `torch.set_num_threads` process-wide and sets VLLM_DIST_IDENT; both are restored after the test, so no
+    process state leaks into the next one. Servers the tests start (`slimwise serve`) never inherit the switch
+    (tests/test_vllm_serve.py `start`)."""
     if request.node.get_closest_marker("vllm_in_process") is None:
         yield
         return
@@ -78,8 +81,8 @@ class _GateBlock(torch.nn.Module):
 
 
 class GateModel(torch.nn.Module):
-    """A stand-in with the module names of vLLM's MoE gates (`layers.N.mlp.gate`): all DecodeRouting hooks, so its
-    routing logic is tested without an engine (the engines' tests are tests/test_vllm_*.py)."""
+    """A stand-in with the module names of vLLM's MoE gates (`layers.N.mlp.gate`): all DecodeRouting hooks, so
+    its routing logic is tested without an engine (the engines' tests are tests/test_vllm_*.py)."""
 
     def __init__(self, hidden=16, experts=8, layers=2):
         super().__init__()

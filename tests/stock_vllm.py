@@ -1,9 +1,9 @@
 """Test helper: greedy/sampled generation with stock vLLM on token-id prompts.
 
-`vllm_generate` runs this file as a subprocess and reads back JSON: a fresh interpreter with vLLM's own process
-layout, which must be driven from a `__main__`-guarded entry point. `vllm_generate_here` runs the same engine in the
-calling process, for tests marked `vllm_in_process` (engine core in-process, no worker spawned): 6-7 s instead of
-about 30 s per call on an AVX2-only VM, where importing vLLM again dominates.
+`vllm_generate` runs this file as a subprocess and reads back JSON: a fresh interpreter with vLLM's own
+process layout, which must be driven from a `__main__`-guarded entry point. `vllm_generate_here` runs the same
+engine in the calling process, for tests marked `vllm_in_process` (engine core in-process, no worker spawned):
+6-7 s instead of about 30 s per call on an AVX2-only VM, where importing vLLM again dominates.
 """
 
 from __future__ import annotations
@@ -38,8 +38,16 @@ def vllm_generate(model_dir: str | Path, prompts: list[list[int]], max_tokens: i
         return json.loads(out.read_text())["tokens"]
 
 
-def vllm_generate_here(model_dir: str | Path, prompts: list[list[int]], max_tokens: int, *, dtype: str = "float32",
-                       temperature: float = 0.0, seed: int = 0, enforce_eager: bool = True) -> list[list[int]]:
+def vllm_generate_here(
+    model_dir: str | Path,
+    prompts: list[list[int]],
+    max_tokens: int,
+    *,
+    dtype: str = "float32",
+    temperature: float = 0.0,
+    seed: int = 0,
+    enforce_eager: bool = True,
+) -> list[list[int]]:
     """`vllm_generate` in this process; the engine is shut down before returning."""
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0", "mark the test vllm_in_process"
     return _run({"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens, "dtype": dtype,
@@ -49,8 +57,16 @@ def vllm_generate_here(model_dir: str | Path, prompts: list[list[int]], max_toke
 def _run(req: dict, shutdown: bool = False) -> list[list[int]]:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=req["model"], dtype=req["dtype"], enforce_eager=req["enforce_eager"], skip_tokenizer_init=True,
-              max_model_len=512, seed=req["seed"], kv_cache_memory_bytes=512 << 20, **req.get("extra", {}))
+    llm = LLM(
+        model=req["model"],
+        dtype=req["dtype"],
+        enforce_eager=req["enforce_eager"],
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        seed=req["seed"],
+        kv_cache_memory_bytes=512 << 20,
+        **req.get("extra", {}),
+    )
     params = SamplingParams(temperature=req["temperature"], max_tokens=req["max_tokens"], seed=req["seed"],
                             detokenize=False)
     try:

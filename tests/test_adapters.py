@@ -80,7 +80,9 @@ def router_inputs(model, adapter: MoEAdapter) -> dict[int, torch.Tensor]:
     return seen
 
 
-def make_keep(adapter: MoEAdapter, config, layers: list[int], seed: int = 0) -> tuple[dict[int, torch.Tensor], int]:
+def make_keep(
+    adapter: MoEAdapter, config, layers: list[int], seed: int = 0
+) -> tuple[dict[int, torch.Tensor], int]:
     """A random uniform plan keeping half of every group (DeepSeek: of each of the n_group groups)."""
     n, groups = adapter.num_experts(config), adapter.num_groups(config)
     size = n // groups
@@ -115,7 +117,7 @@ def sliced_copy(model, adapter: MoEAdapter, keep: dict[int, torch.Tensor], n_kee
     return sliced
 
 
-# ----- discovery ---------------------------------------------------------------------------------------------
+# ----- discovery --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_adapter_fields_and_layers(family):
     model_type, n, k, layers, _ = EXPECTED[family]
@@ -152,7 +154,9 @@ def test_qwen3_5_moe_nested_config_and_vlm_class():
     config = tiny_config("qwen3_5_moe")
     assert config.model_type == "qwen3_5_moe"
     adapter = get_adapter(config)
-    assert adapter.family == "qwen3_5_moe" and adapter.num_experts(config) == 16 and adapter.top_k(config) == 4
+    assert (
+        adapter.family == "qwen3_5_moe" and adapter.num_experts(config) == 16 and adapter.top_k(config) == 4
+    )
     torch.manual_seed(0)
     vlm = Qwen3_5MoeForConditionalGeneration(config).eval()
     assert [layer.index for layer in adapter.moe_layers(vlm)] == [0, 1, 2, 3]
@@ -185,7 +189,7 @@ def test_single_expert_config_is_refused_as_dense():
     assert "deepseek_v3" in str(err.value) and "dense" in str(err.value)
 
 
-# ----- routing -----------------------------------------------------------------------------------------------
+# ----- routing ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_route_unpruned_is_bit_identical(family, dtype):
@@ -235,7 +239,8 @@ def test_route_never_selects_pruned(family):
 
 
 def test_deepseek_route_uneven_groups_never_selects_pruned():
-    """A masking-only plan may keep different numbers per group: min_kept_per_group still guarantees safety."""
+    """A masking-only plan may keep different numbers per group: min_kept_per_group still guarantees
+    safety."""
     model = tiny("deepseek_v3")
     adapter = get_adapter(model)
     layer = adapter.moe_layers(model)[0]
@@ -249,7 +254,7 @@ def test_deepseek_route_uneven_groups_never_selects_pruned():
     assert not pruned[index].any() and torch.isfinite(weights).all()
 
 
-# ----- experts -----------------------------------------------------------------------------------------------
+# ----- experts ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_forward_reproduces_experts(family):
     model = tiny(family)
@@ -332,7 +337,7 @@ def test_config_dict_fixups_write_every_count(family, tmp_path):
         assert layer.router.num_experts == layer.experts.num_experts == layer.router.weight.shape[0] == 6
 
 
-# ----- cache handoff (prefill on the full model, decode on the pruned one) --------------------------------------
+# ----- cache handoff (prefill on the full model, decode on the pruned one) ----------------------------------
 def _linear_states(cache) -> list[torch.Tensor]:
     states = []
     for layer in getattr(cache, "layers", []):
@@ -366,7 +371,8 @@ def test_cache_handoff_to_sliced_model(family):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(got.argmax(-1), want.argmax(-1))
             step = got[:, -1:].argmax(-1)
-        if states:  # the linear-attention state is really carried: dropping it changes the next token's logits
+        if states:
+            # the linear-attention state is really carried: dropping it changes the next token's logits
             blank = copy.deepcopy(reference)
             for s in _linear_states(blank):
                 s.zero_()
@@ -380,14 +386,21 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
     for layer in cache.layers:
         for name in ("keys", "values", "conv_states", "recurrent_states"):
             v = getattr(layer, name, None)
-            out += [t for t in v.values() if t is not None] if isinstance(v, dict) else [v] if torch.is_tensor(v) else []
+            out += (
+                [t for t in v.values() if t is not None]
+                if isinstance(v, dict)
+                else [v]
+                if torch.is_tensor(v)
+                else []
+            )
     return out
 
 
 @pytest.mark.parametrize("family", [f for f in FAMILIES if EXPECTED[f][4]])
 def test_slimwise_prompt_state_is_the_full_models_bit_for_bit(family):
-    """What the README guarantees for hybrids too: SlimWise's prefill writes exactly the full model's cache, the
-    attention KV and every Gated DeltaNet layer's conv and recurrent state (uniform pruning writes another one)."""
+    """What the README guarantees for hybrids too: SlimWise's prefill writes exactly the full model's cache,
+    the attention KV and every Gated DeltaNet layer's conv and recurrent state (uniform pruning writes another
+    one)."""
     from slimwise.baseline_plans import random_plan
     from slimwise.engines.reference import PhaseSplitEngine
 
@@ -395,7 +408,9 @@ def test_slimwise_prompt_state_is_the_full_models_bit_for_bit(family):
     engine = PhaseSplitEngine(model, plan=random_plan(model, 0.5, seed=0))
     prompts = [tokens(1, 9, seed=2)[0].tolist(), tokens(1, 4, seed=4)[0].tolist()]
     with torch.no_grad():
-        full, slim, uniform = (_cache_tensors(engine.prefill(prompts, mode)[0]) for mode in ("full", "slimwise", "uniform"))
+        full, slim, uniform = (
+            _cache_tensors(engine.prefill(prompts, mode)[0]) for mode in ("full", "slimwise", "uniform")
+        )
     n_linear = model.config.layer_types.count("linear_attention")
     assert len(full) == len(slim) >= 2 * n_linear + 2
     assert all(torch.equal(a, b) for a, b in zip(full, slim, strict=True))

@@ -1,8 +1,8 @@
 """`slimwise bench` and `slimwise calib-cost`: structure and invariants, never timings.
 
-Fast tests run the pure parts (pairing, rounds, thresholds, bars, traffic accounting, tables, plot, parser) and
-the expert-counting hook of DecodeRouting on a stand-in model; the calibration observers on a tiny HF model.
-One vLLM test runs the whole benchmark on the tiny `smoke` preset (1-2 batch sizes, one round).
+Fast tests run the pure parts (pairing, rounds, thresholds, bars, traffic accounting, tables, plot, parser)
+and the expert-counting hook of DecodeRouting on a stand-in model; the calibration observers on a tiny HF
+model. One vLLM test runs the whole benchmark on the tiny `smoke` preset (1-2 batch sizes, one round).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from slimwise.perf.vllm_traffic import counters_delta, summarize_traffic
 from slimwise.plan import PrunePlan
 from slimwise.serving.routing import COUNT_EXPERTS_KEY, PLAN_KEY, DecodeRouting
 
-# ----- pure parts ----------------------------------------------------------------------------------------------
+# ----- pure parts -------------------------------------------------------------------------------------------
 
 
 def _m(tps: float, r: int) -> dict:
@@ -49,9 +49,14 @@ def _fake_result(tmp_path) -> dict:
             "slimwise": {8: [_m(110, 0), _m(96, 1)], 32: [_m(260, 0), _m(275, 1)]},
             "pruned": {8: [_m(112, 0), _m(100, 1)], 32: [_m(270, 0), _m(280, 1)]}}
     summary = summarize_runs(runs, [8, 32])
-    return {"model_name": "fake", "config": {"batches": [8, 32], "prompt_len": 4, "output_len": 8, "repetitions": 2},
-            "plan": {"ratio": 0.5}, "summary": summary, "engine_start_s": {"full": [1.0], "slimwise": [1.5]},
-            "runs": runs}
+    return {
+        "model_name": "fake",
+        "config": {"batches": [8, 32], "prompt_len": 4, "output_len": 8, "repetitions": 2},
+        "plan": {"ratio": 0.5},
+        "summary": summary,
+        "engine_start_s": {"full": [1.0], "slimwise": [1.5]},
+        "runs": runs,
+    }
 
 
 def test_speedups_are_paired_within_rounds():
@@ -94,8 +99,15 @@ def test_threshold_bars_and_roofline_comparison(tmp_path):
     r["bars"] = check_bars(s, "cpu", r["runs"])
     assert "| 8 | 0.971 (0.960-0.982) | 0.970 | met |" in format_tables(json.loads(json.dumps(r)))
     slow = {"slimwise": {8: [_m(90, 0), _m(91, 1)]}, "pruned": {8: [_m(100, 0), _m(100, 1)]}}
-    assert check_bars({"slimwise": {8: {"speedup": {"median": 1.0}}}, "pruned": {8: {"speedup": {"median": 1.0}}}},
-                      None, slow)["colocated_reaches_95pct_of_pruned"][8]["met"] is False  # paired 0.905 decides
+    assert (
+        check_bars(
+            {"slimwise": {8: {"speedup": {"median": 1.0}}}, "pruned": {8: {"speedup": {"median": 1.0}}}},
+            # paired 0.905 decides
+            None,
+            slow,
+        )["colocated_reaches_95pct_of_pruned"][8]["met"]
+        is False
+    )
     short = check_bars({"slimwise": {16: {"speedup": {"median": 1.0}}},
                         "pruned": {16: {"speedup": {"median": 1.1}}}}, None)
     assert short["colocated_reaches_95pct_of_pruned"][16]["met"] is False  # 0.909 < 0.95
@@ -124,16 +136,31 @@ def test_tables_and_plot(tmp_path):
 
 
 def test_kernel_roofline_table_with_no_expert_read_cost(tmp_path):
-    """A noisy fit on a tiny model can put no time on expert reads (a = 0): its bandwidth is infinite, None once
-    written as JSON, and the table says so instead of failing (it once broke CI's bench smoke test)."""
+    """A noisy fit on a tiny model can put no time on expert reads (a = 0): its bandwidth is infinite, None
+    once written as JSON, and the table says so instead of failing (it once broke CI's bench smoke test)."""
     from slimwise.perf.kernels import MoEKernelModel
 
     r = _fake_result(tmp_path)
-    row = {"batch": 8, "union_full": 6.0, "union_pruned": 3.0, "kernel_share_full": 0.5, "pair_share_full": 1.0,
-           "pair_share_pruned": 1.0, "predicted_speedup": 1.0, "applies": True, "measured_speedup_slimwise": 1.1}
-    for bandwidth_free in (MoEKernelModel(0.0, 1e-5, 2e-5, 100, 0.9, 0.1), MoEKernelModel(1e-6, 1e-5, 2e-5, 100, 0.9,
-                                                                                             0.1)):
-        r["kernel_roofline"] = {"model": bandwidth_free.as_dict(), "unions": "traffic counters", "rows": [row]}
+    row = {
+        "batch": 8,
+        "union_full": 6.0,
+        "union_pruned": 3.0,
+        "kernel_share_full": 0.5,
+        "pair_share_full": 1.0,
+        "pair_share_pruned": 1.0,
+        "predicted_speedup": 1.0,
+        "applies": True,
+        "measured_speedup_slimwise": 1.1,
+    }
+    for bandwidth_free in (
+        MoEKernelModel(0.0, 1e-5, 2e-5, 100, 0.9, 0.1),
+        MoEKernelModel(1e-6, 1e-5, 2e-5, 100, 0.9, 0.1),
+    ):
+        r["kernel_roofline"] = {
+            "model": bandwidth_free.as_dict(),
+            "unions": "traffic counters",
+            "rows": [row],
+        }
         md = format_tables(json.loads(json.dumps(jsonable(r))))
         want = "not resolved by the fit" if bandwidth_free.per_expert_s == 0 else "0.1 GB/s"
         assert f"per expert read = {want}" in md and "| 8 | 6.0 → 3.0 | 50% |" in md
@@ -172,9 +199,26 @@ def test_parsers_are_light_and_registered():
     assert out.split() == ["False", "False"]
     from slimwise.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--synthetic", "cpu", "--batch", "8", "32", "--variants", "full",
-                                      "slimwise-min16", "--suggest-threshold", "1.1"])
-    assert args.batch == [8, 32] and args.variants == ["full", "slimwise-min16"] and args.suggest_threshold == 1.1
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--synthetic",
+            "cpu",
+            "--batch",
+            "8",
+            "32",
+            "--variants",
+            "full",
+            "slimwise-min16",
+            "--suggest-threshold",
+            "1.1",
+        ]
+    )
+    assert (
+        args.batch == [8, 32]
+        and args.variants == ["full", "slimwise-min16"]
+        and args.suggest_threshold == 1.1
+    )
     assert build_parser().parse_args(["calib-cost", "--synthetic", "smoke"]).phase == "prompt"
 
 
@@ -188,7 +232,7 @@ def test_from_json_prints_tables_and_threshold(tmp_path, capsys):
     assert "measured smallest batch 32" in out and "--min-decode-batch 32" in out
 
 
-# ----- the counting hook of DecodeRouting on a stand-in model ---------------------------------------------------
+# ----- the counting hook of DecodeRouting on a stand-in model -----------------------------------------------
 
 
 def _route(routing: DecodeRouting, model: GateModel, x: torch.Tensor, positions, prompt_lens):
@@ -225,11 +269,13 @@ def test_counting_hook_counts_distinct_experts_of_decode_rows(with_plan):
 
 
 def test_counting_off_keeps_the_routing_inactive_without_a_plan():
-    routing = DecodeRouting(GateModel(), PretrainedConfig(num_experts=8, num_experts_per_tok=2), max_tokens=16)
+    routing = DecodeRouting(
+        GateModel(), PretrainedConfig(num_experts=8, num_experts_per_tok=2), max_tokens=16
+    )
     assert not routing.active
 
 
-# ----- calibration cost -----------------------------------------------------------------------------------------
+# ----- calibration cost -------------------------------------------------------------------------------------
 
 
 def test_all_experts_observer_gives_the_same_routed_statistics(tiny_dirs):
@@ -272,14 +318,23 @@ def test_sorted_observer_returns_exactly_the_models_own_experts_output(tiny_dirs
 def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
     from slimwise.perf.calib_cost import CalibCostConfig, run_calib_cost
 
-    r = run_calib_cost(CalibCostConfig(model=str(tiny_dirs("qwen3_moe")), num_prompts=4, prompt_len=8,
-                                       batch_size=2, repetitions=1, out=str(tmp_path / "c.json")), log=lambda s: None)
+    r = run_calib_cost(
+        CalibCostConfig(
+            model=str(tiny_dirs("qwen3_moe")),
+            num_prompts=4,
+            prompt_len=8,
+            batch_size=2,
+            repetitions=1,
+            out=str(tmp_path / "c.json"),
+        ),
+        log=lambda s: None,
+    )
     assert r["same_routed_stats"] and r["bar"]["target"] == (r["num_experts"] / r["top_k"]) / 2
     assert r["bar"]["baseline"] == "reap_hook" and set(r["speedup"]) == {"reap_hook", "all_experts"}
     assert r["tokens_per_s"]["ours"]["median"] > 0 and json.loads((tmp_path / "c.json").read_text())["bar"]
 
 
-# ----- the whole benchmark in vLLM on the smoke preset ----------------------------------------------------------
+# ----- the whole benchmark in vLLM on the smoke preset ------------------------------------------------------
 
 
 @pytest.mark.vllm
@@ -288,11 +343,21 @@ def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
 def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     from slimwise.perf.bench import run_bench
 
-    config = BenchConfig(synthetic="smoke", synthetic_dir=str(tmp_path / "model"), batches=(1, 4), repetitions=1,
-                         prompt_len=6, output_len=5, warmup_tokens=2, count_output_len=4, hardware=None,
-                         variants=("full", "slimwise", "pruned", "slimwise-min4", "mix-50", "mixfull-75"),
-                         suggest_threshold=0.0, kernel_roofline=True,
-                         out_dir=str(tmp_path / "bench"))
+    config = BenchConfig(
+        synthetic="smoke",
+        synthetic_dir=str(tmp_path / "model"),
+        batches=(1, 4),
+        repetitions=1,
+        prompt_len=6,
+        output_len=5,
+        warmup_tokens=2,
+        count_output_len=4,
+        hardware=None,
+        variants=("full", "slimwise", "pruned", "slimwise-min4", "mix-50", "mixfull-75"),
+        suggest_threshold=0.0,
+        kernel_roofline=True,
+        out_dir=str(tmp_path / "bench"),
+    )
     level = os.environ.get("VLLM_LOGGING_LEVEL")
     r = run_bench(config, log=lambda s: None)
     assert os.environ.get("VLLM_LOGGING_LEVEL") == level  # quiet engines here, the caller's level restored
@@ -303,10 +368,14 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
             assert "speedup" in e
             assert r["runs"][name][b][0]["decode_tokens"] == int(b) * (config.output_len - 1)
     # the masked variants ran on one SlimWise engine (mode switched in place); full and pruned on their own
-    assert r["engine_start_s"]["slimwise"] == r["engine_start_s"]["slimwise-min4"] != r["engine_start_s"]["full"]
+    assert (
+        r["engine_start_s"]["slimwise"] == r["engine_start_s"]["slimwise-min4"] != r["engine_start_s"]["full"]
+    )
     assert [v["mode"] for v in r["variants"]] == [None, "slimwise", None, "slimwise", "slimwise", "slimwise"]
     # the mixes ran on one engine holding both plans, each request with its own (counted per plan below)
-    assert r["engine_start_s"]["mix-50"] == r["engine_start_s"]["mixfull-75"] != r["engine_start_s"]["slimwise"]
+    assert (
+        r["engine_start_s"]["mix-50"] == r["engine_start_s"]["mixfull-75"] != r["engine_start_s"]["slimwise"]
+    )
     t = r["traffic"]
     assert t["full"]["engine_start_s"] == t["slimwise"]["engine_start_s"] != t["pruned"]["engine_start_s"]
     k, e_full, kept = r["plan"]["top_k"], r["plan"]["num_experts"], r["plan"]["kept"][0]
@@ -325,7 +394,9 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
     assert r["threshold"]["measured_batch"] == 1  # every speedup >= 0
     # bytes per step by kind: expert bytes from the counters, no state in an attention-only model
     split = r["bytes_split"]["batches"]["4"]
-    assert split["full"]["expert_weights"] == pytest.approx(t["full"]["batches"]["4"]["expert_bytes_per_step"])
+    assert split["full"]["expert_weights"] == pytest.approx(
+        t["full"]["batches"]["4"]["expert_bytes_per_step"]
+    )
     assert split["full"]["state"] == 0 and split["full"]["kv"] > 0 and split["pruned"]["union"] <= kept
     # a timing bar: its figures are recomputed from the raw rounds (paired speedups over full), its outcome is
     # only reported (timing is never asserted)
@@ -338,8 +409,9 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
         pruned = {m["round"]: m["tokens_per_s"] for m in r["runs"]["pruned"][b]}
         assert bar["paired"]["median"] == pytest.approx(statistics.median(
             m["tokens_per_s"] / pruned[m["round"]] for m in r["runs"]["slimwise"][b]))
-    # the kernel roofline: vLLM's fused-MoE op timed at the smoke model's shapes (16 experts, top-4: 4, 8 or 16
-    # available at each batch), the pruned step predicted from the measured full one with the counted experts
+    # the kernel roofline: vLLM's fused-MoE op timed at the smoke model's shapes (16 experts, top-4: 4, 8 or
+    # 16 available at each batch), the pruned step predicted from the measured full one with the counted
+    # experts
     kr = r["kernel_roofline"]
     assert kr["unions"] == "traffic counters" and len(kr["samples"]) == 2 * 3
     for row in kr["rows"]:
@@ -371,7 +443,7 @@ def test_partial_results_resume_only_with_the_same_settings(tmp_path):
     assert _load_partial(config, other, log=lambda s: None) == ({}, {})
 
 
-# ----- the hybrid (Qwen3.6-style) preset ---------------------------------------------------------------------
+# ----- the hybrid (Qwen3.6-style) preset --------------------------------------------------------------------
 
 def test_cpu_hybrid_preset_structure_and_byte_split(tmp_path):
     """The cpu-hybrid preset built tiny: Qwen3_5MoeForCausalLM with 3:1 Gated-DeltaNet / full attention, top-8
@@ -388,8 +460,12 @@ def test_cpu_hybrid_preset_structure_and_byte_split(tmp_path):
     assert full.model_type == "qwen3_5_moe_text" and get_preset("cpu-hybrid").real_layers == 8
     assert full.layer_types == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + \
         ["full_attention"]
-    assert (full.num_experts, full.num_experts_per_tok, full.linear_key_head_dim, full.linear_value_head_dim) == \
-        (64, 8, 64, 64)
+    assert (
+        full.num_experts,
+        full.num_experts_per_tok,
+        full.linear_key_head_dim,
+        full.linear_value_head_dim,
+    ) == (64, 8, 64, 64)
     assert all(v % 32 == 0 for v in (full.hidden_size, full.moe_intermediate_size,
                                      full.shared_expert_intermediate_size))
     rc_full = RooflineConfig.from_hf(full)
@@ -414,17 +490,25 @@ def test_cpu_hybrid_preset_structure_and_byte_split(tmp_path):
     split = rc.bytes_split(8, 40, 10.0)
     assert set(split) == {"expert_weights", "other_weights", "kv", "state"} and split["state"] > 0
     assert sum(split.values()) == pytest.approx(rc.weight_bytes_step(8, 10.0) + rc.cache_bytes_step(8, 40))
-    # state read + written per sequence: every linear layer's recurrent (fp32: 2 value heads of 64 x 64) and conv
-    # (bf16: q, k of 1 key head and v of 2 value heads, 64 wide, kernel 4 - 1) state, twice
+    # state read + written per sequence: every linear layer's recurrent (fp32: 2 value heads of 64 x 64) and
+    # conv (bf16: q, k of 1 key head and v of 2 value heads, 64 wide, kernel 4 - 1) state, twice
     per_layer = 2 * 64 * 64 * 4 + (2 * 64 + 2 * 64) * 3 * 2
     assert split["state"] == 8 * 2 * 3 * per_layer
 
     tiny.save_pretrained(tmp_path)
     assert _state_bytes_per_layer(str(tmp_path)) == per_layer
-    kw = engine_kwargs(BenchConfig(synthetic="cpu-hybrid", batches=(8,), prompt_len=8, output_len=8), str(tmp_path))
+    kw = engine_kwargs(
+        BenchConfig(synthetic="cpu-hybrid", batches=(8,), prompt_len=8, output_len=8), str(tmp_path)
+    )
     assert kw["kv_cache_memory_bytes"] >= 2 * 8 * 4 * per_layer  # room for the state pages
-    traffic = {"full": {"batches": {8: {"touched_mean": 12.0}}}, "slimwise": {"batches": {8: {"touched_mean": 7.5}}}}
+    traffic = {
+        "full": {"batches": {8: {"touched_mean": 12.0}}},
+        "slimwise": {"batches": {8: {"touched_mean": 7.5}}},
+    }
     table = bytes_split_table(rc, 8, 16, traffic, [8, 16], 40, 8)
-    assert table["batches"][8]["pruned"]["union"] == 7.5 and table["batches"][8]["full"]["union_source"] == "counters"
+    assert (
+        table["batches"][8]["pruned"]["union"] == 7.5
+        and table["batches"][8]["full"]["union_source"] == "counters"
+    )
     assert table["batches"][16]["full"]["union_source"] == "uniform expectation"
     assert table["batches"][8]["full"]["state"] == table["batches"][8]["pruned"]["state"] == split["state"]

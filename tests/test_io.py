@@ -17,7 +17,8 @@ def test_atomic_writes(tmp_path):
     assert target.read_text() == "old\n"
     umask = os.umask(0)
     os.umask(umask)
-    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask  # readable by others as a plain write would be
+    # readable by others as a plain write would be
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
     with pytest.raises(RuntimeError), atomic_path(target) as tmp:
         tmp.write_text("half")
         raise RuntimeError("crash mid-write")
@@ -42,7 +43,9 @@ def test_atomic_dir_replaces_whole_and_cleans_after_a_killed_run(tmp_path):
         (tmp / "a.txt").write_text("half")
         raise RuntimeError("crash mid-write")
     assert (target / "a.txt").read_text() == "1" and sorted(os.listdir(tmp_path)) == ["out"]
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     stale = tmp_path / f".out.tmp-{int(dead.stdout)}"  # that process has exited
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"x" * 100)

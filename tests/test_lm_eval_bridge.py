@@ -42,12 +42,15 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny Qwen3-MoE with the testbed tokenizer, a 50% REAP plan, its exported checkpoint, testbed JSONL."""
+    """A tiny Qwen3-MoE with the testbed tokenizer, a 50% REAP plan, its exported checkpoint, testbed
+    JSONL."""
     root = tmp_path_factory.mktemp("lmeval")
     model_dir = save_tiny_model("qwen3_moe", root / "model", initializer_range=0.15)
     build_tokenizer(model_dir)
     model = load_model(model_dir)
-    stats = calibrate(model, random_prompts(6, vocab=150), config=CalibrationConfig(max_new_tokens=6), progress=False)
+    stats = calibrate(
+        model, random_prompts(6, vocab=150), config=CalibrationConfig(max_new_tokens=6), progress=False
+    )
     plan = plan_from_stats(stats, "reap", 0.5)
     plan.save(root / "plan.json")
     export_pruned(load_model(model_dir), plan, root / "pruned", source_dir=model_dir)
@@ -66,8 +69,8 @@ def req(kind: str, *args) -> Instance:
 
 
 def plain_logprob(model, tokenizer, context: str, continuation: str) -> float:
-    """Reference: one forward of the full model over context + continuation (trailing whitespace of the context
-    belongs to the continuation, lm-eval's HF convention)."""
+    """Reference: one forward of the full model over context + continuation (trailing whitespace of the
+    context belongs to the continuation, lm-eval's HF convention)."""
     stripped = context.rstrip()
     context, continuation = stripped, context[len(stripped):] + continuation
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
@@ -116,7 +119,9 @@ def test_loglikelihood_slimwise_is_pruned_decode_on_the_full_cache(setup):
     with torch.no_grad():
         pre = model(input_ids=torch.tensor([ctx]), use_cache=True)
         with mask.pruned(True):
-            rest = model(input_ids=torch.tensor([ids[:-1]]), past_key_values=pre.past_key_values, use_cache=True)
+            rest = model(
+                input_ids=torch.tensor([ids[:-1]]), past_key_values=pre.past_key_values, use_cache=True
+            )
     logp = torch.log_softmax(torch.cat([pre.logits[:, -1:], rest.logits], 1)[0].float(), -1)
     assert lp_sw == pytest.approx(float(logp.gather(-1, torch.tensor(ids)[:, None]).sum()), abs=1e-4)
     mask.remove()
@@ -144,7 +149,10 @@ def test_distilled_mode_judges_the_distilled_decoder(setup, tmp_path):
     args = dict(pretrained=str(setup["model"]), plan=str(setup["plan"]))
     dist = SlimWiseLM(**args, delta=str(tmp_path / "delta"), mode="distilled")
     sw, full = SlimWiseLM(**args), SlimWiseLM(pretrained=str(setup["model"]), mode="full")
-    reqs = [req("loglikelihood", "add 123+45", "\n3+5+0=8, 8\n2+4+0=6, 68"), req("loglikelihood", "add 123+45", "\n")]
+    reqs = [
+        req("loglikelihood", "add 123+45", "\n3+5+0=8, 8\n2+4+0=6, 68"),
+        req("loglikelihood", "add 123+45", "\n"),
+    ]
     (lp_d, _), (first_d, _) = dist.loglikelihood(reqs)
     (lp_s, _), _ = sw.loglikelihood(reqs)
     _, (first_f, _) = full.loglikelihood(reqs)
@@ -214,10 +222,15 @@ def test_lm_eval_offline_yaml_task(setup, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True, raising=False)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache", raising=False)
     tasks = write_tasks(setup, tmp_path)
-    out = lm_eval.simple_evaluate(model="slimwise", model_args=f"pretrained={setup['model']},plan={setup['plan']}",
-                                  tasks=tasks, limit=4,
-                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
-                                  bootstrap_iters=0, log_samples=True)
+    out = lm_eval.simple_evaluate(
+        model="slimwise",
+        model_args=f"pretrained={setup['model']},plan={setup['plan']}",
+        tasks=tasks,
+        limit=4,
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        bootstrap_iters=0,
+        log_samples=True,
+    )
     res = out["results"]
     assert 0.0 <= res["slimwise_testbed_gen"]["exact_match,final-answer"] <= 1.0
     assert 0.0 <= res["slimwise_testbed_mc"]["acc,none"] <= 1.0
@@ -229,13 +242,32 @@ def test_lm_eval_offline_yaml_task(setup, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_lm_eval_cli_through_module(setup, tmp_path):
-    """The documented command line: python -m slimwise.evaluation.lm_eval_bridge (lm-eval's CLI, model registered)."""
+    """The documented command line: python -m slimwise.evaluation.lm_eval_bridge (lm-eval's CLI, model
+    registered)."""
     tasks = write_tasks(setup, tmp_path)
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf-cache")}
-    proc = subprocess.run([sys.executable, "-m", "slimwise.evaluation.lm_eval_bridge", "run", "--model", "slimwise",
-                           "--model_args", f"pretrained={setup['model']},plan={setup['plan']}",
-                           "--tasks", tasks[1], "--include_path", str(tmp_path), "--limit", "2"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "slimwise.evaluation.lm_eval_bridge",
+            "run",
+            "--model",
+            "slimwise",
+            "--model_args",
+            f"pretrained={setup['model']},plan={setup['plan']}",
+            "--tasks",
+            tasks[1],
+            "--include_path",
+            str(tmp_path),
+            "--limit",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "slimwise_testbed_mc" in proc.stdout and "acc" in proc.stdout

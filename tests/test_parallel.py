@@ -27,7 +27,8 @@ def test_rank_experts_is_vllms_expert_map(experts, ep, placement):
         local, expert_map, _ = determine_expert_map(ep, rank, experts, placement)
         held = (expert_map >= 0).nonzero().flatten().tolist()
         assert ours[rank] == held and len(held) == local
-        # local slot i holds global expert ours[rank][i]: the mask (global ids) reaches the right local experts
+        # local slot i holds global expert ours[rank][i]: the mask (global ids) reaches the right local
+        # experts
         assert expert_map[ours[rank]].tolist() == list(range(local))
     assert sorted(e for r in ours for e in r) == list(range(experts))
 
@@ -64,9 +65,14 @@ def test_a_free_plan_can_be_unbalanced_and_imbalance_measures_it():
 def test_balanced_plans_nest_with_deepseek_groups_and_refuse_what_cannot_balance():
     plan = balanced_plan(_scores(experts=32), [0, 1, 2], 0.5, 8, family="deepseek_v3", top_k=4, num_groups=4)
     assert plan.num_groups == 4 and all(c == [2] * 8 for c in kept_per_rank(plan, 8).values())
-    for bad, message in ((dict(experts=10, ep=4), "do not split evenly"), (dict(experts=16, ep=1), "at least 2")):
+    for bad, message in (
+        (dict(experts=10, ep=4), "do not split evenly"),
+        (dict(experts=16, ep=1), "at least 2"),
+    ):
         with pytest.raises(SlimWiseError, match=message):
-            balanced_plan(_scores(experts=bad["experts"]), [0, 1, 2], 0.5, bad["ep"], family="qwen3_moe", top_k=2)
+            balanced_plan(
+                _scores(experts=bad["experts"]), [0, 1, 2], 0.5, bad["ep"], family="qwen3_moe", top_k=2
+            )
     with pytest.raises(SlimWiseError, match="round_robin placement cut every group"):
         balanced_plan(_scores(experts=32), [0, 1, 2], 0.5, 8, "round_robin", family="deepseek_v3", top_k=4,
                       num_groups=4)
@@ -115,7 +121,8 @@ def test_ep_roofline_balanced_beats_free_and_full_equals_itself():
     unbalanced = predict_ep(rc, hw, link, 0.5, [32, 256], 8, free)
     for b, u in zip(balanced, unbalanced, strict=True):
         assert b.time_full_s == u.time_full_s and b.speedup > u.speedup > 1.0
-        assert b.expert_bytes_pruned < u.expert_bytes_pruned  # the busiest rank reads more under the free plan
+        # the busiest rank reads more under the free plan
+        assert b.expert_bytes_pruned < u.expert_bytes_pruned
     # ratio 0 with a balanced plan is the full model: speedup exactly 1
     assert all(x.speedup == 1.0 for x in predict_ep(rc, hw, link, 0.0, [64], 8, 1.0))
 

@@ -1,5 +1,6 @@
-"""The fused-MoE kernel model (slimwise/perf/kernels.py): the fit on exact data, and the measurement on vLLM's real
-`cpu_fused_moe` op at tiny shapes (structure and routing counts only: speed is the experiment's to report)."""
+"""The fused-MoE kernel model (slimwise/perf/kernels.py): the fit on exact data, and the measurement on vLLM's
+real `cpu_fused_moe` op at tiny shapes (structure and routing counts only: speed is the experiment's to
+report)."""
 
 import json
 import subprocess
@@ -72,8 +73,9 @@ def test_the_pruned_step_is_the_full_step_less_the_experts_no_longer_read():
 
 
 def test_measure_runs_vllms_kernel_and_counts_the_experts_read():
-    """Every (batch, available experts) pair is timed with `steps` x `layers` calls; experts read is the mean number
-    of distinct routed experts: exactly top_k at batch 1, never more than the experts available or the pairs."""
+    """Every (batch, available experts) pair is timed with `steps` x `layers` calls; experts read is the mean
+    number of distinct routed experts: exactly top_k at batch 1, never more than the experts available or the
+    pairs."""
     samples = measure_fused_moe(hidden=64, inter=32, experts=16, top_k=4, batches=[1, 8], layers=2, rounds=2,
                                 steps=3, progress=False)
     assert kernel_isa() in ("vec", "amx")
@@ -87,24 +89,54 @@ def test_measure_runs_vllms_kernel_and_counts_the_experts_read():
 
 
 def test_the_experiment_writes_its_report(tmp_path):
-    """experiments/kernel_roofline.py end to end at tiny settings: it re-executes itself with the threads bound as
-    vLLM binds them, fits, and checks the fit against a step profile and bench traffic of the same dtype."""
-    profile = {"dtype": {"used": "bfloat16"}, "steps": {v: {"8": {"wall_s": w, "ops": {"_C::cpu_fused_moe": [k, 8]}}}
-                                                          for v, w, k in (("full", 0.05, 0.025),
-                                                                          ("pruned", 0.045, 0.021),
-                                                                          ("slimwise", 0.043, 0.02))}}
+    """experiments/kernel_roofline.py end to end at tiny settings: it re-executes itself with the threads
+    bound as vLLM binds them, fits, and checks the fit against a step profile and bench traffic of the same
+    dtype."""
+    profile = {
+        "dtype": {"used": "bfloat16"},
+        "steps": {
+            v: {"8": {"wall_s": w, "ops": {"_C::cpu_fused_moe": [k, 8]}}}
+            for v, w, k in (("full", 0.05, 0.025), ("pruned", 0.045, 0.021), ("slimwise", 0.043, 0.02))
+        },
+    }
     traffic = {"traffic": {v: {"batches": {"8": {"touched_mean": u}}}
                            for v, u in (("full", 25.4), ("pruned", 19.9), ("slimwise", 20.3))}}
     (tmp_path / "profile.json").write_text(json.dumps(profile))
     (tmp_path / "bench.json").write_text(json.dumps(traffic))
     out = tmp_path / "kr"
-    r = subprocess.run([sys.executable, "-m", "experiments.kernel_roofline", "--preset", "smoke", "--batches", "1",
-                        "8", "--rounds", "1", "--steps", "2", "--profile", str(tmp_path / "profile.json"),
-                        "--bench", str(tmp_path / "bench.json"), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.kernel_roofline",
+            "--preset",
+            "smoke",
+            "--batches",
+            "1",
+            "8",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--profile",
+            str(tmp_path / "profile.json"),
+            "--bench",
+            str(tmp_path / "bench.json"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
-    assert report["preset"] == "smoke" and len(report["samples"]) == 2 * 3  # smoke: 16 experts, top-4: 4, 8, 16
+    # smoke: 16 experts, top-4: 4, 8, 16
+    assert report["preset"] == "smoke" and len(report["samples"]) == 2 * 3
     assert [c["variant"] for c in report["checks"]] == ["full", "pruned", "slimwise"]
     assert report["checks"][0]["step_speedup_measured"] == pytest.approx(1.0)
-    assert "GOMP_CPU_AFFINITY" in out.with_suffix(".md").read_text() and out.with_suffix(".png").stat().st_size > 0
+    assert (
+        "GOMP_CPU_AFFINITY" in out.with_suffix(".md").read_text()
+        and out.with_suffix(".png").stat().st_size > 0
+    )

@@ -23,7 +23,8 @@ def tokens(engine, prompts, mode, config=GREEDY):
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
-    """Every tensor a cache object holds (KV, and conv/recurrent state for hybrid models), in a fixed order."""
+    """Every tensor a cache object holds (KV, and conv/recurrent state for hybrid models), in a fixed
+    order."""
     found: list[torch.Tensor] = []
     seen: set[int] = set()
 
@@ -55,8 +56,12 @@ def calibrated(tiny_dirs):
     def get(family):
         if family not in out:
             model = load_model(tiny_dirs(family))
-            stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8, batch_size=4),
-                              progress=False)
+            stats = calibrate(
+                model,
+                random_prompts(8, seed=1),
+                config=CalibrationConfig(max_new_tokens=8, batch_size=4),
+                progress=False,
+            )
             out[family] = (model, stats, plan_from_stats(stats, "reap", 0.5))
         return out[family]
 
@@ -76,7 +81,8 @@ def test_ratio0_slimwise_equals_full(family, calibrated):
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
 def test_prefill_is_the_full_model(family, calibrated):
-    """SlimWise's prompt-position cache (KV and any linear-attention state) and first token are the full model's."""
+    """SlimWise's prompt-position cache (KV and any linear-attention state) and first token are the full
+    model's."""
     model, _, plan = calibrated(family)
     engine = PhaseSplitEngine(model, plan=plan)
     prompts = random_prompts()
@@ -91,7 +97,9 @@ def test_prefill_is_the_full_model(family, calibrated):
     full = engine.generate(prompts, "full", GREEDY, keep_first_logits=True)
     sw = engine.generate(prompts, "slimwise", GREEDY, keep_first_logits=True)
     assert [o.token_ids[0] for o in full] == [o.token_ids[0] for o in sw]
-    assert tokens(engine, prompts, "slimwise") != tokens(engine, prompts, "full"), "50% pruning changed nothing"
+    assert tokens(engine, prompts, "slimwise") != tokens(engine, prompts, "full"), (
+        "50% pruning changed nothing"
+    )
     engine.close()
 
 
@@ -118,7 +126,9 @@ def test_calibration_counts(family, tiny_dirs):
     model = load_model(tiny_dirs(family))
     prompts = random_prompts(6, seed=3)
     top_k = model.config.num_experts_per_tok
-    prompt_stats = calibrate(model, prompts, config=CalibrationConfig(phase="prompt", batch_size=3), progress=False)
+    prompt_stats = calibrate(
+        model, prompts, config=CalibrationConfig(phase="prompt", batch_size=3), progress=False
+    )
     n_prompt = sum(len(p) for p in prompts)
     assert prompt_stats.tokens.tolist() == [n_prompt] * len(prompt_stats.layers)  # padding never counts
     assert prompt_stats.count.sum(1).tolist() == [n_prompt * top_k] * len(prompt_stats.layers)
@@ -128,11 +138,15 @@ def test_calibration_counts(family, tiny_dirs):
     outs = PhaseSplitEngine(model).generate(prompts, "full", GenerationConfig(max_new_tokens=6))
     n_decode = sum(len(o.token_ids) - 1 for o in outs)  # the last token is never fed back
     assert decode_stats.tokens.tolist() == [n_decode] * len(decode_stats.layers)
-    all_stats = calibrate(model, prompts, config=CalibrationConfig(phase="all", max_new_tokens=6), progress=False)
+    all_stats = calibrate(
+        model, prompts, config=CalibrationConfig(phase="all", max_new_tokens=6), progress=False
+    )
     assert torch.allclose(all_stats.count, prompt_stats.count + decode_stats.count)
 
     # batching does not change what is counted
-    one_by_one = calibrate(model, prompts, config=CalibrationConfig(phase="prompt", batch_size=1), progress=False)
+    one_by_one = calibrate(
+        model, prompts, config=CalibrationConfig(phase="prompt", batch_size=1), progress=False
+    )
     assert torch.equal(one_by_one.count, prompt_stats.count)
     assert torch.allclose(one_by_one.gate_norm_sum, prompt_stats.gate_norm_sum, rtol=1e-4)
     assert prompt_stats.meta["fingerprint"] and prompt_stats.meta["family"] == family

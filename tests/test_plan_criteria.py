@@ -31,7 +31,9 @@ def hand_stats() -> ExpertStats:
 def test_criteria_formulas():
     s = hand_stats()
     assert score_experts(s, "frequency")[0].tolist() == [10, 2, 5, 0]
-    assert torch.allclose(score_experts(s, "soft")[0], torch.tensor([1.0, 1.8, 2.5, 0.0], dtype=torch.float64))
+    assert torch.allclose(
+        score_experts(s, "soft")[0], torch.tensor([1.0, 1.8, 2.5, 0.0], dtype=torch.float64)
+    )
     assert score_experts(s, "ean")[0].tolist() == [10, 20, 5, 0]
     reap = score_experts(s, "reap")[0]
     assert torch.allclose(reap, torch.tensor([0.1, 9.0, 0.5, 0.0], dtype=torch.float64))
@@ -73,7 +75,8 @@ def test_make_plan_uniform_counts_and_ties():
 
 
 def test_make_plan_groups_keep_every_group():
-    scores = torch.arange(16, dtype=torch.float64)[None].repeat(2, 1)  # high ids score high: group 0 is weakest
+    # high ids score high: group 0 is weakest
+    scores = torch.arange(16, dtype=torch.float64)[None].repeat(2, 1)
     plan = make_plan(scores, [0, 1], 0.5, family="deepseek_v3", top_k=4, num_groups=4, min_kept_per_group=2)
     for kept in plan.kept_experts.values():
         assert [sum(1 for e in kept if e // 4 == g) for g in range(4)] == [2, 2, 2, 2]
@@ -119,7 +122,8 @@ def test_plan_and_stats_roundtrip(tmp_path):
 
 
 def test_registries_refuse_a_name_twice():
-    """A second registration under a taken name would silently replace the first: refused (lm-eval does the same)."""
+    """A second registration under a taken name would silently replace the first: refused (lm-eval does the
+    same)."""
     from slimwise.adapters import register_adapter
     from slimwise.adapters.qwen3_moe import Qwen3MoeAdapter
 
@@ -175,21 +179,22 @@ def test_plan_schema_accepts_what_slimwise_writes(tmp_path):
 
 
 def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
-    """The files checksum `slimwise serve` compares before any engine starts: same for the same weights however
-    they are sharded or upcast, different for other weights of the same shape, part of what `load_model` reports,
-    and matched only on the parts both fingerprints carry (plans from before it existed still load)."""
+    """The files checksum `slimwise serve` compares before any engine starts: same for the same weights
+    however they are sharded or upcast, different for other weights of the same shape, part of what
+    `load_model` reports, and matched only on the parts both fingerprints carry (plans from before it existed
+    still load)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from tiny import save_tiny_model
 
-    from slimwise.models import load_model
     from slimwise.fingerprint import (
         checkpoint_fingerprint,
         fingerprints_match,
         memory_fingerprint,
         model_fingerprint,
     )
+    from slimwise.models import load_model
 
     a = save_tiny_model("qwen3_moe", tmp_path / "a", dtype=torch.bfloat16)
     b = save_tiny_model("qwen3_moe", tmp_path / "b", seed=1, dtype=torch.bfloat16)
@@ -200,8 +205,12 @@ def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
     names = sorted(tensors)
     shutil.copytree(a, tmp_path / "c")
     (tmp_path / "c" / "model.safetensors").unlink()
-    save_file({n: tensors[n].float().contiguous() for n in names[::2]}, tmp_path / "c" / "model-00001.safetensors")
-    save_file({n: tensors[n].float().contiguous() for n in names[1::2]}, tmp_path / "c" / "model-00002.safetensors")
+    save_file(
+        {n: tensors[n].float().contiguous() for n in names[::2]}, tmp_path / "c" / "model-00001.safetensors"
+    )
+    save_file(
+        {n: tensors[n].float().contiguous() for n in names[1::2]}, tmp_path / "c" / "model-00002.safetensors"
+    )
     assert checkpoint_fingerprint(tmp_path / "c") == fp_a
     # one value changed in the middle of a layer tensor is seen; unreadable or missing files give None
     gate = next(n for n in names if n.endswith("mlp.gate.weight"))  # a router: what a plan depends on
@@ -214,19 +223,27 @@ def test_checkpoint_fingerprint_reads_files_not_models(tmp_path):
     assert checkpoint_fingerprint(tmp_path / "d") is None and checkpoint_fingerprint(tmp_path) is None
 
     full = model_fingerprint(load_model(a))
-    assert full["files_sha256"] == fp_a and set(memory_fingerprint(full)) == {"config_sha256", "weights_sha256"}
+    assert full["files_sha256"] == fp_a and set(memory_fingerprint(full)) == {
+        "config_sha256",
+        "weights_sha256",
+    }
     assert fingerprints_match(full, memory_fingerprint(full))  # a plan made before the files checksum existed
-    files_only = {"config_sha256": full["config_sha256"], "files_sha256": "0" * 16}  # what the preflight knows
-    assert not fingerprints_match(full, files_only) and fingerprints_match(full, {**files_only, "files_sha256": fp_a})
-    assert fingerprints_match(full, {**full, "files_sha256": "0" * 16})  # in memory the weights' checksum decides
+    # what the preflight knows
+    files_only = {"config_sha256": full["config_sha256"], "files_sha256": "0" * 16}
+    assert not fingerprints_match(full, files_only) and fingerprints_match(
+        full, {**files_only, "files_sha256": fp_a}
+    )
+    # in memory the weights' checksum decides
+    assert fingerprints_match(full, {**full, "files_sha256": "0" * 16})
     assert not fingerprints_match(full, {**full, "weights_sha256": "0" * 16})
     assert fingerprints_match(None, None) and not fingerprints_match(full, None)
 
 
 def test_checkpoint_fingerprint_is_the_same_for_both_qwen3_5_layouts(tmp_path):
-    """The published multimodal class (model.language_model.*, a vision tower) and the text-only class saved from
-    it hold the same decoder weights: the same files checksum, so a plan made on one serves the other; a plan
-    made on the one fits the model loaded from the other in process too (the weights' checksum decides)."""
+    """The published multimodal class (model.language_model.*, a vision tower) and the text-only class saved
+    from it hold the same decoder weights: the same files checksum, so a plan made on one serves the other; a
+    plan made on the one fits the model loaded from the other in process too (the weights' checksum
+    decides)."""
     from tiny import tiny_config
     from transformers import Qwen3_5MoeForConditionalGeneration
 

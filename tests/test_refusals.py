@@ -73,14 +73,18 @@ def test_fingerprint_mismatch_refused(setup):
 def test_hand_edited_plans_refused(setup, tmp_path):
     root, src, stats = setup
     plan = plan_from_stats(stats, "reap", 0.5)
-    too_few = PrunePlan(**{**plan.to_dict(), "kept_experts": {k: v[:2] for k, v in plan.kept_experts.items()}})
+    too_few = PrunePlan(
+        **{**plan.to_dict(), "kept_experts": {k: v[:2] for k, v in plan.kept_experts.items()}}
+    )
     with pytest.raises(SlimWiseError, match="top-k"):
         export_pruned(load_model(src), too_few, tmp_path / "a")
     ragged = dict(plan.kept_experts)
     first = next(iter(ragged))
     ragged[first] = list(range(plan.num_experts))
     with pytest.raises(SlimWiseError, match="masking"):
-        export_pruned(load_model(src), PrunePlan(**{**plan.to_dict(), "kept_experts": ragged}), tmp_path / "b")
+        export_pruned(
+            load_model(src), PrunePlan(**{**plan.to_dict(), "kept_experts": ragged}), tmp_path / "b"
+        )
     bad_ids = PrunePlan(**{**plan.to_dict(), "kept_experts": {k: [99] * 8 for k in plan.kept_experts}})
     with pytest.raises(SlimWiseError, match="distinct"):
         export_pruned(load_model(src), bad_ids, tmp_path / "c")
@@ -95,7 +99,9 @@ def test_grouped_plan_that_empties_a_group_refused():
     # drop the whole first group but keep enough experts overall
     kept = {k: list(range(group, full.num_experts)) for k in full.kept_experts}
     with pytest.raises(SlimWiseError, match="group"):
-        PrunePlan(**{**full.to_dict(), "kept_experts": kept}).validate(adapter.min_kept_per_group(model.config))
+        PrunePlan(**{**full.to_dict(), "kept_experts": kept}).validate(
+            adapter.min_kept_per_group(model.config)
+        )
 
 
 def test_decode_model_with_other_shapes_refused(setup):
@@ -111,8 +117,15 @@ def test_decode_model_with_other_shapes_refused(setup):
 def test_dense_and_unknown_models_refused(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                               num_attention_heads=1, num_key_value_heads=1)
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "dense")
     with pytest.raises(SlimWiseError, match="qwen3_moe") as info:
         load_model(tmp_path / "dense")
@@ -141,27 +154,32 @@ def test_bad_data_refused(tmp_path):
 
 @pytest.mark.parametrize("case", ["missing", "not-a-model", "other-weights"])
 def test_serve_refuses_before_any_engine_starts(setup, case, tmp_path, capsys):
-    """`slimwise serve` checks the model directory and the plan before it starts vLLM: one line, exit 2, at once
-    (a plan made for other weights used to be refused only inside the engine, under its start-up log)."""
+    """`slimwise serve` checks the model directory and the plan before it starts vLLM: one line, exit 2, at
+    once (a plan made for other weights used to be refused only inside the engine, under its start-up log)."""
     from slimwise.cli import main
 
     root, src, stats = setup
     plan = plan_from_stats(stats, "reap", 0.5)
     plan.save(tmp_path / "plan.json")
     other = save_tiny_model("qwen3_moe", tmp_path / "other", initializer_range=0.15, num_experts=8)
-    model = {"missing": str(tmp_path / "nope"), "not-a-model": str(tmp_path), "other-weights": str(other)}[case]
+    model = {"missing": str(tmp_path / "nope"), "not-a-model": str(tmp_path), "other-weights": str(other)}[
+        case
+    ]
     capsys.readouterr()  # the checkpoint writer's progress bar
     assert main(["serve", model, "--plan", str(tmp_path / "plan.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert {"missing": "does not exist", "not-a-model": "no config.json", "other-weights": "plan is for 16 experts"}[
-        case] in err
+    assert {
+        "missing": "does not exist",
+        "not-a-model": "no config.json",
+        "other-weights": "plan is for 16 experts",
+    }[case] in err
 
 
 def test_an_untested_vllm_is_refused_in_one_line(monkeypatch):
-    """The plugin patches vLLM internals known for the tested release only: another release is refused by SlimWise's
-    entry points (stock vLLM use stays untouched: the plugin then only logs and stays inactive), unless the user
-    opts in; a runner without the hooked method is refused always."""
+    """The plugin patches vLLM internals known for the tested release only: another release is refused by
+    SlimWise's entry points (stock vLLM use stays untouched: the plugin then only logs and stays inactive),
+    unless the user opts in; a runner without the hooked method is refused always."""
     import vllm
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -181,14 +199,21 @@ def test_an_untested_vllm_is_refused_in_one_line(monkeypatch):
 
 def test_serve_refuses_prefix_caching_for_a_disaggregated_hybrid(tmp_path, capsys):
     """The shared-directory connector hands a hybrid's linear-attention state over only without vLLM's 'align'
-    Mamba cache mode, which prefix caching turns on: refused before any engine starts (moved here from the HTTP
-    hybrid test, where it cost a subprocess start)."""
+    Mamba cache mode, which prefix caching turns on: refused before any engine starts (moved here from the
+    HTTP hybrid test, where it cost a subprocess start)."""
     from slimwise.cli import main
 
     src = save_tiny_model("qwen3_5_moe", tmp_path / "hybrid")
     PrunePlan.full(load_model(src)).save(tmp_path / "plan.json")
     capsys.readouterr()
-    argv = ["serve", str(src), "--plan", str(tmp_path / "plan.json"), "--disaggregated", "--enable-prefix-caching"]
+    argv = [
+        "serve",
+        str(src),
+        "--plan",
+        str(tmp_path / "plan.json"),
+        "--disaggregated",
+        "--enable-prefix-caching",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "drop --enable-prefix-caching" in err

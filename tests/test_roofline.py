@@ -158,7 +158,12 @@ def test_memory_capacity(rc36):
 
 def test_qwen3_30b_preset_shapes(rc30):
     c = preset_config("qwen3-30b-a3b")
-    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.moe_intermediate_size) == ("qwen3_moe", 48, 2048, 768)
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.moe_intermediate_size) == (
+        "qwen3_moe",
+        48,
+        2048,
+        768,
+    )
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (32, 4, 128, 151936)
     adapter = get_adapter(c)
     assert (adapter.num_experts(c), adapter.top_k(c)) == (128, 8)
@@ -166,7 +171,9 @@ def test_qwen3_30b_preset_shapes(rc30):
     assert rc30.total_params / 1e9 == pytest.approx(30.53, abs=0.02)
     assert (rc30.active_params() + rc30.embed_params) / 1e9 == pytest.approx(3.35, abs=0.05)
     scaled = preset_config("qwen3-30b-a3b", layers=3)
-    assert scaled.num_hidden_layers == 3 and scaled.moe_intermediate_size == 768 and scaled.hidden_size == 2048
+    assert (
+        scaled.num_hidden_layers == 3 and scaled.moe_intermediate_size == 768 and scaled.hidden_size == 2048
+    )
 
 
 def test_qwen36_preset_shapes(rc36):
@@ -174,8 +181,12 @@ def test_qwen36_preset_shapes(rc36):
     t = c.text_config
     assert c.model_type == "qwen3_5_moe" and t.num_hidden_layers == 40
     assert t.layer_types.count("full_attention") == 10 and t.layer_types[3::4] == ["full_attention"] * 10
-    assert (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size, t.shared_expert_intermediate_size) == \
-        (256, 8, 512, 512)
+    assert (
+        t.num_experts,
+        t.num_experts_per_tok,
+        t.moe_intermediate_size,
+        t.shared_expert_intermediate_size,
+    ) == (256, 8, 512, 512)
     assert (t.hidden_size, t.vocab_size, t.num_attention_heads, t.num_key_value_heads, t.head_dim) == \
         (2048, 248320, 16, 2, 256)
     assert (rc36.linear_attention_layers, rc36.full_attention_layers, rc36.state_bytes) == (30, 10, 4.0)
@@ -255,7 +266,9 @@ def test_build_synthetic_smoke_with_skew(tmp_path):
     stats.count = counts
     stats.tokens = torch.full((2,), 1000.0, dtype=torch.float64)
     stats_path = stats.save(tmp_path / "stats.safetensors")
-    out = build_synthetic("smoke", tmp_path / "model", seed=0, dtype=torch.float32, routing_skew_from=stats_path)
+    out = build_synthetic(
+        "smoke", tmp_path / "model", seed=0, dtype=torch.float32, routing_skew_from=stats_path
+    )
     manifest = json.loads((out / "slimwise_synthetic.json").read_text())
     assert manifest["layers"] == 2 and manifest["routing_fit"]["max_total_variation"] < 0.06
     model = AutoModelForCausalLM.from_pretrained(out)

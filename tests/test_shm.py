@@ -1,5 +1,5 @@
-"""slimwise/serving/shm.py on real files and a real mapping: only vLLM's segment names, only what no live process
-maps, only what appeared since a snapshot (the TP engines' own cleanup is tested with real engines in
+"""slimwise/serving/shm.py on real files and a real mapping: only vLLM's segment names, only what no live
+process maps, only what appeared since a snapshot (the TP engines' own cleanup is tested with real engines in
 test_vllm_plugin.py and test_vllm_serve.py)."""
 
 import mmap
@@ -8,12 +8,19 @@ from slimwise.serving import shm
 
 
 def test_only_unmapped_vllm_segments_are_removed(tmp_path):
-    names = ["vllm_dist_ab12-tp:0-[0-1]-cpushm_0", "vllm_dist_ab12-tp:0-[0-1]-cpushm_1", "psm_0f1e", "psm_live",
-             "sem.loky-1-x", "notes.txt"]
+    names = [
+        "vllm_dist_ab12-tp:0-[0-1]-cpushm_0",
+        "vllm_dist_ab12-tp:0-[0-1]-cpushm_1",
+        "psm_0f1e",
+        "psm_live",
+        "sem.loky-1-x",
+        "notes.txt",
+    ]
     for n in names:
         (tmp_path / n).write_bytes(b"\0" * 4096)
     assert shm.segments(tmp_path) == set(names[:4])
-    with open(tmp_path / "psm_live", "r+b") as f, mmap.mmap(f.fileno(), 4096) as live:  # mapped by this process
+    with open(tmp_path / "psm_live", "r+b") as f, mmap.mmap(f.fileno(), 4096) as live:
+        # mapped by this process
         live[0] = 1
         assert shm.mapped(tmp_path) == {"psm_live"}
         # a snapshot taken before: what it holds stays
@@ -25,4 +32,6 @@ def test_only_unmapped_vllm_segments_are_removed(tmp_path):
 
 
 def test_a_missing_directory_has_no_segments(tmp_path):
-    assert shm.segments(tmp_path / "none") == set() and shm.remove_leftovers(directory=tmp_path / "none") == []
+    assert (
+        shm.segments(tmp_path / "none") == set() and shm.remove_leftovers(directory=tmp_path / "none") == []
+    )

@@ -219,14 +219,16 @@ def test_heldout_knobs_lie_beyond_training_range():
 
 
 def test_edge_split_is_the_hardest_trained_difficulty_and_never_a_test_problem():
-    """The edge level sets every knob the held-out level moves to its training maximum (a conversion's base keeps its
-    range), so problems are harder than the test average yet of sizes the models were trained on; the split shares
-    the test buckets but never one of the test sample's problems (same seed and size)."""
+    """The edge level sets every knob the held-out level moves to its training maximum (a conversion's base
+    keeps its range), so problems are harder than the test average yet of sizes the models were trained on;
+    the split shares the test buckets but never one of the test sample's problems (same seed and size)."""
     assert FAMILIES["add"].edge == {"digits": (4, 4)} and FAMILIES["gcd"].edge == {"digits": (3, 3)}
     assert FAMILIES["base"].edge == {"out_digits": (4, 4), "base": (2, 9)}
     for name, fam in FAMILIES.items():
         assert set(fam.edge) == set(fam.train), name
-        assert all(fam.train[k][0] <= fam.edge[k][0] <= fam.edge[k][1] == fam.train[k][1] for k in fam.train), name
+        assert all(
+            fam.train[k][0] <= fam.edge[k][0] <= fam.edge[k][1] == fam.train[k][1] for k in fam.train
+        ), name
     edge, test = make_split("edge", 40, seed=3), make_split("test", 40, seed=3)
     assert len(edge) == 40 * len(FAMILIES) and check_disjoint(edge, test)
     lo, hi = SPLIT_BUCKETS["test"]
@@ -452,8 +454,9 @@ def test_tokenizer_digits_and_letter_strings_are_single_characters(tok_dir):
 
 
 def test_tokenizer_without_spaced_pairs_spells_a_name_one_way(tok_dir, tmp_path, samples):
-    """spaced_pairs=False (testbed-c's tokenizer): no " Bob" beside "Bob", so a qa name is the same token in the
-    passage, the question and the solution lines; every other word keeps its token and text still round-trips."""
+    """spaced_pairs=False (testbed-c's tokenizer): no " Bob" beside "Bob", so a qa name is the same token in
+    the passage, the question and the solution lines; every other word keeps its token and text still
+    round-trips."""
     tok, bare = load_tokenizer(tok_dir), build_tokenizer(tmp_path, spaced_pairs=False)
     both, one = tok.get_vocab(), bare.get_vocab()
     dropped = sorted(set(both) - set(one))

@@ -1,20 +1,22 @@
-"""What a client sees: `slimwise serve` driven as users drive it, with the official `openai` client and text prompts.
+"""What a client sees: `slimwise serve` driven as users drive it, with the official `openai` client and text
+prompts.
 
 For each shipped backbone (testbed-a, -b, -c) and the tiny model of every served family (with the testbed
-tokenizer, so that a model type whose AutoTokenizer swaps in its family's class -- qwen3_5_moe, qwen3_next -- meets
-a tokenizer that class does not reproduce), one colocated server under the name the user typed, and for every
-model name it serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
+tokenizer, so that a model type whose AutoTokenizer swaps in its family's class -- qwen3_5_moe, qwen3_next --
+meets a tokenizer that class does not reproduce), one colocated server under the name the user typed, and for
+every model name it serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
 - the text of completions, chat completions and streamed completions is the reference engine's (`slimwise
-  generate`'s `PhaseSplitEngine`) for that routing, and the prompt reached the model as the reference tokenizer's
-  ids. vLLM runs float32 where its CPU kernels allow; the hybrids run bf16 (vLLM's CPU Gated DeltaNet kernel), where
-  greedy tokens are checked against the float32 reference by the mean log-prob gap of tests/test_vllm_hybrid.py;
+  generate`'s `PhaseSplitEngine`) for that routing, and the prompt reached the model as the reference
+  tokenizer's ids. vLLM runs float32 where its CPU kernels allow; the hybrids run bf16 (vLLM's CPU Gated
+  DeltaNet kernel), where greedy tokens are checked against the float32 reference by the mean log-prob gap of
+  tests/test_vllm_hybrid.py;
 - the tiny families serve one named plan (the case whose `MODEL:full` used to be served pruned), the shipped
   backbones two (`math` and `general`, as the README suggests).
 Disaggregated through the same client with text: testbed-a, -b and -c here, the tiny qwen3_moe at TP 2
 (tests/test_vllm_serve.py) and the tiny hybrid with the testbed tokenizer
-(tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid); the instances of every family at the engine
-level: tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to CI).
-Servers of one group start side by side (their start-up is mostly vLLM imports, one core each).
+(tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid); the instances of every family at the
+engine level: tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to
+CI). Servers of one group start side by side (their start-up is mostly vLLM imports, one core each).
 """
 
 from __future__ import annotations
@@ -42,15 +44,28 @@ from slimwise.testbed import build_tokenizer, make_split
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_TOKENS = {"tiny": 12, "shipped": 40}
-GROUPS = [("qwen3_moe", "qwen2_moe"), ("mixtral", "olmoe"), ("deepseek_v3", "gpt_oss"), ("qwen3_next", "qwen3_5_moe")]
+GROUPS = [
+    ("qwen3_moe", "qwen2_moe"),
+    ("mixtral", "olmoe"),
+    ("deepseek_v3", "gpt_oss"),
+    ("qwen3_next", "qwen3_5_moe"),
+]
 
 
 def tiny_with_testbed_tokenizer(family: str, root) -> str:
-    """The family's tiny random model with the testbed tokenizer, saved as `root/family` (served as `family`)."""
+    """The family's tiny random model with the testbed tokenizer, saved as `root/family` (served as
+    `family`)."""
     out = root / family
     tok = build_tokenizer(out)
-    model = build_tiny_model(family, seed=0, initializer_range=TINY_INIT, vocab_size=len(tok),
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **VLLM_TINY.get(family, {}))
+    model = build_tiny_model(
+        family,
+        seed=0,
+        initializer_range=TINY_INIT,
+        vocab_size=len(tok),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **VLLM_TINY.get(family, {}),
+    )
     if family == "deepseek_v3":
         set_selection_bias(model)
     model.save_pretrained(out)
@@ -60,8 +75,16 @@ def tiny_with_testbed_tokenizer(family: str, root) -> str:
 class Served:
     """One model as served: its reference engine, plans and the reference text per routing."""
 
-    def __init__(self, name: str, model_dir: str, plans: dict[str, object], candidates: list[str], max_tokens: int,
-                 tmp, n_prompts: int = 4) -> None:
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        plans: dict[str, object],
+        candidates: list[str],
+        max_tokens: int,
+        tmp,
+        n_prompts: int = 4,
+    ) -> None:
         self.name, self.model_dir, self.max_tokens = name, model_dir, max_tokens
         self.model, self.tok = load_model(model_dir, dtype="float32"), load_tokenizer(model_dir)
         self.hybrid = is_hybrid(model_dir)
@@ -77,7 +100,9 @@ class Served:
         want = {"full": self.engines["full"].generate(candidates, "full", config)}
         want.update({n: self.engines[n].generate(candidates, "slimwise", config) for n in plans})
         # prompts on which some plan's reference text differs from full's, so the checks tell routings apart
-        keep = [i for i in range(len(candidates)) if any(want[n][i].text != want["full"][i].text for n in plans)]
+        keep = [
+            i for i in range(len(candidates)) if any(want[n][i].text != want["full"][i].text for n in plans)
+        ]
         keep = keep[:n_prompts]
         self.prompts = [candidates[i] for i in keep]
         self.want = {routing: [outs[i] for i in keep] for routing, outs in want.items()}
@@ -95,8 +120,9 @@ class Served:
 
 
 def check_client(port: int, served: Served, disaggregated: bool = False) -> None:
-    """Every model name the server lists, through the openai client: completions (text and prompt ids), chat and
-    streaming equal the reference's text for that name's routing (disaggregated: one name, the one plan)."""
+    """Every model name the server lists, through the openai client: completions (text and prompt ids), chat
+    and streaming equal the reference's text for that name's routing (disaggregated: one name, the one
+    plan)."""
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     names = [m.id for m in client.models.list().data]
     expected = [served.name] if disaggregated else [served.name, f"{served.name}:full",
@@ -107,8 +133,13 @@ def check_client(port: int, served: Served, disaggregated: bool = False) -> None
         want = served.want[routing]
         texts, tokens = [], []
         for prompt, ids in zip(served.prompts, served.ids, strict=True):
-            r = client.completions.create(model=name, prompt=prompt, max_tokens=served.max_tokens, temperature=0,
-                                          extra_body={"return_token_ids": True})
+            r = client.completions.create(
+                model=name,
+                prompt=prompt,
+                max_tokens=served.max_tokens,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
             choice = r.choices[0]
             assert r.model == name
             assert choice.model_extra["prompt_token_ids"] == ids, (name, prompt)  # the text became these ids
@@ -119,9 +150,11 @@ def check_client(port: int, served: Served, disaggregated: bool = False) -> None
                                            temperature=0, stream=True)
         chunks = list(stream)
         assert "".join(c.choices[0].text for c in chunks) == texts[0] and {c.model for c in chunks} == {name}
-        # the testbed chat template ends the user's message with a newline: the same prompt as the completion's.
-        # GPT-OSS chat is rendered by vLLM in OpenAI's Harmony format, whose o200k special-token ids only a GPT-OSS
-        # tokenizer has (the testbed tokenizer gets 400 "Token id 200008 is out of vocabulary"): completions only
+        # the testbed chat template ends the user's message with a newline: the same prompt as the
+        # completion's.
+        # GPT-OSS chat is rendered by vLLM in OpenAI's Harmony format, whose o200k special-token ids only a
+        # GPT-OSS tokenizer has (the testbed tokenizer gets 400 "Token id 200008 is out of vocabulary"):
+        # completions only
         messages = [{"role": "user", "content": served.prompts[1].rstrip("\n")}]
         chat = None if served.family == "gpt_oss" else client.chat.completions.create(
             model=name, messages=messages, max_tokens=served.max_tokens, temperature=0)
@@ -138,14 +171,16 @@ def check_client(port: int, served: Served, disaggregated: bool = False) -> None
         if served.trained:  # near-ties are rare in a trained model: bf16 flips at most one answer here
             same = sum(t == w.text for t, w in zip(texts, want, strict=True))
             assert same >= len(want) - 1, (name, same, texts, [w.text for w in want])
-        else:  # random weights: the gap under the other routing tells the routings apart (test_vllm_hybrid.py)
+        else:
+            # random weights: the gap under the other routing tells the routings apart (test_vllm_hybrid.py)
             other = served.engines[next(iter(served.plans))] if routing == "full" else served.engines["full"]
             wrong = mean_gap(other, "full" if mode == "slimwise" else "slimwise", tokens, served.ids)
             assert wrong >= WRONG_GAP, (name, wrong)
 
 
 def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggregated: bool = False) -> None:
-    """Start every (served, serve args, vLLM args) of a group side by side, then check each through the client."""
+    """Start every (served, serve args, vLLM args) of a group side by side, then check each through the
+    client."""
     running = []
     try:
         for served, args, vllm_args in entries:
@@ -177,8 +212,14 @@ def test_every_served_family_answers_text_as_the_reference(families, tmp_path):
         model_dir = tiny_with_testbed_tokenizer(family, tmp_path)
         model, tok = load_model(model_dir), load_tokenizer(model_dir)
         stats = calibrate(model, calib, tok, CalibrationConfig(max_new_tokens=8), progress=False)
-        served = Served(family, model_dir, {"p": plan_from_stats(stats, "reap", 0.5)}, prompts, MAX_TOKENS["tiny"],
-                        tmp_path)
+        served = Served(
+            family,
+            model_dir,
+            {"p": plan_from_stats(stats, "reap", 0.5)},
+            prompts,
+            MAX_TOKENS["tiny"],
+            tmp_path,
+        )
         entries.append((served, served.args(model_dir), vllm_dtype(model_dir)))
     run_group(entries, tmp_path)
 
@@ -189,43 +230,57 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the commit
 
 @pytest.mark.parametrize("names", SHIPPED, ids=["-".join(g) for g in SHIPPED])
 def test_shipped_backbones_answer_text_as_the_reference(names, tmp_path):
-    """`slimwise serve testbed-X --plan math=... --plan general=...` with the committed 50% plans (REAP, decode
-    calibration; `general` a random plan): served as `testbed-X`, `testbed-X:full`, `testbed-X:math`,
-    `testbed-X:general`, each equal to the reference engine (float32; testbed-c bf16, within the gap bound)."""
+    """`slimwise serve testbed-X --plan math=... --plan general=...` with the committed 50% plans (REAP,
+    decode calibration; `general` a random plan): served as `testbed-X`, `testbed-X:full`, `testbed-X:math`,
+    `testbed-X:general`, each equal to the reference engine (float32; testbed-c bf16, within the gap
+    bound)."""
     prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
     entries = []
     for name in names:
         model_dir = str(embedded_model_dir(name))
         math = PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")
         general = random_plan(load_model(model_dir, dtype="float32"), 0.5, seed=1)
-        served = Served(name, model_dir, {"math": math, "general": general}, prompts, MAX_TOKENS["shipped"], tmp_path)
+        served = Served(
+            name, model_dir, {"math": math, "general": general}, prompts, MAX_TOKENS["shipped"], tmp_path
+        )
         entries.append((served, served.args(name), vllm_dtype(model_dir)))
     run_group(entries, tmp_path)
 
 
 def test_shipped_backbones_disaggregated_answer_text_as_the_reference(tmp_path):
-    """`slimwise serve testbed-X --plan plan.json --disaggregated` (full-model prefill instance, exported pruned
-    decode instance, proxy) for a, b and c, side by side: served as `testbed-X`, completions, streams and chats with text
-    equal the reference engine's SlimWise text (testbed-c bf16: the gap bound and the same answers). The proxy
-    refuses a request over --max-n as the colocated server does."""
+    """`slimwise serve testbed-X --plan plan.json --disaggregated` (full-model prefill instance, exported
+    pruned decode instance, proxy) for a, b and c, side by side: served as `testbed-X`, completions, streams
+    and chats with text equal the reference engine's SlimWise text (testbed-c bf16: the gap bound and the same
+    answers). The proxy refuses a request over --max-n as the colocated server does."""
     prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
     entries = []
     for name in ("testbed-a", "testbed-b", "testbed-c"):
         model_dir = str(embedded_model_dir(name))
-        served = Served(name, model_dir, {"math": PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")},
-                        prompts, MAX_TOKENS["shipped"], tmp_path)
+        served = Served(
+            name,
+            model_dir,
+            {"math": PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")},
+            prompts,
+            MAX_TOKENS["shipped"],
+            tmp_path,
+        )
         entries.append((served, [name, "--plan", str(served.plan_files["math"]), "--disaggregated"],
                         vllm_dtype(model_dir)))
     run_group(entries, tmp_path, disaggregated=True)
 
 
 def test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint(tmp_path):
-    """`--tokenizer-mode hf` next to a qwen3_5_moe config: vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for the
-    shipped testbed tokenizer. The start-up probe catches it: one line, exit 2, no server left running."""
+    """`--tokenizer-mode hf` next to a qwen3_5_moe config: vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for
+    the shipped testbed tokenizer. The start-up probe catches it: one line, exit 2, no server left running."""
     model_dir = tiny_with_testbed_tokenizer("qwen3_5_moe", tmp_path)
     port, log = free_port(), open(tmp_path / "refused.log", "w")  # noqa: SIM115
-    proc = launch([model_dir], port, log, ["--dtype", "bfloat16", "--enforce-eager", "--tokenizer-mode", "hf"],
-                  name=None)
+    proc = launch(
+        [model_dir],
+        port,
+        log,
+        ["--dtype", "bfloat16", "--enforce-eager", "--tokenizer-mode", "hf"],
+        name=None,
+    )
     try:
         assert proc.wait(timeout=600) == 2
     finally:
@@ -240,8 +295,8 @@ def test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint(tmp_p
 
 def test_the_reference_loads_the_tokenizer_another_tool_saved(tmp_path):
     """A copy of testbed-c saved the way transformers 5.17 / llm-compressor save it (`tokenizer_class:
-    TokenizersBackend`): the reference engine still encodes with the shipped tokenizer.json, and so does vLLM's
-    SlimWise tokenizer mode."""
+    TokenizersBackend`): the reference engine still encodes with the shipped tokenizer.json, and so does
+    vLLM's SlimWise tokenizer mode."""
     import shutil
 
     from slimwise.serving.tokenizer import ShippedTokenizer

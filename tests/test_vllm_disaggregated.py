@@ -1,11 +1,11 @@
 """PD-disaggregated serving on every served family, at the engine level: the two instances `slimwise serve
---disaggregated` starts (a full-model prefill instance with `SlimWiseConnector` as kv_producer, and a decode instance
-on the exported pruned checkpoint as kv_consumer), driven as the proxy drives them: the prompt with max_tokens 1,
-then prompt + first token as token ids. The decode instance must compute no prompt token (every prompt position is
-loaded from the full model) and the tokens must be the reference engine's SlimWise tokens: equal in float32,
-within the bf16 gap bound for the hybrid (vLLM's CPU Gated DeltaNet kernel is bf16 only). Through HTTP and the
-openai client with text: tests/test_vllm_clients.py (testbed-a, -b, -c), tests/test_vllm_serve.py (TP 2) and
-tests/test_vllm_hybrid.py (Qwen3.5-MoE).
+--disaggregated` starts (a full-model prefill instance with `SlimWiseConnector` as kv_producer, and a decode
+instance on the exported pruned checkpoint as kv_consumer), driven as the proxy drives them: the prompt with
+max_tokens 1, then prompt + first token as token ids. The decode instance must compute no prompt token (every
+prompt position is loaded from the full model) and the tokens must be the reference engine's SlimWise tokens:
+equal in float32, within the bf16 gap bound for the hybrid (vLLM's CPU Gated DeltaNet kernel is bf16 only).
+Through HTTP and the openai client with text: tests/test_vllm_clients.py (testbed-a, -b, -c),
+tests/test_vllm_serve.py (TP 2) and tests/test_vllm_hybrid.py (Qwen3.5-MoE).
 """
 
 from __future__ import annotations
@@ -32,25 +32,35 @@ from slimwise.models import load_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 CONFIG = GenerationConfig(max_new_tokens=10, eos_token_id=-1)
-PROMPTS = random_prompts(6, seed=11, lengths=(5, 9, 1, 14, 3, 33))  # a 1-token prompt; 33 spans several blocks
+# a 1-token prompt; 33 spans several blocks
+PROMPTS = random_prompts(6, seed=11, lengths=(5, 9, 1, 14, 3, 33))
 
 
 def _instance(model_dir, role: str, kv_dir, dtype: str):
-    """One instance as `slimwise serve --disaggregated` starts it (`serving.server.cpu_fix_args`: SlimWise's class
-    where it fixes vLLM on CPU, DeepSeek-V3; stock vLLM elsewhere)."""
+    """One instance as `slimwise serve --disaggregated` starts it (`serving.server.cpu_fix_args`: SlimWise's
+    class where it fixes vLLM on CPU, DeepSeek-V3; stock vLLM elsewhere)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     from slimwise.serving.server import cpu_fix_args
 
     fix = cpu_fix_args(str(model_dir), [])
-    return LLM(model=str(model_dir), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-               hf_overrides=json.loads(fix[1]) if fix else None,
-               kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False,
-               kv_transfer_config=KVTransferConfig(kv_connector="SlimWiseConnector",
-                                                   kv_connector_module_path="slimwise.serving.connector",
-                                                   kv_role=role,
-                                                   kv_connector_extra_config={"shared_storage_path": str(kv_dir)}))
+    return LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        seed=0,
+        hf_overrides=json.loads(fix[1]) if fix else None,
+        kv_cache_memory_bytes=256 << 20,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SlimWiseConnector",
+            kv_connector_module_path="slimwise.serving.connector",
+            kv_role=role,
+            kv_connector_extra_config={"shared_storage_path": str(kv_dir)},
+        ),
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss", "qwen3_next"])
@@ -62,7 +72,9 @@ def test_disaggregated_instances_give_the_reference_slimwise_tokens(family, tmp_
         set_selection_bias(model)
     model.save_pretrained(tmp_path / "full")
     model = load_model(tmp_path / "full")
-    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8), progress=False)
+    stats = calibrate(
+        model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8), progress=False
+    )
     plan = plan_from_stats(stats, "reap", 0.5)
     want = [o.token_ids for o in PhaseSplitEngine(model, plan=plan).generate(PROMPTS, "slimwise", CONFIG)]
     decode_dir = export_pruned(model, plan, tmp_path / "pruned", source_dir=tmp_path / "full")
@@ -70,8 +82,14 @@ def test_disaggregated_instances_give_the_reference_slimwise_tokens(family, tmp_
     greedy = dict(temperature=0.0, ignore_eos=True)
     prefill = _instance(tmp_path / "full", "kv_producer", tmp_path / "kv", dtype)
     try:
-        firsts = [o.outputs[0].token_ids[0] for o in prefill.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)]
+        firsts = [
+            o.outputs[0].token_ids[0]
+            for o in prefill.generate(
+                [{"prompt_token_ids": p} for p in PROMPTS],
+                SamplingParams(max_tokens=1, **greedy),
+                use_tqdm=False,
+            )
+        ]
     finally:
         prefill.llm_engine.engine_core.shutdown()
     decode = _instance(decode_dir, "kv_consumer", tmp_path / "kv", dtype)

@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 def test_exported_checkpoint_runs_in_vllm(family, tiny_dirs, tmp_path):
     src = tiny_dirs(family)
     model = load_model(src)
-    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8), progress=False)
+    stats = calibrate(
+        model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8), progress=False
+    )
     plan = plan_from_stats(stats, "reap", 0.5)
     out = export_pruned(load_model(src), plan, tmp_path / "pruned")
     pruned, _ = load_pruned(out)

@@ -34,7 +34,10 @@ def test_policy_quality_against_load(tmp_path, capsys):
         assert rows[("slimwise", conc)]["pruned_share"] == 1  # every decode token took the kept experts
         assert rows[("slimwise", conc)]["identical_to_full"] < 1  # and pruning changed some outputs
     # one request at a time never reaches 4 decode tokens per step: the policy serves the full model
-    assert rows[("slimwise-min4", 1)]["pruned_share"] == 0 and rows[("slimwise-min4", 1)]["identical_to_full"] == 1
+    assert (
+        rows[("slimwise-min4", 1)]["pruned_share"] == 0
+        and rows[("slimwise-min4", 1)]["identical_to_full"] == 1
+    )
     assert rows[("slimwise-min4", 1)]["accuracy"] == rows[("full", 1)]["accuracy"]
     # eight at a time: steps holding >= 4 decode tokens prune; the last requests' steps (< 4) do not
     assert 0 < rows[("slimwise-min4", 8)]["pruned_share"] < 1

@@ -3,9 +3,10 @@
 Colocated and disaggregated serving must return the reference engine's SlimWise tokens; the disaggregated
 path must take the prompt KV and the first token from the full model, clean its KV directory on shutdown,
 and answer a clear error (not hang) when an instance is gone. Both modes also take a scaled-down load test
-(scripts/load_test.py, 2 rounds of 32: none failed or lost), the disaggregated proxy answers bad input as vLLM's
-own server does. (kill -9 of `slimwise serve` leaving no process and no KV directory is checked at the end of
-tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid, on a server already running for that test.)
+(scripts/load_test.py, 2 rounds of 32: none failed or lost), the disaggregated proxy answers bad input as
+vLLM's own server does. (kill -9 of `slimwise serve` leaving no process and no KV directory is checked at the
+end of tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid, on a server already running for
+that test.)
 """
 
 from __future__ import annotations
@@ -52,13 +53,21 @@ def served(tmp_path_factory):
     save_tiny_model("qwen3_moe", root / "model", initializer_range=0.15, vocab_size=len(tok),
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model, tok = load_model(root / "model"), load_tokenizer(root / "model")
-    stats = calibrate(model, [s.prompt for s in make_split("calib", 1)], tok, CalibrationConfig(max_new_tokens=8),
-                      progress=False)
+    stats = calibrate(
+        model,
+        [s.prompt for s in make_split("calib", 1)],
+        tok,
+        CalibrationConfig(max_new_tokens=8),
+        progress=False,
+    )
     plan = plan_from_stats(stats, "reap", 0.5)
     plan.save(root / "plan.json")
     prompts = [s.prompt for s in make_split("test", 1)][:4]
     engine = PhaseSplitEngine(model, tok, plan=plan)
-    ref = {m: engine.generate(prompts, m, GenerationConfig(max_new_tokens=MAX_TOKENS)) for m in ("full", "slimwise")}
+    ref = {
+        m: engine.generate(prompts, m, GenerationConfig(max_new_tokens=MAX_TOKENS))
+        for m in ("full", "slimwise")
+    }
     # a second plan, for serving several plans in one engine
     plan_b = random_plan(model, 0.5, seed=3)
     plan_b.save(root / "plan-b.json")
@@ -73,11 +82,20 @@ def launch(args: list[str], port: int, log, vllm_args: list[str] = VLLM_ARGS, na
     """`slimwise serve ARGS` as a user starts it (a process of its own; `name`: --served-model-name, None: the
     default name). Returns at once: several servers can start side by side (`wait_healthy` each)."""
     named = ["--served-model-name", name] if name else []
-    return subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port), *named,
-                             *vllm_args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**{k: v for k, v in os.environ.items()  # a real server: engine core in its
-                                    if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},  # own process
-                                 "VLLM_LOGGING_LEVEL": "INFO"})
+    return subprocess.Popen(
+        [sys.executable, "-m", "slimwise.cli", "serve", *args, "--port", str(port), *named, *vllm_args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={
+            **{
+                k: v
+                for k, v in os.environ.items()  # a real server: engine core in its
+                if k != "VLLM_ENABLE_V1_MULTIPROCESSING"
+            },  # own process
+            "VLLM_LOGGING_LEVEL": "INFO",
+        },
+    )
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log, timeout: float = 600) -> subprocess.Popen:
@@ -105,15 +123,34 @@ LOAD_TEST = Path(__file__).resolve().parents[1] / "scripts" / "load_test.py"
 
 
 def load_test(port: int) -> str:
-    """The CI-sized run of scripts/load_test.py (the issue-15 figures use 3 rounds of 256): every request ok."""
-    r = subprocess.run([sys.executable, str(LOAD_TEST), "--port", str(port), "--rounds", "2", "--concurrency", "32",
-                        "--max-tokens", "8", "--deadline", "600"], capture_output=True, text=True, timeout=900)
+    """The CI-sized run of scripts/load_test.py (the issue-15 figures use 3 rounds of 256): every request
+    ok."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(LOAD_TEST),
+            "--port",
+            str(port),
+            "--rounds",
+            "2",
+            "--concurrency",
+            "32",
+            "--max-tokens",
+            "8",
+            "--deadline",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
 
 
 def group_alive(pgid: int) -> bool:
-    """A running process in group `pgid`; zombies (dead, not yet reaped by whoever inherited them) do not count."""
+    """A running process in group `pgid`; zombies (dead, not yet reaped by whoever inherited them) do not
+    count."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             state, _, group = stat.read_text().rsplit(") ", 1)[1].split()[:3]
@@ -144,21 +181,37 @@ def check_completions(client: OpenAI, prompts, ref, model: str = "tiny") -> None
                                        stream=True)
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == ref[0].text and {c.model for c in chunks} == {model}
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[1].rstrip("\n")}],
-                                          max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompts[1].rstrip("\n")}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     assert chat.choices[0].message.content == ref[1].text and chat.model == model
 
 
 def test_colocated_serve(served):
-    """Colocated, with two plans in the one engine: `tiny` (the default plan, the REAP one), `tiny:b` and `tiny:full`,
-    each request routed with the plan its model name chooses, in concurrent batches."""
+    """Colocated, with two plans in the one engine: `tiny` (the default plan, the REAP one), `tiny:b` and
+    `tiny:full`, each request routed with the plan its model name chooses, in concurrent batches."""
     root, prompts, ref = served
     port = free_port()
     log = open(root / "colocated.log", "w")  # noqa: SIM115
-    # no KV size given: on CPU SlimWise chooses one from the model and says so (the float32 dtype is for equality
-    # with the reference engine, eager for start-up time)
-    proc = start([str(root / "model"), "--plan", f"main={root / 'plan.json'}", "--plan", f"b={root / 'plan-b.json'}",
-                  "--default-plan", "main"], port, log, vllm_args=["--dtype", "float32", "--enforce-eager"])
+    # no KV size given: on CPU SlimWise chooses one from the model and says so (the float32 dtype is for
+    # equality with the reference engine, eager for start-up time)
+    proc = start(
+        [
+            str(root / "model"),
+            "--plan",
+            f"main={root / 'plan.json'}",
+            "--plan",
+            f"b={root / 'plan-b.json'}",
+            "--default-plan",
+            "main",
+        ],
+        port,
+        log,
+        vllm_args=["--dtype", "float32", "--enforce-eager"],
+    )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         assert [m.id for m in client.models.list().data] == ["tiny", "tiny:full", "tiny:main", "tiny:b"]
@@ -167,14 +220,28 @@ def test_colocated_serve(served):
             check_completions(client, prompts, want, model)
         # the three plans at once, in one batch: each request still gets its own plan's tokens
         with ThreadPoolExecutor(12) as pool:
-            jobs = [(m, i, pool.submit(client.completions.create, model=m, prompt=prompts[i], max_tokens=MAX_TOKENS,
-                                       temperature=0)) for m in ("tiny", "tiny:b", "tiny:full") for i in range(4)]
+            jobs = [
+                (
+                    m,
+                    i,
+                    pool.submit(
+                        client.completions.create,
+                        model=m,
+                        prompt=prompts[i],
+                        max_tokens=MAX_TOKENS,
+                        temperature=0,
+                    ),
+                )
+                for m in ("tiny", "tiny:b", "tiny:full")
+                for i in range(4)
+            ]
             want = {"tiny": ref["slimwise"], "tiny:b": ref["b"], "tiny:full": ref["full"]}
             assert all(job.result().choices[0].text == want[m][i].text for m, i, job in jobs)
         with pytest.raises(APIStatusError) as err:  # an unknown name: vLLM's own 404
             client.completions.create(model="tiny:c", prompt=prompts[0], max_tokens=2)
         assert err.value.status_code == 404
-        with pytest.raises(APIStatusError) as err:  # a plan named past the model names: refused, not full-routed
+        with pytest.raises(APIStatusError) as err:
+            # a plan named past the model names: refused, not full-routed
             client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2,
                                       extra_body={"vllm_xargs": {"slimwise_plan": "c"}})
         assert err.value.status_code == 400 and "'c' is not served here" in str(err.value)
@@ -199,12 +266,13 @@ def health_on(sock: socket.socket) -> int:
 
 
 def test_disaggregated_serve(served):
-    """PD-disaggregated with --tensor-parallel-size 2 on both instances (4 CPU workers on 2 cores; SlimWise binds each
-    instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads its own shard, the
-    tokens are the reference engine's SlimWise tokens, the load test and bad input pass, a killed decode instance is
-    named, and nothing is left behind: no process, no KV directory, no shared-memory segment. (TP 1 disaggregated
-    serving: tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid, a real server too. One server here
-    for both, as the TP 1 and TP 2 servers took 132 and 141 s each on an AVX2-only VM.)"""
+    """PD-disaggregated with --tensor-parallel-size 2 on both instances (4 CPU workers on 2 cores; SlimWise
+    binds each instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads
+    its own shard, the tokens are the reference engine's SlimWise tokens, the load test and bad input pass, a
+    killed decode instance is named, and nothing is left behind: no process, no KV directory, no shared-memory
+    segment. (TP 1 disaggregated serving: tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid,
+    a real server too. One server here for both, as the TP 1 and TP 2 servers took 132 and 141 s each on an
+    AVX2-only VM.)"""
     from slimwise.serving import shm
 
     root, prompts, ref = served
@@ -212,13 +280,25 @@ def test_disaggregated_serve(served):
     before = set(glob.glob("/tmp/slimwise-kv-*"))
     shm_before = shm.segments()
     log = open(root / "pd.log", "w")  # noqa: SIM115
-    proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--disaggregated", "--tensor-parallel-size",
-                  "2"], port, log, vllm_args=["--dtype", "float32", "--enforce-eager"])
+    proc = start(
+        [
+            str(root / "model"),
+            "--plan",
+            str(root / "plan.json"),
+            "--disaggregated",
+            "--tensor-parallel-size",
+            "2",
+        ],
+        port,
+        log,
+        vllm_args=["--dtype", "float32", "--enforce-eager"],
+    )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         check_completions(client, prompts, ref["slimwise"])
         # the servers keep idle connections 75 s, not vLLM's 5 s (CI once lost a request to a proxy reusing a
-        # decode-instance connection as it closed): connections to the proxy and the decode instance stay usable
+        # decode-instance connection as it closed): connections to the proxy and the decode instance stay
+        # usable
         idle = [socket.create_connection(("127.0.0.1", p), timeout=60) for p in (port, port + 2)]
         assert [health_on(sock) for sock in idle] == [200, 200]
         t_idle = time.monotonic()
@@ -228,15 +308,20 @@ def test_disaggregated_serve(served):
         for sock in idle:
             sock.close()
         kv_dirs = set(glob.glob("/tmp/slimwise-kv-*")) - before
-        assert len(kv_dirs) == 1 and not os.listdir(kv_dir := kv_dirs.pop())  # per pair, emptied after each request
+        # per pair, emptied after each request
+        assert len(kv_dirs) == 1 and not os.listdir(kv_dir := kv_dirs.pop())
         check_bad_input_as_vllm(port, prompts[0])
         assert not os.listdir(kv_dir)  # nothing leaked by refused or streamed requests
         deadline = time.monotonic() + 60  # the decode engine process's log line may reach the file late
         while "SlimWise: loading the full model's state" not in (text := (root / "pd.log").read_text()):
-            assert time.monotonic() < deadline, "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
+            assert time.monotonic() < deadline, (
+                "no KV load logged by the decode instance; log tail:\n" + text[-3000:]
+            )
             time.sleep(0.5)
         # one instance gone: the client gets a clear 503 naming it, quickly
-        decode = subprocess.run(["pgrep", "-f", "--", f"--port {port + 2} "], capture_output=True, text=True).stdout.split()
+        decode = subprocess.run(
+            ["pgrep", "-f", "--", f"--port {port + 2} "], capture_output=True, text=True
+        ).stdout.split()
         assert decode, "decode instance process not found"
         for pid in decode:
             os.kill(int(pid), signal.SIGKILL)
@@ -247,9 +332,15 @@ def test_disaggregated_serve(served):
         assert time.monotonic() - t0 < 30
         # once the supervisor has noticed (and stopped the prefill instance), health and requests still name
         # the decode instance as the cause, not the prefill instance it stopped
-        while "decode instance exited" not in (health := httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)).text:
-            assert time.monotonic() - t0 < 30, f"the supervisor did not report the dead instance: {health.text}"
-            assert health.status_code == 503  # not yet noticed: the unreachable decode instance already fails it
+        while (
+            "decode instance exited"
+            not in (health := httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)).text
+        ):
+            assert time.monotonic() - t0 < 30, (
+                f"the supervisor did not report the dead instance: {health.text}"
+            )
+            # not yet noticed: the unreachable decode instance already fails it
+            assert health.status_code == 503
             time.sleep(0.5)
         assert health.status_code == 503
         with pytest.raises(APIStatusError) as info:
@@ -265,17 +356,24 @@ def test_disaggregated_serve(served):
     assert set(glob.glob("/tmp/slimwise-kv-*")) == before  # cleaned on shutdown
     text = (root / "pd.log").read_text()
     assert "threads:" in text and "tensor_parallel_size=2" in text
-    # TP workers killed (the decode instance's by the test, the rest at shutdown): the shared memory they held was
-    # unlinked, by the server or, where a worker's resource tracker got there first, by that tracker (both seen)
+    # TP workers killed (the decode instance's by the test, the rest at shutdown): the shared memory they held
+    # was unlinked, by the server or, where a worker's resource tracker got there first, by that tracker (both
+    # seen)
     assert not shm.segments() - shm_before, text[-3000:]
     assert ("shared-memory segments the instances' workers left" in text
             or "leaked shared_memory objects to clean up at shutdown" in text), text[-3000:]
 
 
-# Requests whose answer must be vLLM's own: the proxy's status equals the prefill instance's (vLLM's server), and
-# where the instance refuses, its body reaches the client unchanged (passed through, not turned into a 503).
+# Requests whose answer must be vLLM's own: the proxy's status equals the prefill instance's (vLLM's server),
+# and where the instance refuses, its body reaches the client unchanged (passed through, not turned into a
+# 503).
 SAME_AS_VLLM = [
-    {"max_tokens": -5}, {"max_tokens": 0}, {"max_tokens": 2.5}, {"max_tokens": "abc"}, {"n": "x"}, {"prompt": ""},
+    {"max_tokens": -5},
+    {"max_tokens": 0},
+    {"max_tokens": 2.5},
+    {"max_tokens": "abc"},
+    {"n": "x"},
+    {"prompt": ""},
     {"max_tokens": 100_000},  # above max_model_len
     {"model": "nope"},  # unknown model: 404
     {"prompt": "x " * 5000},  # too long
@@ -295,13 +393,19 @@ def check_bad_input_as_vllm(port: int, prompt: str) -> None:
         assert 400 <= mine.status_code < 500 and mine.json()["error"]["message"], mine.text[:300]
         if case in PASSED_THROUGH:
             assert mine.json() == theirs.json(), (str(case)[:80], mine.text[:300], theirs.text[:300])
-    for raw in (b'{"model": "tiny", "prompt": "x", "temperature": NaN}', b'{"model": "tiny", "prompt": "\\ud800"}',
-                b'[1]', b'', b'\xff'):
+    for raw in (
+        b'{"model": "tiny", "prompt": "x", "temperature": NaN}',
+        b'{"model": "tiny", "prompt": "\\ud800"}',
+        b"[1]",
+        b"",
+        b"\xff",
+    ):
         r = httpx.post(proxy, content=raw, headers={"content-type": "application/json"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == 400, (raw, r.text[:300])
     # a stream that ends at the first token is still a stream
-    with httpx.stream("POST", proxy, json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True},
-                      timeout=120) as r:
+    with httpx.stream(
+        "POST", proxy, json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "stream": True}, timeout=120
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 2

@@ -75,14 +75,32 @@ def _deepseek_v3(**kw) -> PretrainedConfig:
     MLA dims are small for the tests. vLLM's CPU MLA decode kernel only handles the real latent size
     (kv_lora_rank + qk_rope_head_dim = 576): pass kv_lora_rank=512, qk_rope_head_dim=64 for a vLLM CPU model.
     """
-    args = dict(_COMMON, num_hidden_layers=3, num_key_value_heads=2, intermediate_size=128,
-                moe_intermediate_size=32, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4,
-                n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-                kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
-                initializer_range=_ROUTED_INIT, num_nextn_predict_layers=0,
-                # not fields of transformers' DeepseekV3Config (it always routes this way), but vLLM reads them:
-                # without them it builds a softmax router with no e_score_correction_bias
-                topk_method="noaux_tc", scoring_func="sigmoid")
+    args = dict(
+        _COMMON,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        initializer_range=_ROUTED_INIT,
+        num_nextn_predict_layers=0,
+        # not fields of transformers' DeepseekV3Config (it always routes this way), but vLLM reads
+        # them: without them it builds a softmax router with no e_score_correction_bias
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+    )
     args.pop("head_dim")  # derived (= qk_rope_head_dim)
     return AutoConfig.for_model("deepseek_v3", **(args | kw))
 
@@ -139,7 +157,9 @@ def tiny_config(family: str, **overrides) -> PretrainedConfig:
     return TINY_CONFIGS[family](**overrides)
 
 
-def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> PreTrainedModel:
+def build_tiny_model(
+    family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> PreTrainedModel:
     """A randomly initialised model of `family`, deterministic in `seed`, in eval mode."""
     config = tiny_config(family, **overrides)
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 / R1 (and Kimi-K2, same architecture): sigmoid router with selection bias and group-limited top-k.
+"""DeepSeek-V3 / R1 (and Kimi-K2, same architecture): sigmoid router with selection bias and group-limited
+top-k.
 
 `DeepseekV3TopkRouter` (the block's `gate`):
   scores = sigmoid(logits) in float32; scores_for_choice = scores + e_score_correction_bias (selection only);
@@ -38,16 +39,19 @@ from slimwise.adapters.registry import register_adapter
 
 def grouped_topk_ids(choice: torch.Tensor, pruned: torch.Tensor, groups: int, topk_group: int, top_k: int,
                      group_score: str = "top2") -> torch.Tensor:
-    """Top-`top_k` expert ids per row of the selection scores `choice` [N, E], limited to the best `topk_group` of
-    `groups` contiguous groups, with `pruned` ([E] or [N, E]) unselectable: set to -inf before the group scores
-    and again after the group mask (see the module docstring). Group score: sum of the top-2 (`top2`, biased
-    sigmoid routers) or the max (`max`, DeepSeek-V2-style softmax routers). The reference engine
-    (`DeepseekV3Adapter.route`) and the vLLM plugin (`serving.routing.masked_grouped_topk`) both select here."""
+    """Top-`top_k` expert ids per row of the selection scores `choice` [N, E], limited to the best
+    `topk_group` of `groups` contiguous groups, with `pruned` ([E] or [N, E]) unselectable: set to -inf before
+    the group scores and again after the group mask (see the module docstring). Group score: sum of the top-2
+    (`top2`, biased sigmoid routers) or the max (`max`, DeepSeek-V2-style softmax routers). The reference
+    engine (`DeepseekV3Adapter.route`) and the vLLM plugin (`serving.routing.masked_grouped_topk`) both select
+    here."""
     n, experts = choice.shape
     choice = choice.masked_fill(pruned, float("-inf"))
     if groups > 1:
         grouped = choice.view(n, groups, experts // groups)
-        scores = grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2" else grouped.max(dim=-1).values
+        scores = (
+            grouped.topk(2, dim=-1)[0].sum(dim=-1) if group_score == "top2" else grouped.max(dim=-1).values
+        )
         group_idx = torch.topk(scores, k=topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(scores)
         group_mask.scatter_(1, group_idx, 1)
@@ -82,8 +86,9 @@ class DeepseekV3Adapter(MoEAdapter):
         hidden = hidden.view(-1, router.hidden_dim)
         logits = F.linear(hidden.type(torch.float32), router.weight.type(torch.float32))
         scores = logits.sigmoid()
-        top_index = grouped_topk_ids(scores + router.e_score_correction_bias, pruned, groups, router.topk_group,
-                                     router.top_k)
+        top_index = grouped_topk_ids(
+            scores + router.e_score_correction_bias, pruned, groups, router.topk_group, router.top_k
+        )
         top_weight = scores.gather(1, top_index)
         if router.norm_topk_prob:
             denominator = top_weight.sum(dim=-1, keepdim=True) + 1e-20

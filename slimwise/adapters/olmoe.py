@@ -1,4 +1,5 @@
-"""OLMoE (OLMoE-1B-7B): softmax top-k router, `norm_topk_prob` (False in the released checkpoints), no shared expert.
+"""OLMoE (OLMoE-1B-7B): softmax top-k router, `norm_topk_prob` (False in the released checkpoints), no shared
+expert.
 
 Config: `num_experts` (transformers maps `num_local_experts` onto it; vLLM reads `num_experts`). The expert
 width is `intermediate_size`. The stock router is exactly the base `route` (softmax in float32, optional

@@ -1,4 +1,5 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): softmax top-k router with `norm_topk_prob`, no shared expert."""
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): softmax top-k router with `norm_topk_prob`, no shared
+expert."""
 
 from slimwise.adapters.base import MoEAdapter
 from slimwise.adapters.registry import register_adapter

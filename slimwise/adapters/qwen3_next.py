@@ -53,7 +53,8 @@ class Qwen3_5MoeAdapter(MoEAdapter):
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         inner = getattr(model, "model", model)
-        inner = getattr(inner, "language_model", inner)  # Qwen3_5MoeForConditionalGeneration / Qwen3_5MoeModel
+        # Qwen3_5MoeForConditionalGeneration / Qwen3_5MoeModel
+        inner = getattr(inner, "language_model", inner)
         layers = getattr(inner, "layers", None)
         if layers is None:
             raise SlimWiseError(f"cannot find decoder layers in {type(model).__name__}")

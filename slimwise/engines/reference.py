@@ -37,10 +37,24 @@ Mode = Literal["full", "uniform", "slimwise", "distilled"]
 MODES: tuple[str, ...] = ("full", "uniform", "slimwise", "distilled")
 
 # config fields that must agree for a decoder to read another model's cache
-_CACHE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "vocab_size", "layer_types", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim",
-                 "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                 "linear_conv_kernel_dim")
+_CACHE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "layer_types",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
 
 
 @dataclass
@@ -56,12 +70,22 @@ class GenerationConfig:
     progress: bool = False
 
     def __post_init__(self) -> None:
-        problems = [f"{name} {value!r} must be {rule}" for name, value, ok, rule in (
-            ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, ">= 0 (0: prefill only)"),
-            ("temperature", self.temperature, math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
-            ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: off)"),
-            ("batch_size", self.batch_size, self.batch_size >= 1, "at least 1")) if not ok]
+        problems = [
+            f"{name} {value!r} must be {rule}"
+            for name, value, ok, rule in (
+                ("max_new_tokens", self.max_new_tokens, self.max_new_tokens >= 0, ">= 0 (0: prefill only)"),
+                (
+                    "temperature",
+                    self.temperature,
+                    math.isfinite(self.temperature) and self.temperature >= 0,
+                    ">= 0",
+                ),
+                ("top_p", self.top_p, 0 < self.top_p <= 1, "in (0, 1]"),
+                ("top_k", self.top_k, self.top_k >= 0, ">= 0 (0: off)"),
+                ("batch_size", self.batch_size, self.batch_size >= 1, "at least 1"),
+            )
+            if not ok
+        ]
         if problems:
             raise SlimWiseError(f"generation settings: {'; '.join(problems)}")
 
@@ -131,8 +155,8 @@ def _stacked(*factories):
 
 
 class PhaseSplitEngine:
-    """Generate in `full`, `uniform`, `slimwise` or `distilled` mode with one full model and a plan (or a pruned
-    checkpoint). `delta` (a `slimwise.delta.Delta` or its directory) needs `plan`; it is used by mode
+    """Generate in `full`, `uniform`, `slimwise` or `distilled` mode with one full model and a plan (or a
+    pruned checkpoint). `delta` (a `slimwise.delta.Delta` or its directory) needs `plan`; it is used by mode
     `distilled` only, so one engine compares training-free and distilled decoding."""
 
     def __init__(self, model: nn.Module, tokenizer=None, plan: PrunePlan | None = None,
@@ -145,22 +169,28 @@ class PhaseSplitEngine:
         if decode_model is not None:
             check_decode_compatible(model, decode_model)
             manifest = getattr(decode_model, "slimwise_manifest", None)
-            if manifest and not fingerprints_match(manifest.get("source_fingerprint"), model_fingerprint(model)):
+            if manifest and not fingerprints_match(
+                manifest.get("source_fingerprint"), model_fingerprint(model)
+            ):
                 raise SlimWiseError("decode model was pruned from other weights than the prefill model "
                                     "(fingerprint mismatch): export it from this model")
             if plan is not None:
                 plan.check_model(model)  # made for the prefill model's weights (family, layers, fingerprint)
                 adapter = get_adapter(decode_model.config)
                 if plan.num_kept != adapter.num_experts(decode_model.config):
-                    raise SlimWiseError(f"decode model has {adapter.num_experts(decode_model.config)} experts but the "
-                                        f"plan keeps {plan.num_kept}: pass the checkpoint exported from this plan")
+                    raise SlimWiseError(
+                        f"decode model has {adapter.num_experts(decode_model.config)} experts but the "
+                        f"plan keeps {plan.num_kept}: pass the checkpoint exported from this plan"
+                    )
         elif plan is not None:
             self.mask = ExpertMask(model, plan)
         self.delta = None  # an installed delta (slimwise.delta.InstalledDelta), switched on by mode distilled
         if delta is not None:
             if self.mask is None:
-                raise SlimWiseError("a distilled delta needs plan= (the plan it was distilled for) and no decode "
-                                    "model; a pruned checkpoint takes the delta at export (export_pruned(delta=))")
+                raise SlimWiseError(
+                    "a distilled delta needs plan= (the plan it was distilled for) and no decode "
+                    "model; a pruned checkpoint takes the delta at export (export_pruned(delta=))"
+                )
             try:
                 self.delta = apply_delta(model, delta, self.mask, plan)
             except BaseException:
@@ -188,7 +218,9 @@ class PhaseSplitEngine:
             raise SlimWiseError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "distilled":
             if self.delta is None:
-                raise SlimWiseError("mode 'distilled' needs a delta: pass delta= (the output of `slimwise distill`)")
+                raise SlimWiseError(
+                    "mode 'distilled' needs a delta: pass delta= (the output of `slimwise distill`)"
+                )
             model, ctx = self._phase(self.delta.mode, phase)
             return model, lambda: _stacked(ctx, self.delta.switched_on)
         pruned = mode == "uniform" or (mode == "slimwise" and phase == "decode")
@@ -207,17 +239,22 @@ class PhaseSplitEngine:
         return tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of text prompts (no special tokens added) or of token-id prompts; refuses empty prompts."""
+        """Token ids of text prompts (no special tokens added) or of token-id prompts; refuses empty
+        prompts."""
         out = []
         for p in prompts:
             if isinstance(p, str):
                 if self.tokenizer is None:
-                    raise SlimWiseError("text prompts need a tokenizer; pass token ids or a model dir with a tokenizer")
+                    raise SlimWiseError(
+                        "text prompts need a tokenizer; pass token ids or a model dir with a tokenizer"
+                    )
                 out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
             else:
                 out.append([int(t) for t in p])
             if not out[-1]:
-                raise SlimWiseError("an empty prompt cannot be prefilled; give every prompt at least one token")
+                raise SlimWiseError(
+                    "an empty prompt cannot be prefilled; give every prompt at least one token"
+                )
         return out
 
     # ----- generation ----------------------------------------------------------------------------------
@@ -231,7 +268,8 @@ class PhaseSplitEngine:
         generator = torch.Generator().manual_seed(config.seed)
         results: list[Generation] = []
         bar = tqdm(total=len(ids), desc=f"generate[{mode}]", unit="seq",
-                   disable=None if config.progress else True)  # None: a terminal only (errors stay one line in logs)
+                   # None: a terminal only (errors stay one line in logs)
+                   disable=None if config.progress else True)
         for start in range(0, len(ids), config.batch_size):
             batch = ids[start:start + config.batch_size]
             results += self._generate_batch(batch, mode, config, eos, generator, observer, keep_first_logits)
@@ -239,7 +277,9 @@ class PhaseSplitEngine:
         bar.close()
         return results
 
-    def prefill(self, batch: Sequence[Sequence[int]], mode: Mode = "slimwise", observer: StepObserver | None = None):
+    def prefill(
+        self, batch: Sequence[Sequence[int]], mode: Mode = "slimwise", observer: StepObserver | None = None
+    ):
         """Left-padded prefill of token-id prompts with `mode`'s prefill model.
 
         Returns (cache, last-position logits [B, V] float32, attention mask, position ids).
@@ -265,13 +305,18 @@ class PhaseSplitEngine:
         """One forward of `mode`'s decode model over `tokens` [B, T], continuing `cache` (updated in place).
 
         `attention` covers the cache and the new tokens; `positions` [B, T] are the new tokens' position ids.
-        Returns logits [B, T, V] in float32. Generation calls it with T = 1, teacher-forced scoring and training
-        (`slimwise.scoring`) with a whole continuation: both run the same decoder on the same cache.
+        Returns logits [B, T, V] in float32. Generation calls it with T = 1, teacher-forced scoring and
+        training (`slimwise.scoring`) with a whole continuation: both run the same decoder on the same cache.
         """
         model, ctx = self._phase(mode, "decode")
         with ctx():
-            out = model(input_ids=tokens, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                        use_cache=True)
+            out = model(
+                input_ids=tokens,
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
         return out.logits.float()
 
     def _generate_batch(self, batch, mode, config, eos, generator, observer, keep_first_logits):

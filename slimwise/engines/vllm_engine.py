@@ -45,20 +45,32 @@ def _plan_value(plan: PlanLike) -> dict | str:
     return plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
 
 
-def slimwise_overrides(model_dir: str | Path, plan: PlanLike | dict[str, PlanLike] | None, *, mask_all: bool = False,
-                       min_decode_batch: int = 0, log_every: int = 0, delta: str | Path | None = None,
-                       default_plan: str | None = None) -> dict:
-    """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one. `plan` a dict: several named
-    plans in one engine, each request choosing its own (`default_plan`: for requests that name none; a plan's name
-    or "full"; default the first)."""
+def slimwise_overrides(
+    model_dir: str | Path,
+    plan: PlanLike | dict[str, PlanLike] | None,
+    *,
+    mask_all: bool = False,
+    min_decode_batch: int = 0,
+    log_every: int = 0,
+    delta: str | Path | None = None,
+    default_plan: str | None = None,
+) -> dict:
+    """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one. `plan` a dict: several
+    named plans in one engine, each request choosing its own (`default_plan`: for requests that name none; a
+    plan's name or "full"; default the first)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (config.get("architectures") or [None])[0]
     if arch not in STOCK_ARCHS:
-        raise SlimWiseError(f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}")
+        raise SlimWiseError(
+            f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}"
+        )
     if plan is None:  # the full model: stock, except where the SlimWise class carries a vLLM CPU fix
         return {"architectures": [slimwise_arch(arch)]} if slimwise_arch(arch) in CPU_ROPE_FIX else {}
     if isinstance(plan, dict):
-        plans = {"architectures": [slimwise_arch(arch)], PLANS_KEY: {k: _plan_value(v) for k, v in plan.items()}}
+        plans = {
+            "architectures": [slimwise_arch(arch)],
+            PLANS_KEY: {k: _plan_value(v) for k, v in plan.items()},
+        }
         if default_plan is not None:
             plans[DEFAULT_PLAN_KEY] = default_plan
     else:
@@ -70,7 +82,8 @@ def slimwise_overrides(model_dir: str | Path, plan: PlanLike | dict[str, PlanLik
 
 
 def full_model_overrides(model_dir: str | Path) -> dict:
-    """`hf_overrides` for the unpruned model: none, or the SlimWise class (no plan) where it fixes vLLM on CPU."""
+    """`hf_overrides` for the unpruned model: none, or the SlimWise class (no plan) where it fixes vLLM on
+    CPU."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (config.get("architectures") or [None])[0]
     return slimwise_overrides(model_dir, None) if arch in STOCK_ARCHS else {}
@@ -79,22 +92,36 @@ def full_model_overrides(model_dir: str | Path) -> dict:
 class VllmEngine:
     """Generate with vLLM in full / uniform / slimwise mode (one engine alive at a time)."""
 
-    def __init__(self, model_dir: str | Path, plan: PrunePlan | dict[str, PlanLike] | None = None, tokenizer=None, *,
-                 dtype: str = "float32", enforce_eager: bool = True, max_model_len: int | None = None,
-                 min_decode_batch: int = 0, delta: str | Path | None = None, engine_kwargs: dict | None = None,
-                 share_engine: bool = False, default_plan: str | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        plan: PrunePlan | dict[str, PlanLike] | None = None,
+        tokenizer=None,
+        *,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        max_model_len: int | None = None,
+        min_decode_batch: int = 0,
+        delta: str | Path | None = None,
+        engine_kwargs: dict | None = None,
+        share_engine: bool = False,
+        default_plan: str | None = None,
+    ):
         require_known_vllm()
         self.model_dir = str(model_dir)
         self.plan = plan
         self.tokenizer = tokenizer
-        # an explicit KV budget: vLLM's CPU backend otherwise reserves 92% of RAM and refuses to start on a busy box
-        # the checkpoint's own tokenizer (vLLM's AutoTokenizer may swap in a family class: serving/tokenizer.py)
+        # an explicit KV budget: vLLM's CPU backend otherwise reserves 92% of RAM and refuses to start on a
+        # busy box
+        # the checkpoint's own tokenizer (vLLM's AutoTokenizer may swap in a family class:
+        # serving/tokenizer.py)
         self.kwargs = {**dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_memory_bytes=512 << 20,
                               tokenizer_mode=TOKENIZER_MODE), **(engine_kwargs or {})}
         if max_model_len is not None:
             self.kwargs["max_model_len"] = max_model_len
         if "vision_config" in json.loads((Path(model_dir) / "config.json").read_text()):
-            # a multimodal checkpoint (Qwen3.5/3.6-MoE's published class) fed text only: vLLM skips the vision tower
+            # a multimodal checkpoint (Qwen3.5/3.6-MoE's published class) fed text only: vLLM skips the vision
+            # tower
             self.kwargs.setdefault("limit_mm_per_prompt", {"image": 0, "video": 0})
         self.min_decode_batch = min_decode_batch
         self.delta = delta  # applied in mode "distilled" (= slimwise + decode-only delta)
@@ -123,10 +150,14 @@ class VllmEngine:
         if kind == "full":
             overrides = full_model_overrides(self.model_dir)
         else:
-            overrides = slimwise_overrides(self.model_dir, self.plan, mask_all=mode == "uniform",
-                                           default_plan=self.default_plan,
-                                           min_decode_batch=self.min_decode_batch,
-                                           delta=self.delta if kind in ("distilled", "shared-delta") else None)
+            overrides = slimwise_overrides(
+                self.model_dir,
+                self.plan,
+                mask_all=mode == "uniform",
+                default_plan=self.default_plan,
+                min_decode_batch=self.min_decode_batch,
+                delta=self.delta if kind in ("distilled", "shared-delta") else None,
+            )
         from slimwise.serving import shm
 
         self._shm_before = shm.segments()  # tensor/pipeline-parallel workers leave segments there when killed
@@ -139,10 +170,12 @@ class VllmEngine:
         return self.llm
 
     def _switch(self) -> None:
-        """Put the running shared engine in `self._mode` with `self.min_decode_batch` (worker counters restart)
-        and drop its prefix cache, whose blocks may have been computed under another mode."""
-        self.llm.collective_rpc("slimwise_set_mode", args=("slimwise" if self._mode == "distilled" else self._mode,
-                                                          self.min_decode_batch))
+        """Put the running shared engine in `self._mode` with `self.min_decode_batch` (worker counters
+        restart) and drop its prefix cache, whose blocks may have been computed under another mode."""
+        self.llm.collective_rpc(
+            "slimwise_set_mode",
+            args=("slimwise" if self._mode == "distilled" else self._mode, self.min_decode_batch),
+        )
         self.llm.reset_prefix_cache()
 
     def set_min_decode_batch(self, n: int) -> None:
@@ -156,7 +189,8 @@ class VllmEngine:
 
     def _kind_of(self, mode: str) -> str:
         """Which engine runs `mode`: its own (the mode's name), "shared" (full / slimwise / uniform) or
-        "shared-delta" (full / distilled: the delta acts on decode rows only, so mode full is the full model)."""
+        "shared-delta" (full / distilled: the delta acts on decode rows only, so mode full is the full
+        model)."""
         if not self.share_engine:
             return mode
         if mode == "distilled":
@@ -175,7 +209,8 @@ class VllmEngine:
             self.llm = None
             self._mode = self._kind = None
             gc.collect()
-            if parallel_ranks_of(self.kwargs) > 1:  # vLLM's shutdown force-kills the workers: unlink what they held
+            if parallel_ranks_of(self.kwargs) > 1:
+                # vLLM's shutdown force-kills the workers: unlink what they held
                 from slimwise.serving import shm
 
                 shm.remove_after_exit(self._shm_before)
@@ -183,10 +218,15 @@ class VllmEngine:
     def counters(self) -> list[dict]:
         return self.llm.collective_rpc("slimwise_counters") if self.llm is not None else []
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], mode: str = "slimwise",
-                 config: GenerationConfig | None = None, plans: Sequence[str | None] | None = None) -> list[Generation]:
-        """Greedy or sampled generation in `mode`; with several plans (`plan` a dict), `plans` names each prompt's
-        plan (None: the default), as the OpenAI server's model names do."""
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        mode: str = "slimwise",
+        config: GenerationConfig | None = None,
+        plans: Sequence[str | None] | None = None,
+    ) -> list[Generation]:
+        """Greedy or sampled generation in `mode`; with several plans (`plan` a dict), `plans` names each
+        prompt's plan (None: the default), as the OpenAI server's model names do."""
         from vllm import SamplingParams
 
         config = config or GenerationConfig()
@@ -194,20 +234,33 @@ class VllmEngine:
                for p in prompts]
         eos = config.eos_token_id if config.eos_token_id is not None else (
             self.tokenizer.eos_token_id if self.tokenizer is not None else None)
-        eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None and eos >= 0 else []))
+        eos_ids = set(
+            eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None and eos >= 0 else [])
+        )
         params = SamplingParams(
-            temperature=config.temperature, top_p=config.top_p, top_k=config.top_k if config.top_k > 0 else -1,
-            max_tokens=config.max_new_tokens, seed=config.seed, stop=list(config.stop) or None,
-            stop_token_ids=sorted(eos_ids) or None, ignore_eos=not eos_ids, detokenize=self.tokenizer is not None)
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k if config.top_k > 0 else -1,
+            max_tokens=config.max_new_tokens,
+            seed=config.seed,
+            stop=list(config.stop) or None,
+            stop_token_ids=sorted(eos_ids) or None,
+            ignore_eos=not eos_ids,
+            detokenize=self.tokenizer is not None,
+        )
         if plans is not None:
             if len(plans) != len(ids):
                 raise SlimWiseError(f"{len(plans)} plan names for {len(ids)} prompts: give one per prompt")
             known = set(self.plan) if isinstance(self.plan, dict) else set()
             unknown = sorted({str(n) for n in plans if n is not None and n != "full" and n not in known})
             if unknown:
-                raise SlimWiseError(f"unknown plan names {unknown}: this engine serves {sorted(known)} and 'full'")
+                raise SlimWiseError(
+                    f"unknown plan names {unknown}: this engine serves {sorted(known)} and 'full'"
+                )
             params = [params.clone() if n is None else _with_plan(params, n) for n in plans]
-        outs = self._engine(mode).generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=config.progress)
+        outs = self._engine(mode).generate(
+            [{"prompt_token_ids": p} for p in ids], params, use_tqdm=config.progress
+        )
         results = []
         for p, out in zip(ids, outs, strict=True):
             o = out.outputs[0]
@@ -233,9 +286,9 @@ def _with_plan(params, name: str):
 
 @contextlib.contextmanager
 def _cpu_rank_binding(kwargs: dict):
-    """While the engine starts its workers: the per-rank core binding vLLM's CPU backend needs for tensor / pipeline
-    parallel ranks on a single-NUMA-node machine (`slimwise.hardware.cpu_binding_env`), then the environment
-    as it was."""
+    """While the engine starts its workers: the per-rank core binding vLLM's CPU backend needs for tensor /
+    pipeline parallel ranks on a single-NUMA-node machine (`slimwise.hardware.cpu_binding_env`), then the
+    environment as it was."""
     from slimwise.hardware import cpu_binding_env, scoped_environ
 
     with scoped_environ(cpu_binding_env(parallel_ranks_of(kwargs))):

@@ -1,6 +1,6 @@
-"""What `slimwise bench` prints and checks: predicted vs measured speedups, the bytes-per-step split, the suggested
-policy threshold, the quality bars of a preset, the Markdown tables and the plot. Pure functions of a bench result,
-so a finished bench.json re-renders without an engine."""
+"""What `slimwise bench` prints and checks: predicted vs measured speedups, the bytes-per-step split, the
+suggested policy threshold, the quality bars of a preset, the Markdown tables and the plot. Pure functions of
+a bench result, so a finished bench.json re-renders without an engine."""
 
 from __future__ import annotations
 
@@ -42,11 +42,16 @@ def compare_roofline(summary: dict, preds, tolerance: float = 0.15) -> list[dict
     """Predicted vs measured speedups (slimwise and pruned over full) and measured/predicted step times."""
     rows = []
     for p in preds:
-        row = {"batch": p.batch, "predicted_speedup": p.speedup, "predicted_tokens_per_s_full": p.tokens_per_s_full,
-               "predicted_tokens_per_s_pruned": p.tokens_per_s_pruned,
-               # full/pruned when they differ: a pruned step that hits the compute roof caps the speedup
-               "bound": p.bound_full if p.bound_full == p.bound_pruned else f"{p.bound_full}/{p.bound_pruned}",
-               "union_full": p.union_full, "union_pruned": p.union_pruned}
+        row = {
+            "batch": p.batch,
+            "predicted_speedup": p.speedup,
+            "predicted_tokens_per_s_full": p.tokens_per_s_full,
+            "predicted_tokens_per_s_pruned": p.tokens_per_s_pruned,
+            # full/pruned when they differ: a pruned step that hits the compute roof caps the speedup
+            "bound": p.bound_full if p.bound_full == p.bound_pruned else f"{p.bound_full}/{p.bound_pruned}",
+            "union_full": p.union_full,
+            "union_pruned": p.union_pruned,
+        }
         full = summary["full"].get(p.batch)
         if full:
             row["measured_tokens_per_s_full"] = full["tokens_per_s"]["median"]
@@ -64,27 +69,34 @@ def compare_roofline(summary: dict, preds, tolerance: float = 0.15) -> list[dict
 
 def bytes_split_table(rc, top_k: int, num_experts: int, traffic: dict | None, batches, context_len: int,
                       kept: int | None) -> dict:
-    """Bytes per decode step by kind (routed expert weights, other weights, KV, linear-attention state) for the
-    full model and the pruned decoder, from the roofline's accounting at `context_len`. The experts touched per
-    layer come from the traffic counters where they ran (full; slimwise, else pruned), else from the uniform
-    expectation."""
+    """Bytes per decode step by kind (routed expert weights, other weights, KV, linear-attention state) for
+    the full model and the pruned decoder, from the roofline's accounting at `context_len`. The experts
+    touched per layer come from the traffic counters where they ran (full; slimwise, else pruned), else from
+    the uniform expectation."""
 
     kept = kept or num_experts // 2
     out = {}
     for b in batches:
         row = {}
-        for side, names, avail in (("full", ("full",), num_experts), ("pruned", ("slimwise", "pruned"), kept)):
+        for side, names, avail in (
+            ("full", ("full",), num_experts),
+            ("pruned", ("slimwise", "pruned"), kept),
+        ):
             measured = next((batch_entry(traffic[n]["batches"], b) for n in names if traffic and n in traffic
                              and batch_entry(traffic[n]["batches"], b)), None)
             union = measured["touched_mean"] if measured else expected_union(avail, top_k, b)
             split = rc.bytes_split(b, context_len, union, None if side == "full" else avail)
-            row[side] = {**split, "union": union, "union_source": "counters" if measured else "uniform expectation",
-                         "total": sum(split.values())}
+            row[side] = {
+                **split,
+                "union": union,
+                "union_source": "counters" if measured else "uniform expectation",
+                "total": sum(split.values()),
+            }
         out[b] = row
     return {"context_len": context_len, "batches": out}
 
 
-# ----- thresholds and bars -----------------------------------------------------------------------------------
+# ----- thresholds and bars ----------------------------------------------------------------------------------
 
 def suggest_threshold(summary: dict, min_speedup: float, variant: str = "slimwise") -> int | None:
     """Smallest batch from which on every measured batch reaches `min_speedup` (median paired speedup of
@@ -109,9 +121,10 @@ def paired_ratio(runs: dict, a: str, b: str, batch) -> dict | None:
 
 
 def check_bars(summary: dict, preset: str | None, runs: dict | None = None) -> dict:
-    """The issue's CPU bars, evaluated on this run's paired medians. With the per-round `runs`, colocated against
-    pruned is paired within each round (slimwise / pruned tokens/s, which equals the ratio of their two speedups
-    over that round's full run) and judged on that median; the ratio of the two median speedups stays beside it."""
+    """The issue's CPU bars, evaluated on this run's paired medians. With the per-round `runs`, colocated
+    against pruned is paired within each round (slimwise / pruned tokens/s, which equals the ratio of their
+    two speedups over that round's full run) and judged on that median; the ratio of the two median speedups
+    stays beside it."""
     bars: dict = {}
     if "slimwise" in summary and "pruned" in summary:
         per = {}
@@ -133,7 +146,7 @@ def check_bars(summary: dict, preset: str | None, runs: dict | None = None) -> d
     return bars
 
 
-# ----- output ------------------------------------------------------------------------------------------------
+# ----- output -----------------------------------------------------------------------------------------------
 
 def batch_entry(per: dict, b):
     """per[b] by int key (a run) or str key (a bench.json read back)."""
@@ -154,12 +167,18 @@ def format_tables(result: dict) -> str:
 
     def tput(n, b):
         e = batch_entry(summary[n], b)
-        return f"{e['tokens_per_s']['median']:.1f} ({e['tokens_per_s']['min']:.1f}-{e['tokens_per_s']['max']:.1f})" \
-            if e else ""
+        return (
+            f"{e['tokens_per_s']['median']:.1f} "
+            f"({e['tokens_per_s']['min']:.1f}-{e['tokens_per_s']['max']:.1f})"
+            if e
+            else ""
+        )
 
     def tpot(n, b):
         e = batch_entry(summary[n], b)
-        return f"{e['tpot_ms']['median']:.1f} ({e['tpot_ms']['min']:.1f}-{e['tpot_ms']['max']:.1f})" if e else ""
+        return (
+            f"{e['tpot_ms']['median']:.1f} ({e['tpot_ms']['min']:.1f}-{e['tpot_ms']['max']:.1f})" if e else ""
+        )
 
     def speed(n, b):
         s = (batch_entry(summary[n], b) or {}).get("speedup")
@@ -171,8 +190,13 @@ def format_tables(result: dict) -> str:
                   [n for n in names if n != "full"], speed)
     colocated = (result.get("bars") or {}).get("colocated_reaches_95pct_of_pruned") or {}
     if any("paired" in e for e in colocated.values()):
-        out += ["### Colocated SlimWise over the pruned checkpoint, tokens/s paired within each round (bar: >= 0.95)",
-                "", "| batch | median (min-max) | ratio of the two median speedups | bar |", "|---|---|---|---|"]
+        out += [
+            "### Colocated SlimWise over the pruned checkpoint, tokens/s paired within each "
+            "round (bar: >= 0.95)",
+            "",
+            "| batch | median (min-max) | ratio of the two median speedups | bar |",
+            "|---|---|---|---|",
+        ]
         for b in result["config"]["batches"]:
             e = batch_entry(colocated, b)
             if e and "paired" in e:
@@ -195,42 +219,62 @@ def format_tables(result: dict) -> str:
             e = batch_entry(traffic[n]["batches"], b)
             return f"{e['expert_bytes_per_step'] / 1e6:.1f}" if e else ""
 
-        out += _table(result, "Distinct experts per MoE layer per decode step: measured / uniform expectation "
-                      "E'(1-(1-k/E')^B)", tn, touched)
+        out += _table(
+            result,
+            "Distinct experts per MoE layer per decode step: measured / uniform expectation E'(1-(1-k/E')^B)",
+            tn,
+            touched,
+        )
         out += _table(result, "Expert weights read per decode step, MB (all MoE layers)", tn, mb)
     split = result.get("bytes_split")
     if split:
-        out += [f"### Bytes per decode step, MB (roofline accounting at context {split['context_len']}; experts "
-                "touched from the counters)", "",
-                "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + write) "
-                "| total full → pruned | state share of the full step |", "|---|---|---|---|---|---|---|"]
+        out += [
+            f"### Bytes per decode step, MB (roofline accounting at context {split['context_len']}; experts "
+            "touched from the counters)",
+            "",
+            "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + "
+            "write) | total full → pruned | state share of the full step |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for b in result["config"]["batches"]:
             e = batch_entry(split["batches"], b)
             if not e:
                 continue
             f, p = e["full"], e["pruned"]
-            out.append(f"| {b} | {f['expert_weights'] / 1e6:.1f} → {p['expert_weights'] / 1e6:.1f} | "
-                       f"{f['other_weights'] / 1e6:.1f} | {f['kv'] / 1e6:.2f} | {f['state'] / 1e6:.1f} | "
-                       f"{f['total'] / 1e6:.1f} → {p['total'] / 1e6:.1f} | {100 * f['state'] / f['total']:.1f}% |")
+            out.append(
+                f"| {b} | {f['expert_weights'] / 1e6:.1f} → {p['expert_weights'] / 1e6:.1f} | "
+                f"{f['other_weights'] / 1e6:.1f} | {f['kv'] / 1e6:.2f} | {f['state'] / 1e6:.1f} | "
+                f"{f['total'] / 1e6:.1f} → {p['total'] / 1e6:.1f} | {100 * f['state'] / f['total']:.1f}% |"
+            )
         out.append("")
     kr = result.get("kernel_roofline")
     if kr:
         m = kr["model"]
-        # a fit that puts no time on expert reads (noise on a tiny model) has an infinite bandwidth, None in JSON
+        # a fit that puts no time on expert reads (noise on a tiny model) has an infinite bandwidth, None in
+        # JSON
         bw = m.get("streaming_bandwidth")
         bw = f"{bw / 1e9:.1f} GB/s" if bw is not None and math.isfinite(bw) else "not resolved by the fit"
-        out += [f"### Kernel roofline: vLLM's fused-MoE op timed at this model's shapes, t = a U + b P + c per call "
-                f"(a {m['per_expert_s'] * 1e6:.1f} us per expert read = {bw}, "
-                f"b {m['per_pair_s'] * 1e6:.2f} us per pair, c {m['per_call_s'] * 1e6:.1f} us; R^2 {m['r2']:.3f}); "
-                f"pruned step = measured full step - kernel time of the experts no longer read ({kr['unions']})", "",
-                "| batch | experts read full → pruned | kernel share of the full step | pairs + call share, full → "
-                "pruned | predicted speedup | measured slimwise | measured pruned |", "|---|---|---|---|---|---|---|"]
+        out += [
+            "### Kernel roofline: vLLM's fused-MoE op timed at this model's shapes, t = a U + b P + c per "
+            f"call (a {m['per_expert_s'] * 1e6:.1f} us per expert read = {bw}, b {m['per_pair_s'] * 1e6:.2f} "
+            f"us per pair, c {m['per_call_s'] * 1e6:.1f} us; R^2 {m['r2']:.3f}); pruned step = measured full "
+            f"step - kernel time of the experts no longer read ({kr['unions']})",
+            "",
+            "| batch | experts read full → pruned | kernel share of the full step | pairs + call share, full "
+            "→ pruned | predicted speedup | measured slimwise | measured pruned |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in kr["rows"]:
             pred = f"{r['predicted_speedup']:.3f}" if r["applies"] else "model does not apply"
-            meas = [f"{r[k]:.3f}" if r.get(k) else "" for k in ("measured_speedup_slimwise", "measured_speedup_pruned")]
-            out.append(f"| {r['batch']} | {r['union_full']:.1f} → {r['union_pruned']:.1f} | "
-                       f"{r['kernel_share_full']:.0%} | {r['pair_share_full']:.0%} → {r['pair_share_pruned']:.0%} | "
-                       f"{pred} | {meas[0]} | {meas[1]} |")
+            meas = [
+                f"{r[k]:.3f}" if r.get(k) else ""
+                for k in ("measured_speedup_slimwise", "measured_speedup_pruned")
+            ]
+            out.append(
+                f"| {r['batch']} | {r['union_full']:.1f} → {r['union_pruned']:.1f} | "
+                f"{r['kernel_share_full']:.0%} | {r['pair_share_full']:.0%} → {r['pair_share_pruned']:.0%} | "
+                f"{pred} | {meas[0]} | {meas[1]} |"
+            )
         out.append("")
     roof = result.get("roofline")
     if roof:
@@ -272,9 +316,18 @@ def plot_bench(result: dict, path: str | Path) -> Path:
             sp = [(b, e["speedup"]) for b, e in zip(bs, get, strict=True) if e.get("speedup")]
             if sp:
                 ys = [s["median"] for _, s in sp]
-                ax2.errorbar([b for b, _ in sp], ys, yerr=[[y - s["min"] for y, (_, s) in zip(ys, sp, strict=True)],
-                                                         [s["max"] - y for y, (_, s) in zip(ys, sp, strict=True)]],
-                             marker=markers[i % len(markers)], ms=4, capsize=2, label=name)
+                ax2.errorbar(
+                    [b for b, _ in sp],
+                    ys,
+                    yerr=[
+                        [y - s["min"] for y, (_, s) in zip(ys, sp, strict=True)],
+                        [s["max"] - y for y, (_, s) in zip(ys, sp, strict=True)],
+                    ],
+                    marker=markers[i % len(markers)],
+                    ms=4,
+                    capsize=2,
+                    label=name,
+                )
     roof = result.get("roofline")
     if roof:
         rows = roof["comparison"]
@@ -285,15 +338,21 @@ def plot_bench(result: dict, path: str | Path) -> Path:
         ax2.plot([r["batch"] for r in kernel], [r["predicted_speedup"] for r in kernel], "k:", lw=1.2,
                  label="kernel roofline (fused-MoE op measured)")
     ax2.axhline(1.0, color="grey", lw=0.8)
-    for ax, ylabel in ((ax1, "decode tokens/s (median, min-max)"), (ax2, "speedup over full (paired, median)")):
+    for ax, ylabel in (
+        (ax1, "decode tokens/s (median, min-max)"),
+        (ax2, "speedup over full (paired, median)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("decode batch size")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     c = result["config"]
-    fig.suptitle(f"{result['model_name']}: {int(round(result['plan']['ratio'] * 100))}% experts pruned, "
-                 f"prompt {c['prompt_len']}, output {c['output_len']}, {c['repetitions']} rounds", fontsize=10)
+    fig.suptitle(
+        f"{result['model_name']}: {int(round(result['plan']['ratio'] * 100))}% experts pruned, "
+        f"prompt {c['prompt_len']}, output {c['output_len']}, {c['repetitions']} rounds",
+        fontsize=10,
+    )
 
     return save_figure(fig, path)
 
@@ -310,7 +369,8 @@ def jsonable(x):
 
 def threshold_report(result: dict, min_speedup: float, rc=None, hw=None, ctx: int | None = None,
                      ratio: float | None = None) -> dict:
-    """Smallest batch reaching min_speedup: measured (slimwise over full) and, when available, the roofline's."""
+    """Smallest batch reaching min_speedup: measured (slimwise over full) and, when available, the
+    roofline's."""
     summary = {name: {int(b): e for b, e in per.items()} for name, per in result["summary"].items()}
     rep = {"min_speedup": min_speedup, "measured_batch": suggest_threshold(summary, min_speedup)}
     if rc is not None and hw is not None:

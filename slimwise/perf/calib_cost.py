@@ -44,15 +44,18 @@ class AllExpertsObserver(ExpertObserver):
         for e, n in enumerate(counts):
             y_all = self.adapter.expert_forward(experts, e, hidden_states)  # every token, routed or not
             if rows is not None:
-                self.all_norm_sum[row, e] += torch.linalg.vector_norm(y_all[rows], dim=-1, dtype=torch.float64).sum()
+                self.all_norm_sum[row, e] += torch.linalg.vector_norm(
+                    y_all[rows], dim=-1, dtype=torch.float64
+                ).sum()
             y[start:start + n] = y_all[token_of[start:start + n]]
             start += n
         return y, torch.linalg.vector_norm(y, dim=-1, dtype=torch.float64)  # no float64 copy of y
 
 
 class ReapHookObserver(AllExpertsObserver):
-    """REAP's observer: the model's own experts forward gives the layer output; a hook then runs every expert on
-    every token for the statistics (REAP keeps them all in one (E, tokens, hidden) tensor; we only reduce)."""
+    """REAP's observer: the model's own experts forward gives the layer output; a hook then runs every expert
+    on every token for the statistics (REAP keeps them all in one (E, tokens, hidden) tensor; we only
+    reduce)."""
 
     def _make_forward(self, row: int, layer):
         statistics_pass = super()._make_forward(row, layer)
@@ -98,15 +101,20 @@ def observe(model, prompts: Sequence[Sequence[int]], observer_cls: type, config:
     observer = observer_cls(model, config.phase)
     engine = PhaseSplitEngine(model, None)
     new = 0 if config.phase == "prompt" else config.max_new_tokens
-    gen = GenerationConfig(max_new_tokens=new, temperature=0.0, seed=config.seed, batch_size=config.batch_size,
-                           eos_token_id=-1)
+    gen = GenerationConfig(
+        max_new_tokens=new, temperature=0.0, seed=config.seed, batch_size=config.batch_size, eos_token_id=-1
+    )
     processed = 0
     t0 = time.perf_counter()
     try:
         with torch.inference_mode():
             for start in range(0, len(prompts), config.batch_size):
-                outs = engine.generate(list(prompts[start:start + config.batch_size]), mode="full", config=gen,
-                                       observer=observer)
+                outs = engine.generate(
+                    list(prompts[start : start + config.batch_size]),
+                    mode="full",
+                    config=gen,
+                    observer=observer,
+                )
                 processed += sum(len(o.prompt_ids) + max(len(o.token_ids) - 1, 0) for o in outs)
     finally:
         observer.remove()
@@ -116,7 +124,8 @@ def observe(model, prompts: Sequence[Sequence[int]], observer_cls: type, config:
 
 
 def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = None) -> dict:
-    """Alternate ours / all-experts for `repetitions` rounds; return tokens/s medians, the ratio and the bar."""
+    """Alternate ours / all-experts for `repetitions` rounds; return tokens/s medians, the ratio and the
+    bar."""
     import json
 
     from slimwise.adapters import get_adapter
@@ -140,9 +149,11 @@ def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = 
     vocab = int(getattr(model.config, "text_config", model.config).vocab_size)
     g = torch.Generator().manual_seed(config.seed)
     prompts = torch.randint(4, vocab, (config.num_prompts, config.prompt_len), generator=g).tolist()
-    log(f"{Path(str(model_dir)).name}: {num_experts} experts top-{top_k}, dtype {next(model.parameters()).dtype}, "
-        f"{torch.get_num_threads()} threads; {config.num_prompts} prompts x {config.prompt_len} tokens, phase "
-        f"{config.phase}, batch {config.batch_size}")
+    log(
+        f"{Path(str(model_dir)).name}: {num_experts} experts top-{top_k}, dtype "
+        f"{next(model.parameters()).dtype}, {torch.get_num_threads()} threads; {config.num_prompts} prompts "
+        f"x {config.prompt_len} tokens, phase {config.phase}, batch {config.batch_size}"
+    )
     observe(model, prompts[: config.batch_size], ExpertObserver, config)  # warm-up
     names = list(OBSERVERS)
     rates: dict[str, list[float]] = {name: [] for name in names}
@@ -165,18 +176,35 @@ def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = 
         speedup[other] = {"median": medians["ours"] / medians[other], "paired_min": min(pairs),
                           "paired_max": max(pairs)}
     ratio = speedup["reap_hook"]["median"]
-    result = {"model_dir": str(model_dir), "config": asdict(config), "num_experts": num_experts, "top_k": top_k,
-              "dtype": str(next(model.parameters()).dtype), "threads": torch.get_num_threads(),
-              "tokens_per_s": {k: {"median": medians[k], "min": min(v), "max": max(v)} for k, v in rates.items()},
-              "speedup": speedup, "bar": {"baseline": "reap_hook", "target": target, "met": ratio >= target},
-              "same_routed_stats": same}
-    log(f"ours {medians['ours']:.1f} tokens/s vs REAP's hook observer {medians['reap_hook']:.1f}: {ratio:.2f}x "
-        f"(bar (E/k)/2 = {target:.1f}x: {'met' if ratio >= target else 'NOT met'}); vs the fused all-experts pass "
-        f"{medians['all_experts']:.1f}: {speedup['all_experts']['median']:.2f}x; routed statistics equal: {same}")
+    result = {
+        "model_dir": str(model_dir),
+        "config": asdict(config),
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "dtype": str(next(model.parameters()).dtype),
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": {k: {"median": medians[k], "min": min(v), "max": max(v)} for k, v in rates.items()},
+        "speedup": speedup,
+        "bar": {"baseline": "reap_hook", "target": target, "met": ratio >= target},
+        "same_routed_stats": same,
+    }
+    log(
+        f"ours {medians['ours']:.1f} tokens/s vs REAP's hook observer {medians['reap_hook']:.1f}: "
+        f"{ratio:.2f}x (bar (E/k)/2 = {target:.1f}x: {'met' if ratio >= target else 'NOT met'}); vs the "
+        f"fused all-experts pass {medians['all_experts']:.1f}: {speedup['all_experts']['median']:.2f}x; "
+        f"routed statistics equal: {same}"
+    )
     if config.out:
         Path(config.out).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(config.out), json.dumps(result, indent=1) + "\n")
     return result
 
 
-__all__ = ["OBSERVERS", "AllExpertsObserver", "CalibCostConfig", "ReapHookObserver", "observe", "run_calib_cost"]
+__all__ = [
+    "OBSERVERS",
+    "AllExpertsObserver",
+    "CalibCostConfig",
+    "ReapHookObserver",
+    "observe",
+    "run_calib_cost",
+]

@@ -1,20 +1,21 @@
-"""Roofline of expert-parallel decode: the slowest rank's expert bytes plus the all-to-all, full vs pruned plans that
-are free (unequal kept experts per rank) or EP-balanced.
+"""Roofline of expert-parallel decode: the slowest rank's expert bytes plus the all-to-all, full vs pruned
+plans that are free (unequal kept experts per rank) or EP-balanced.
 
 Layout modelled: vLLM's wide-EP deployment, data-parallel attention and expert-parallel MoE over `ep` GPUs
-(`--data-parallel-size ep --enable-expert-parallel`). Each GPU holds B/ep of the B sequences, all dense weights
-(attention, shared expert, router, lm_head: replicated) and E/ep routed experts. Per decode step and GPU:
+(`--data-parallel-size ep --enable-expert-parallel`). Each GPU holds B/ep of the B sequences, all dense
+weights (attention, shared expert, router, lm_head: replicated) and E/ep routed experts. Per decode step and
+GPU:
 
 * bytes read: dense weights + its sequences' KV/state + the union of its experts that the whole batch's tokens
-  touch (uniform routing over the kept experts: kept_r x (1 - (1 - k/K)^B)); a layer waits for its busiest GPU,
-  so a plan with `imbalance` i (busiest GPU's kept experts / mean) reads i x the mean per layer;
-* all-to-all: per MoE layer a dispatch and a combine, each sending B/ep tokens x k x hidden x bytes x (ep-1)/ep at
-  the link bandwidth plus a fixed latency; not overlapped with compute (conservative);
+  touch (uniform routing over the kept experts: kept_r x (1 - (1 - k/K)^B)); a layer waits for its busiest
+  GPU, so a plan with `imbalance` i (busiest GPU's kept experts / mean) reads i x the mean per layer;
+* all-to-all: per MoE layer a dispatch and a combine, each sending B/ep tokens x k x hidden x bytes x
+  (ep-1)/ep at the link bandwidth plus a fixed latency; not overlapped with compute (conservative);
 * time = max(bytes / HBM bandwidth, FLOPs / peak) + all-to-all.
 
-What it leaves out (say so next to any figure): routing skew (uniform routing assumed), load imbalance of tokens
-rather than experts, overlap of communication with compute, kernel efficiency. The link figures are assumptions
-(`Interconnect`), not measurements.
+What it leaves out (say so next to any figure): routing skew (uniform routing assumed), load imbalance of
+tokens rather than experts, overlap of communication with compute, kernel efficiency. The link figures are
+assumptions (`Interconnect`), not measurements.
 """
 
 from __future__ import annotations
@@ -36,14 +37,22 @@ class Interconnect:
 
 
 INTERCONNECTS = {
-    "nvlink4": Interconnect("nvlink4", 450e9, 15e-6, "H100/H200 SXM NVLink 4: 900 GB/s bidirectional = 450 GB/s "
-                            "each way per GPU; 15 us per all-to-all assumed (small-message latency, not measured)"),
+    "nvlink4": Interconnect(
+        "nvlink4",
+        450e9,
+        15e-6,
+        "H100/H200 SXM NVLink 4: 900 GB/s bidirectional = 450 GB/s "
+        "each way per GPU; 15 us per all-to-all assumed (small-message latency, not measured)",
+    ),
 }
 
 
-def random_plan_imbalance(num_experts: int, kept: int, ep_size: int, draws: int = 4000, seed: int = 0) -> float:
+def random_plan_imbalance(
+    num_experts: int, kept: int, ep_size: int, draws: int = 4000, seed: int = 0
+) -> float:
     """Expected busiest-rank / mean kept experts per layer for plans keeping a uniformly random `kept` of
-    `num_experts` (contiguous blocks of num_experts / ep_size per rank): the imbalance that chance alone gives."""
+    `num_experts` (contiguous blocks of num_experts / ep_size per rank): the imbalance that chance alone
+    gives."""
     g = torch.Generator().manual_seed(seed)
     picks = torch.rand(draws, num_experts, generator=g).argsort(dim=1)[:, :kept]
     counts = torch.zeros(draws, ep_size)
@@ -80,16 +89,16 @@ def _gpu_step(config: RooflineConfig, hw: Hardware, link: Interconnect, batch: i
     dense = config.weight_bytes_step(per_gpu, 0.0, kept_total)  # replicated weights, this GPU's lm_head rows
     cache = config.cache_bytes_step(1, context_len) * per_gpu
     flops = 2.0 * per_gpu * config.active_params(kept_total)
-    a2a = config.moe_layers * 2 * (link.latency_s + per_gpu * config.top_k * config.hidden_size * config.weight_bytes
-                                   * (ep - 1) / ep / link.bandwidth)
+    a2a = config.moe_layers * 2 * (link.latency_s + per_gpu * config.top_k * config.hidden_size
+                                   * config.weight_bytes * (ep - 1) / ep / link.bandwidth)
     t = max((dense + cache + expert_bytes) / hw.bandwidth, flops / hw.peak_flops) + a2a + hw.overhead_s
     return t, a2a, expert_bytes
 
 
 def predict_ep(config: RooflineConfig, hw: Hardware, link: Interconnect, ratio: float, batches: list[int],
                ep_size: int, imbalance: float, context_len: int = 1024) -> list[EpPrediction]:
-    """Decode step, full model vs a plan pruning `ratio` whose busiest rank keeps `imbalance` x the mean (1.0: an
-    EP-balanced plan), at each global batch size."""
+    """Decode step, full model vs a plan pruning `ratio` whose busiest rank keeps `imbalance` x the mean (1.0:
+    an EP-balanced plan), at each global batch size."""
     kept = kept_experts(config.num_experts, ratio, config.top_k)
     out = []
     for b in batches:

@@ -48,14 +48,17 @@ def _plan(model, tokenizer, config: PolicyQualityConfig, log):
     calib = load_samples(split="train", n_per_family=config.calib_per_family, seed=config.seed + 1,
                          domain=config.domain or TARGET_DOMAIN)
     t0 = time.perf_counter()
-    stats = calibrate(model, [s.prompt for s in calib], tokenizer, CalibrationConfig(phase="decode"), progress=False)
+    stats = calibrate(
+        model, [s.prompt for s in calib], tokenizer, CalibrationConfig(phase="decode"), progress=False
+    )
     log(f"plan: decode-phase calibration on {len(calib)} train prompts ({time.perf_counter() - t0:.0f}s), "
         f"{config.criterion} at {config.ratio}")
     return plan_from_stats(stats, config.criterion, config.ratio)
 
 
 def run_policy_quality(config: PolicyQualityConfig, log: Callable[[str], None] | None = None) -> dict:
-    """Accuracy and pruned-routed share per (mode, concurrency); modes full, slimwise, slimwise-min<threshold>."""
+    """Accuracy and pruned-routed share per (mode, concurrency); modes full, slimwise,
+    slimwise-min<threshold>."""
     from slimwise.engines.reference import GenerationConfig
     from slimwise.engines.vllm_engine import VllmEngine
     from slimwise.evaluation import accuracy_metrics, load_samples, make_grader
@@ -80,13 +83,21 @@ def run_policy_quality(config: PolicyQualityConfig, log: Callable[[str], None] |
                                                                       config.threshold))
     measured: dict[tuple[str, int], tuple] = {}
     for conc in config.concurrencies:  # one engine per concurrency; the modes switch inside it
-        engine = VllmEngine(model_dir, plan, tokenizer, dtype=config.dtype, engine_kwargs={"max_num_seqs": conc},
-                            share_engine=True)
+        engine = VllmEngine(
+            model_dir,
+            plan,
+            tokenizer,
+            dtype=config.dtype,
+            engine_kwargs={"max_num_seqs": conc},
+            share_engine=True,
+        )
         try:
             for name, threshold in modes:
                 engine.set_min_decode_batch(threshold)
                 t0 = time.perf_counter()
-                outs = engine.generate([s.prompt for s in samples], "full" if name == "full" else "slimwise", gen)
+                outs = engine.generate(
+                    [s.prompt for s in samples], "full" if name == "full" else "slimwise", gen
+                )
                 measured[(name, conc)] = (outs, time.perf_counter() - t0,
                                           engine.counters()[0] if name != "full" else {})
         finally:
@@ -107,8 +118,10 @@ def run_policy_quality(config: PolicyQualityConfig, log: Callable[[str], None] |
                 f"{row['mean_length']:.1f}  pruned-routed share of decode tokens {row['pruned_share']:.2f}")
     base = {c: outputs[("full", c)] for c in config.concurrencies}
     for row in rows:
-        same = sum(a == b for a, b in zip(outputs[(row["mode"], row["concurrency"])], base[row["concurrency"]],
-                                          strict=True))
+        same = sum(
+            a == b
+            for a, b in zip(outputs[(row["mode"], row["concurrency"])], base[row["concurrency"]], strict=True)
+        )
         row["identical_to_full"] = same / len(samples)
     result = {"model_dir": str(model_dir), "config": asdict(config), "samples": len(samples),
               "plan": {"criterion": plan.criterion, "ratio": plan.ratio, "num_experts": plan.num_experts,
@@ -123,8 +136,10 @@ def format_policy_table(result: dict) -> str:
              "outputs identical to full |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         ci = f" ({r['accuracy_ci_low']:.3f}-{r['accuracy_ci_high']:.3f})" if "accuracy_ci_low" in r else ""
-        lines.append(f"| {r['mode']} | {r['concurrency']} | {r['accuracy']:.3f}{ci} | {r['mean_length']:.1f} | "
-                     f"{r['pruned_share']:.2f} | {r['identical_to_full']:.2f} |")
+        lines.append(
+            f"| {r['mode']} | {r['concurrency']} | {r['accuracy']:.3f}{ci} | {r['mean_length']:.1f} | "
+            f"{r['pruned_share']:.2f} | {r['identical_to_full']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""Synthetic model presets: real MoE configurations with random weights, for throughput work without downloads.
+"""Synthetic model presets: real MoE configurations with random weights, for throughput work without
+downloads.
 
 Decode throughput depends on tensor shapes and routing, not on what the weights learned, so a random-weight
 model with the real expert shapes and counts measures the same expert-weight traffic. Each preset keeps the
@@ -19,10 +20,10 @@ Sources (checked for this file):
   The vision tower and the MTP head are not modelled: text decode without speculation runs neither.
 - cpu: the random Qwen3-MoE measured in shared/notes/vllm.md (8 layers, hidden 1024, 64 experts of 512, top-4,
   bf16, ~1.6 GB): expert weights far exceed the CPU caches, so decode on 2 cores is weight-traffic bound.
-- cpu-hybrid: Qwen3.6-35B-A3B's layout at half width for the CPU bench (text-only Qwen3_5MoeForCausalLM, 8 layers:
-  6 Gated-DeltaNet + 2 gated full attention, hidden 1024, 64 experts of 512 top-8 + a gated shared expert of
-  512, fp32 recurrent state, linear heads of 64 as vLLM's CPU kernel needs): the state traffic per sequence is
-  the same share of the expert pool as in the real model.
+- cpu-hybrid: Qwen3.6-35B-A3B's layout at half width for the CPU bench (text-only Qwen3_5MoeForCausalLM, 8
+  layers: 6 Gated-DeltaNet + 2 gated full attention, hidden 1024, 64 experts of 512 top-8 + a gated shared
+  expert of 512, fp32 recurrent state, linear heads of 64 as vLLM's CPU kernel needs): the state traffic per
+  sequence is the same share of the expert pool as in the real model.
 - smoke: a tiny Qwen3-MoE for tests of the build path (seconds).
 """
 
@@ -55,11 +56,24 @@ class Preset:
 
 
 _QWEN3_30B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4,
-    head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
-    decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960, rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
-    bos_token_id=151643, eos_token_id=151645,
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
 )
 
 _QWEN36_35B = dict(
@@ -102,17 +116,45 @@ _SMOKE = dict(
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("qwen3-30b-a3b", "qwen3_moe", 48, 2, "Qwen/Qwen3-30B-A3B config.json (public mirrors)", _QWEN3_30B,
-               bytes_note="1.21 GB of experts per layer in bf16"),
-        Preset("qwen3.6-35b-a3b", "qwen3_5_moe", 40, 4,
-               "transformers 5.19 Qwen3_5MoeTextConfig defaults + public Qwen3.5/3.6-35B-A3B config.json",
-               _QWEN36_35B, layer_multiple=4, bytes_note="1.61 GB of experts per layer in bf16"),
-        Preset("cpu", "qwen3_moe", 8, 8, "shared/notes/vllm.md measured model", _CPU,
-               bytes_note="about 1.6 GB in bf16"),
-        Preset("cpu-hybrid", "qwen3_5_moe_text", 8, 8,
-               "Qwen3.6-35B-A3B's layout (3:1 Gated-DeltaNet / full attention, top-8 + shared expert, fp32 "
-               "state) at half width, 64 experts", _CPU_HYBRID, layer_multiple=4,
-               bytes_note="about 1.8 GB in bf16"),
+        Preset(
+            "qwen3-30b-a3b",
+            "qwen3_moe",
+            48,
+            2,
+            "Qwen/Qwen3-30B-A3B config.json (public mirrors)",
+            _QWEN3_30B,
+            bytes_note="1.21 GB of experts per layer in bf16",
+        ),
+        Preset(
+            "qwen3.6-35b-a3b",
+            "qwen3_5_moe",
+            40,
+            4,
+            "transformers 5.19 Qwen3_5MoeTextConfig defaults + public Qwen3.5/3.6-35B-A3B config.json",
+            _QWEN36_35B,
+            layer_multiple=4,
+            bytes_note="1.61 GB of experts per layer in bf16",
+        ),
+        Preset(
+            "cpu",
+            "qwen3_moe",
+            8,
+            8,
+            "shared/notes/vllm.md measured model",
+            _CPU,
+            bytes_note="about 1.6 GB in bf16",
+        ),
+        Preset(
+            "cpu-hybrid",
+            "qwen3_5_moe_text",
+            8,
+            8,
+            "Qwen3.6-35B-A3B's layout (3:1 Gated-DeltaNet / full attention, top-8 + shared expert, fp32 "
+            "state) at half width, 64 experts",
+            _CPU_HYBRID,
+            layer_multiple=4,
+            bytes_note="about 1.8 GB in bf16",
+        ),
         Preset("smoke", "qwen3_moe", 2, 2, "tiny test model", _SMOKE),
     )
 }
@@ -129,8 +171,10 @@ def _layer_count(preset: Preset, layers: int | None) -> int:
     if n < 1:
         raise SlimWiseError(f"preset {preset.name}: layers must be >= 1, got {n}")
     if n % preset.layer_multiple:
-        raise SlimWiseError(f"preset {preset.name}: layers must be a multiple of {preset.layer_multiple} to keep "
-                            f"its linear/full attention mix, got {n}")
+        raise SlimWiseError(
+            f"preset {preset.name}: layers must be a multiple of {preset.layer_multiple} to keep "
+            f"its linear/full attention mix, got {n}"
+        )
     return n
 
 
@@ -210,13 +254,16 @@ def apply_routing_skew(weight: torch.Tensor, shares: torch.Tensor, top_k: int, s
 
 
 def stats_rows(stats_path: str | Path, num_experts: int, n_layers: int) -> list[torch.Tensor]:
-    """Usage shares for n_layers MoE layers, mapped proportionally over the stats' layers (depth-preserving)."""
+    """Usage shares for n_layers MoE layers, mapped proportionally over the stats' layers
+    (depth-preserving)."""
     from slimwise.stats import ExpertStats
 
     stats = ExpertStats.load(stats_path)
     if stats.num_experts != num_experts:
-        raise SlimWiseError(f"routing skew: {stats_path} has {stats.num_experts} experts per layer, the preset "
-                            f"has {num_experts}; calibrate a model with the same expert count")
+        raise SlimWiseError(
+            f"routing skew: {stats_path} has {stats.num_experts} experts per layer, the preset "
+            f"has {num_experts}; calibrate a model with the same expert count"
+        )
     shares = stats.usage_share()
     rows = len(stats.layers)
     return [shares[min(rows - 1, (i * rows) // n_layers)] for i in range(n_layers)]
@@ -294,8 +341,12 @@ def build_synthetic(name: str, out_dir: str | Path, layers: int | None = None, s
         moe = adapter.moe_layers(model)
         if len(moe) != len(skew_rows):
             skew_rows = [skew_rows[min(len(skew_rows) - 1, i)] for i in range(len(moe))]
-        fits = [apply_routing_skew(layer.router.weight.data, shares, adapter.top_k(config), seed=seed + layer.index)
-                for layer, shares in zip(moe, skew_rows, strict=True)]
+        fits = [
+            apply_routing_skew(
+                layer.router.weight.data, shares, adapter.top_k(config), seed=seed + layer.index
+            )
+            for layer, shares in zip(moe, skew_rows, strict=True)
+        ]
         manifest["routing_fit"] = {
             "method": "router rows rescaled (fit_row_scales); checked on fresh N(0, I) inputs",
             "max_total_variation": max(f["total_variation"] for f in fits),
@@ -325,9 +376,18 @@ def preset_table() -> list[dict]:
     rows = []
     for p in PRESETS.values():
         rc = RooflineConfig.from_hf(preset_config(p.name), name=p.name)
-        rows.append({"preset": p.name, "model_type": p.model_type, "layers": p.real_layers,
-                     "experts": rc.num_experts, "top_k": rc.top_k, "params_b": round(rc.total_params / 1e9, 3),
-                     "bf16_gb": round(rc.total_params * 2 / 1e9, 2), "source": p.source})
+        rows.append(
+            {
+                "preset": p.name,
+                "model_type": p.model_type,
+                "layers": p.real_layers,
+                "experts": rc.num_experts,
+                "top_k": rc.top_k,
+                "params_b": round(rc.total_params / 1e9, 3),
+                "bf16_gb": round(rc.total_params * 2 / 1e9, 2),
+                "source": p.source,
+            }
+        )
     return rows
 
 

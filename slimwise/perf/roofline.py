@@ -124,9 +124,11 @@ class RooflineConfig:
         new_token = attn_layers * self.kv_elems_per_token_layer * self.kv_bytes
         return batch * (self.kv_bytes_per_seq(context_len) + new_token + 2 * self.state_bytes_per_seq())
 
-    def bytes_split(self, batch: int, context_len: int, union: float, kept: int | None = None) -> dict[str, float]:
-        """One decode step's bytes by what they are: routed expert weights, other weights (mixers, norms, shared
-        experts, router rows, lm_head, embedding rows), KV cache (read + the new token's write) and the
+    def bytes_split(
+        self, batch: int, context_len: int, union: float, kept: int | None = None
+    ) -> dict[str, float]:
+        """One decode step's bytes by what they are: routed expert weights, other weights (mixers, norms,
+        shared experts, router rows, lm_head, embedding rows), KV cache (read + the new token's write) and the
         linear-attention conv + recurrent state (read and written). The four sum to weight + cache bytes."""
         attn_layers = self.full_attention_layers + self.sliding_attention_layers
         new_token = attn_layers * self.kv_elems_per_token_layer * self.kv_bytes
@@ -304,8 +306,12 @@ class Hardware:
 
 
 HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware("h100", 3.35e12, 989e12, 80e9, note="H100 SXM5 80 GB: HBM3 3.35 TB/s, ~989 TFLOP/s dense bf16"),
-    "h200": Hardware("h200", 4.8e12, 989e12, 141e9, note="H200 SXM 141 GB: HBM3e 4.8 TB/s, ~989 TFLOP/s dense bf16"),
+    "h100": Hardware(
+        "h100", 3.35e12, 989e12, 80e9, note="H100 SXM5 80 GB: HBM3 3.35 TB/s, ~989 TFLOP/s dense bf16"
+    ),
+    "h200": Hardware(
+        "h200", 4.8e12, 989e12, 141e9, note="H200 SXM 141 GB: HBM3e 4.8 TB/s, ~989 TFLOP/s dense bf16"
+    ),
 }
 
 
@@ -313,13 +319,13 @@ def measure_cpu(budget_s: float = 8.0, bandwidth_mb: int = 256,
                 matmul_shapes: tuple[tuple[int, int, int], ...] = ((16, 1024, 4096), (64, 1024, 4096),
                                                                    (256, 1024, 4096), (1024, 1024, 4096)),
                 dtype: str = "bfloat16") -> Hardware:
-    """Measure this machine: streaming read bandwidth (sum of a tensor far larger than the caches) and the best
-    matmul FLOP/s over decode-like shapes [tokens, hidden] x [hidden, out], medians of a few repetitions.
+    """Measure this machine: streaming read bandwidth (sum of a tensor far larger than the caches) and the
+    best matmul FLOP/s over decode-like shapes [tokens, hidden] x [hidden, out], medians of a few repetitions.
 
     Short on purpose (a few seconds on 2 cores); results move with background load, so the note reports them.
-    The budget holds where a dtype is emulated: without bf16 matrix units a [1024, 1024] x [1024, 4096] bf16 matmul
-    takes 4-21 s, so a shape whose predicted call exceeds what is left of the budget is skipped (the peak is the
-    best shape measured), and a call slower than its share is timed once (the warm-up).
+    The budget holds where a dtype is emulated: without bf16 matrix units a [1024, 1024] x [1024, 4096] bf16
+    matmul takes 4-21 s, so a shape whose predicted call exceeds what is left of the budget is skipped (the
+    peak is the best shape measured), and a call slower than its share is timed once (the warm-up).
     """
     deadline = time.perf_counter() + budget_s
     def timed(fn, reps: int, share: float) -> float:
@@ -375,7 +381,9 @@ def get_hardware(name: str, dtype: str = "bfloat16", overhead_s: float = 0.0) ->
         hw = HARDWARE[name]
     else:
         raise SlimWiseError(f"unknown hardware {name!r}; have: {', '.join([*HARDWARE, 'cpu-measured'])}")
-    return Hardware(hw.name, hw.bandwidth, hw.peak_flops, hw.memory, overhead_s, hw.note) if overhead_s else hw
+    return (
+        Hardware(hw.name, hw.bandwidth, hw.peak_flops, hw.memory, overhead_s, hw.note) if overhead_s else hw
+    )
 
 
 # ----- prediction ------------------------------------------------------------------------------------------
@@ -428,8 +436,14 @@ def _step(config: RooflineConfig, hw: Hardware, batch: int, context_len: int, ke
     return union, moved, flops, max(t_mem, t_flop) + hw.overhead_s, "memory" if t_mem >= t_flop else "compute"
 
 
-def predict(config: RooflineConfig, hardware: Hardware, ratio: float, batches: list[int], context_len: int = 1024,
-            usage_shares: torch.Tensor | None = None) -> list[StepPrediction]:
+def predict(
+    config: RooflineConfig,
+    hardware: Hardware,
+    ratio: float,
+    batches: list[int],
+    context_len: int = 1024,
+    usage_shares: torch.Tensor | None = None,
+) -> list[StepPrediction]:
     """Decode-step predictions, full model vs `ratio` of the routed experts pruned, for each batch size."""
     kept = kept_experts(config.num_experts, ratio, config.top_k)
     if usage_shares is not None and usage_shares.shape[-1] != config.num_experts:
@@ -444,13 +458,33 @@ def predict(config: RooflineConfig, hardware: Hardware, ratio: float, batches: l
         up, bp, fp, tp, boundp = _step(config, hardware, b, context_len, kept, usage_shares)
         per_seq = config.kv_bytes_per_seq(context_len) + config.state_bytes_per_seq()
         fits = None if not hardware.memory else resident + b * per_seq <= 0.9 * hardware.memory
-        out.append(StepPrediction(hardware.name, b, context_len, ratio, kept, uf, up, bf, bp,
-                                  config.cache_bytes_step(b, context_len), ff, fp, tf, tp, boundf, boundp, fits))
+        out.append(
+            StepPrediction(
+                hardware.name,
+                b,
+                context_len,
+                ratio,
+                kept,
+                uf,
+                up,
+                bf,
+                bp,
+                config.cache_bytes_step(b, context_len),
+                ff,
+                fp,
+                tf,
+                tp,
+                boundf,
+                boundp,
+                fits,
+            )
+        )
     return out
 
 
 def weights_only_limit(config: RooflineConfig, ratio: float) -> float:
-    """Speedup when every expert is touched and cache reads and FLOPs are ignored: the ceiling (< 2 at 50%)."""
+    """Speedup when every expert is touched and cache reads and FLOPs are ignored: the ceiling (< 2 at
+    50%)."""
     kept = kept_experts(config.num_experts, ratio, config.top_k)
     full = config.weight_bytes_step(1, config.num_experts)
     return full / config.weight_bytes_step(1, kept, kept)
@@ -493,7 +527,8 @@ def resident_bytes(config: RooflineConfig, kept: int | None = None) -> float:
 
 def max_batch(config: RooflineConfig, hardware: Hardware, context_len: int, kept: int | None = None,
               utilization: float = 0.9, limit: int = 4096) -> int:
-    """Largest batch whose KV/state fits beside the weights in `utilization` of memory (0: weights don't fit)."""
+    """Largest batch whose KV/state fits beside the weights in `utilization` of memory (0: weights don't
+    fit)."""
     per_seq = config.kv_bytes_per_seq(context_len) + config.state_bytes_per_seq()
     free = utilization * hardware.memory - resident_bytes(config, kept)
     if free <= 0:
@@ -516,8 +551,14 @@ class Capacity:
         return self.tokens_per_s_pruned / self.tokens_per_s_full if self.tokens_per_s_full else math.inf
 
 
-def capacity_comparison(config: RooflineConfig, hardware: Hardware, ratio: float, context_len: int = 1024,
-                        usage_shares: torch.Tensor | None = None, utilization: float = 0.9) -> Capacity | None:
+def capacity_comparison(
+    config: RooflineConfig,
+    hardware: Hardware,
+    ratio: float,
+    context_len: int = 1024,
+    usage_shares: torch.Tensor | None = None,
+    utilization: float = 0.9,
+) -> Capacity | None:
     """Full model at its max batch vs the pruned-only decoder at its max batch (None: memory unknown)."""
     if not hardware.memory:
         return None
@@ -539,10 +580,12 @@ def format_table(preds: list[StepPrediction]) -> str:
     for p in preds:
         bound = p.bound_full if p.bound_full == p.bound_pruned else f"{p.bound_full}/{p.bound_pruned}"
         fits = "" if p.fits_memory is None else ("yes" if p.fits_memory else "no")
-        lines.append(f"| {p.batch} | {p.union_full:.1f} → {p.union_pruned:.1f} | {p.bytes_full / 1e9:.2f} | "
-                     f"{p.bytes_pruned / 1e9:.2f} | {p.cache_bytes / 1e9:.2f} | {p.time_full_s * 1e3:.3f} | "
-                     f"{p.time_pruned_s * 1e3:.3f} | {p.tokens_per_s_full:,.0f} | {p.tokens_per_s_pruned:,.0f} | "
-                     f"{p.speedup:.3f} | {bound} | {fits} |")
+        lines.append(
+            f"| {p.batch} | {p.union_full:.1f} → {p.union_pruned:.1f} | {p.bytes_full / 1e9:.2f} | "
+            f"{p.bytes_pruned / 1e9:.2f} | {p.cache_bytes / 1e9:.2f} | {p.time_full_s * 1e3:.3f} | "
+            f"{p.time_pruned_s * 1e3:.3f} | {p.tokens_per_s_full:,.0f} | {p.tokens_per_s_pruned:,.0f} | "
+            f"{p.speedup:.3f} | {bound} | {fits} |"
+        )
     return "\n".join(lines)
 
 

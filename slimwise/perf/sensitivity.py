@@ -1,4 +1,5 @@
-"""Sensitivity of a roofline prediction: which assumptions move the predicted speedup to a target, which cannot.
+"""Sensitivity of a roofline prediction: which assumptions move the predicted speedup to a target, which
+cannot.
 
 Why: the roofline for Qwen3.6-35B-A3B on an H200 peaks at 1.58x at 50% pruning, against the paper's 1.81x. The
 gap could come from the recurrent-state dtype, the context length, the batch, a PD-disaggregated decode
@@ -6,9 +7,9 @@ instance's larger batch, or bytes the model reads besides the routed experts (sh
 Gated-DeltaNet projections, lm_head, KV cache, state). Each scenario here changes one (or a named combination)
 of those and recomputes the whole curve over batch 1..max_batch with the same formulas as `roofline.predict`.
 
-The byte budget makes the "cannot" exact. At batch B a step reads U_f(B) (full) or U_p(B) (pruned) experts per MoE
-layer of e bytes over L MoE layers, plus X(B) bytes pruning does not change (other weights + KV + state). The
-memory-bound speedup is (X + L·e·U_f) / (X + L·e·U_p), which reaches a target t only while
+The byte budget makes the "cannot" exact. At batch B a step reads U_f(B) (full) or U_p(B) (pruned) experts per
+MoE layer of e bytes over L MoE layers, plus X(B) bytes pruning does not change (other weights + KV + state).
+The memory-bound speedup is (X + L·e·U_f) / (X + L·e·U_p), which reaches a target t only while
 
     X(B) <= budget(B) = L·e·(U_f(B) - t·U_p(B)) / (t - 1)
 
@@ -37,7 +38,8 @@ from slimwise.perf.roofline import (
 
 @dataclass(frozen=True)
 class Scenario:
-    """One set of assumptions: a change to the model's byte accounting, a context length, a per-step overhead."""
+    """One set of assumptions: a change to the model's byte accounting, a context length, a per-step
+    overhead."""
 
     key: str
     label: str
@@ -48,15 +50,19 @@ class Scenario:
 
 def scaled(rc: RooflineConfig, *, shared: float = 1.0, mixers: float = 1.0, other: float = 1.0,
            state_bytes: float | None = None, kv_bytes: float | None = None) -> RooflineConfig:
-    """rc with the shared experts' and the mixers' (attention + Gated-DeltaNet projections) parameters scaled, or
-    every non-expert weight (`other`: mixers, norms, shared experts, routers, embedding and lm_head) scaled, and
-    the state / KV element sizes replaced (0 removes that traffic)."""
+    """rc with the shared experts' and the mixers' (attention + Gated-DeltaNet projections) parameters scaled,
+    or every non-expert weight (`other`: mixers, norms, shared experts, routers, embedding and lm_head)
+    scaled, and the state / KV element sizes replaced (0 removes that traffic)."""
     dense = rc.dense_params - round((1.0 - mixers) * rc.mixer_params)
-    out = dataclasses.replace(rc, shared_params=round(rc.shared_params * shared * other),
-                              dense_params=round(dense * other), mixer_params=round(rc.mixer_params * mixers * other),
-                              embed_params=round(rc.embed_params * other),
-                              lm_head_params=round(rc.lm_head_params * other),
-                              router_params_per_expert=round(rc.router_params_per_expert * other))
+    out = dataclasses.replace(
+        rc,
+        shared_params=round(rc.shared_params * shared * other),
+        dense_params=round(dense * other),
+        mixer_params=round(rc.mixer_params * mixers * other),
+        embed_params=round(rc.embed_params * other),
+        lm_head_params=round(rc.lm_head_params * other),
+        router_params_per_expert=round(rc.router_params_per_expert * other),
+    )
     if state_bytes is not None:
         out = dataclasses.replace(out, state_bytes=state_bytes)
     if kv_bytes is not None:
@@ -81,13 +87,26 @@ def default_scenarios(base_context: int = 1024) -> list[Scenario]:
         Scenario("mixers-half", "attention + Gated-DeltaNet weights halved", lambda r: scaled(r, mixers=0.5)),
         Scenario("mixers-0", "attention + Gated-DeltaNet weights zero", lambda r: scaled(r, mixers=0.0)),
         Scenario("other-0", "every non-expert weight zero (incl. lm_head)", lambda r: scaled(r, other=0.0)),
-        Scenario("shared-mixers-half-bf16", "shared + mixers halved, state bf16",
-                 lambda r: scaled(r, shared=0.5, mixers=0.5, **bf16)),
-        Scenario("ctx-256-bf16-shared-0", "context 256, state bf16, shared expert zero",
-                 lambda r: scaled(r, shared=0.0, **bf16), context_len=256),
-        Scenario("state-0-ctx-256", "no state traffic, context 256", lambda r: scaled(r, state_bytes=0.0),
-                 context_len=256),
-        Scenario("no-cache", "no KV and no state traffic", lambda r: scaled(r, state_bytes=0.0, kv_bytes=0.0)),
+        Scenario(
+            "shared-mixers-half-bf16",
+            "shared + mixers halved, state bf16",
+            lambda r: scaled(r, shared=0.5, mixers=0.5, **bf16),
+        ),
+        Scenario(
+            "ctx-256-bf16-shared-0",
+            "context 256, state bf16, shared expert zero",
+            lambda r: scaled(r, shared=0.0, **bf16),
+            context_len=256,
+        ),
+        Scenario(
+            "state-0-ctx-256",
+            "no state traffic, context 256",
+            lambda r: scaled(r, state_bytes=0.0),
+            context_len=256,
+        ),
+        Scenario(
+            "no-cache", "no KV and no state traffic", lambda r: scaled(r, state_bytes=0.0, kv_bytes=0.0)
+        ),
         Scenario("overhead-1ms", "1 ms fixed overhead per step", overhead_s=1e-3),
     ]
 
@@ -123,14 +142,15 @@ class SensitivityRow:
 
 
 def other_bytes(rc: RooflineConfig, batch: int, context_len: int) -> float:
-    """Bytes a step reads that pruning does not change: non-expert weights (router rows of all experts, a slight
-    overstatement for the pruned side), KV and state."""
+    """Bytes a step reads that pruning does not change: non-expert weights (router rows of all experts, a
+    slight overstatement for the pruned side), KV and state."""
     split = rc.bytes_split(batch, context_len, 0.0)
     return split["other_weights"] + split["kv"] + split["state"]
 
 
 def budget(rc: RooflineConfig, ratio: float, target: float, batch: int) -> float:
-    """Largest other_bytes for which the memory-bound speedup at `batch` still reaches `target` (negative: none)."""
+    """Largest other_bytes for which the memory-bound speedup at `batch` still reaches `target` (negative:
+    none)."""
     kept = kept_experts(rc.num_experts, ratio, rc.top_k)
     uf, up = expected_union(rc.num_experts, rc.top_k, batch), expected_union(kept, rc.top_k, batch)
     expert = rc.moe_layers * rc.expert_params * rc.weight_bytes
@@ -138,8 +158,8 @@ def budget(rc: RooflineConfig, ratio: float, target: float, batch: int) -> float
 
 
 def batch_floor(rc: RooflineConfig, ratio: float, target: float, limit: int = 1 << 16) -> int | None:
-    """Smallest batch whose expected expert union ratio U_f/U_p reaches `target`: below it no byte saving elsewhere
-    can reach the target (None: never, e.g. a target above the experts-only ratio E/E')."""
+    """Smallest batch whose expected expert union ratio U_f/U_p reaches `target`: below it no byte saving
+    elsewhere can reach the target (None: never, e.g. a target above the experts-only ratio E/E')."""
     kept = kept_experts(rc.num_experts, ratio, rc.top_k)
     b = 1
     while b <= limit:
@@ -147,7 +167,9 @@ def batch_floor(rc: RooflineConfig, ratio: float, target: float, limit: int = 1 
             lo, hi = b // 2 + 1, b  # the ratio rises with b: bisect the last doubling step
             while lo < hi:
                 mid = (lo + hi) // 2
-                if expected_union(rc.num_experts, rc.top_k, mid) >= target * expected_union(kept, rc.top_k, mid):
+                if expected_union(rc.num_experts, rc.top_k, mid) >= target * expected_union(
+                    kept, rc.top_k, mid
+                ):
                     hi = mid
                 else:
                     lo = mid + 1
@@ -156,9 +178,15 @@ def batch_floor(rc: RooflineConfig, ratio: float, target: float, limit: int = 1 
     return None
 
 
-def run_sensitivity(rc: RooflineConfig, hardware: Hardware, ratio: float, target: float, context_len: int = 1024,
-                    scenarios: list[Scenario] | None = None, max_batch: int = 2048,
-                    ) -> tuple[list[SensitivityRow], dict[str, list]]:
+def run_sensitivity(
+    rc: RooflineConfig,
+    hardware: Hardware,
+    ratio: float,
+    target: float,
+    context_len: int = 1024,
+    scenarios: list[Scenario] | None = None,
+    max_batch: int = 2048,
+) -> tuple[list[SensitivityRow], dict[str, list]]:
     """Rows for the table and per-scenario curves (StepPredictions over 1..max_batch) for the plot."""
     rows, curves = [], {}
     batches = list(range(1, max_batch + 1))
@@ -185,9 +213,11 @@ def run_sensitivity(rc: RooflineConfig, hardware: Hardware, ratio: float, target
 
 
 def format_sensitivity(rows: list[SensitivityRow], target: float) -> str:
-    head = (f"| scenario | context | peak speedup (batch) | speedup at B=64 / 128 | first batch ≥ {target:.2f}x "
-            f"| PD decode instance at max batch: full → pruned B, speedup | other bytes at peak / budget for "
-            f"{target:.2f}x, GB | reaches {target:.2f}x? |")
+    head = (
+        f"| scenario | context | peak speedup (batch) | speedup at B=64 / 128 | first batch ≥ {target:.2f}x "
+        f"| PD decode instance at max batch: full → pruned B, speedup | other bytes at peak / budget for "
+        f"{target:.2f}x, GB | reaches {target:.2f}x? |"
+    )
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         if r.capacity_speedup is None:
@@ -213,8 +243,9 @@ PLOTTED = ("base", "state-bf16", "state-0", "ctx-256-bf16", "ctx-16384", "shared
 
 def plot_sensitivity(rc: RooflineConfig, curves: dict[str, list], rows: list[SensitivityRow], ratio: float,
                      target: float, path: str | Path, title: str = "", context_len: int = 1024) -> Path:
-    """Left: predicted speedup against batch for the main scenarios, the target and the PD points. Right: the bytes
-    pruning leaves unchanged per step against the budget that the target allows (the target needs X ≤ budget)."""
+    """Left: predicted speedup against batch for the main scenarios, the target and the PD points. Right: the
+    bytes pruning leaves unchanged per step against the budget that the target allows (the target needs X ≤
+    budget)."""
     import matplotlib
 
     matplotlib.use("Agg")

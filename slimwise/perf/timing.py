@@ -1,5 +1,5 @@
-"""Timing decode in a vLLM engine: one batch measured from vLLM's engine-core timestamps (prefill excluded), the
-prompts every variant shares, the cache bytes an engine needs, and shutting engines down cleanly."""
+"""Timing decode in a vLLM engine: one batch measured from vLLM's engine-core timestamps (prefill excluded),
+the prompts every variant shares, the cache bytes an engine needs, and shutting engines down cleanly."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def shutdown_llm(llm) -> None:
 
 @contextlib.contextmanager
 def engines_closed_on_sigterm():
-    """SIGTERM raises KeyboardInterrupt, so the `finally` blocks shut the engine processes down (else orphans)."""
+    """SIGTERM raises KeyboardInterrupt, so the `finally` blocks shut the engine processes down (else
+    orphans)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -47,7 +48,8 @@ def vocab_size(model_dir: str) -> int:
 
 
 def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random token-id prompts (ids >= 4 skip the synthetic tokenizer's specials), the same for every variant."""
+    """Random token-id prompts (ids >= 4 skip the synthetic tokenizer's specials), the same for every
+    variant."""
     import torch
 
     g = torch.Generator().manual_seed(seed * 100_003 + batch)
@@ -67,8 +69,8 @@ def measure(llm, prompts: list[list[int]], output_len: int, plans: list[str] | N
                                  extra_args={REQUEST_PLAN_ARG: name}) for name in plans]
     requests = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
-    # scheduler paused while the requests are added, so the engine core cannot start a step with only the first
-    # few: every prompt is prefilled in the same step and every decode step holds all B sequences
+    # scheduler paused while the requests are added, so the engine core cannot start a step with only the
+    # first few: every prompt is prefilled in the same step and every decode step holds all B sequences
     llm.sleep(level=0)
     try:
         llm.enqueue(requests, params, use_tqdm=False)

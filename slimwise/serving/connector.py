@@ -1,30 +1,32 @@
-"""`SlimWiseConnector`: PD-disaggregated handoff where the prompt state and the first token are the full model's.
+"""`SlimWiseConnector`: PD-disaggregated handoff where the prompt state and the first token are the full
+model's.
 
 Stock PD (ExampleConnector, NIXL) makes the decode instance recompute the tail of the prompt and sample the
 first output token with its own weights; with a pruned decoder that breaks SlimWise's guarantee. Here the
 proxy passes the prefill's first token t1 on, so the decode instance receives prompt P + [t1], and:
 
-* producer (full model, prefill instance): stores the state of *every* prompt token of P, keyed by the hash of P:
-  the KV blocks of each attention layer and, for hybrid models (Qwen3-Next, Qwen3.5/3.6-MoE), each linear-attention
-  (Gated DeltaNet / Mamba) layer's conv state and recurrent state after the last token of P;
-* consumer (pruned checkpoint, decode instance): finds the state stored for P = its prompt minus the last token,
-  loads all of it, and computes only t1 itself -- exactly what colocated SlimWise does (t1 is fed back through the
-  pruned decoder, whose linear-attention layers continue from the full model's state).
+* producer (full model, prefill instance): stores the state of *every* prompt token of P, keyed by the hash of
+  P: the KV blocks of each attention layer and, for hybrid models (Qwen3-Next, Qwen3.5/3.6-MoE), each
+  linear-attention (Gated DeltaNet / Mamba) layer's conv state and recurrent state after the last token of P;
+* consumer (pruned checkpoint, decode instance): finds the state stored for P = its prompt minus the last
+  token, loads all of it, and computes only t1 itself -- exactly what colocated SlimWise does (t1 is fed back
+  through the pruned decoder, whose linear-attention layers continue from the full model's state).
 
-Storage is ExampleConnector's shared directory (safetensors per layer per prompt). Hybrid models need vLLM's hybrid
-KV-cache manager, which a connector unlocks by implementing `SupportsHMA`: each KV-cache group (the attention
-layers; groups of linear-attention layers) has its own block table, so requests carry one block list per group.
-A linear-attention layer's cache is a (conv_state, ssm_state) pair indexed by the request's state block: the first
-block of its group in Mamba cache mode "none" (prefix caching off), which both instances must use. The prefill
-instance must run a prompt in one step (`--no-enable-chunked-prefill`); `slimwise serve --disaggregated` passes
-both flags.
+Storage is ExampleConnector's shared directory (safetensors per layer per prompt). Hybrid models need vLLM's
+hybrid KV-cache manager, which a connector unlocks by implementing `SupportsHMA`: each KV-cache group (the
+attention layers; groups of linear-attention layers) has its own block table, so requests carry one block list
+per group. A linear-attention layer's cache is a (conv_state, ssm_state) pair indexed by the request's state
+block: the first block of its group in Mamba cache mode "none" (prefix caching off), which both instances must
+use. The prefill instance must run a prompt in one step (`--no-enable-chunked-prefill`);
+`slimwise serve --disaggregated` passes both flags.
 
-Tensor parallelism: each rank holds its shard of the KV heads (and of the linear-attention state), so each rank
-stores and loads its own file, `<layer>.tp<size>-r<rank>.safetensors`, and the producer's ranks meet at a barrier
-after storing, so the first token leaves the prefill instance only once every shard is on disk. Shards are copied
-rank to rank, so both instances must run the same `--tensor-parallel-size` (`slimwise serve --disaggregated` gives
-both the same options); a decode instance that finds a prompt stored at another size refuses with a message naming
-the fix instead of decoding from the wrong shards. Pipeline stages need nothing: their layers have distinct names.
+Tensor parallelism: each rank holds its shard of the KV heads (and of the linear-attention state), so each
+rank stores and loads its own file, `<layer>.tp<size>-r<rank>.safetensors`, and the producer's ranks meet at a
+barrier after storing, so the first token leaves the prefill instance only once every shard is on disk. Shards
+are copied rank to rank, so both instances must run the same `--tensor-parallel-size`
+(`slimwise serve --disaggregated` gives both the same options); a decode instance that finds a prompt stored
+at another size refuses with a message naming the fix instead of decoding from the wrong shards. Pipeline
+stages need nothing: their layers have distinct names.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class SlimWiseConnectorMetadata(KVConnectorMetadata):
 
 
 def _group_block_ids(block_ids) -> tuple[list[int], ...]:
-    """vLLM passes one block list per KV-cache group (a tuple); older single-group code paths pass one list."""
+    """vLLM passes one block list per KV-cache group (a tuple); older single-group code paths pass one
+    list."""
     if block_ids and isinstance(block_ids[0], int):
         return (list(block_ids),)
     return tuple(list(b) for b in block_ids)
@@ -90,15 +93,17 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         if any(state for _, _, state in self._layers.values()):
             mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none")
             if mode != "none":
-                raise SlimWiseError(f"SlimWiseConnector hands over linear-attention state in Mamba cache mode 'none' only "
-                                    f"(this instance runs {mode!r}, set by prefix caching): start both instances with "
-                                    "--no-enable-prefix-caching")
+                raise SlimWiseError(
+                    f"SlimWiseConnector hands over linear-attention state in Mamba cache mode 'none' only "
+                    f"(this instance runs {mode!r}, set by prefix caching): start both instances with "
+                    "--no-enable-prefix-caching"
+                )
 
     # ----- worker side ---------------------------------------------------------------------------------
     # Whole blocks are copied, never individual token rows: the in-block layout is the attention backend's
-    # business (CPU_ATTN keeps K transposed, [head_size, block_size], beside V as [block_size, head_size], which
-    # ExampleConnector's row indexing scrambles). Both instances share block size, KV dtype and backend, and
-    # slots past the prompt in the last block are rewritten by the decoder after the load.
+    # business (CPU_ATTN keeps K transposed, [head_size, block_size], beside V as [block_size, head_size],
+    # which ExampleConnector's row indexing scrambles). Both instances share block size, KV dtype and backend,
+    # and slots past the prompt in the last block are rewritten by the decoder after the load.
     def _where(self, layer_name: str, request: PromptState) -> tuple[list[int], bool]:
         """(blocks of this layer that hold the request's first len(token_ids) positions, is a state layer)."""
         group, block_size, state = self._layers.get(layer_name, (0, self._block_size, False))
@@ -149,9 +154,12 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                     index = torch.tensor(blocks, device=kv[0].device)
                     tensors = {f"state_{i}": t[index].detach().cpu().contiguous() for i, t in enumerate(kv)}
                 else:
-                    tensors = {"kv_cache": kv[torch.tensor(blocks, device=kv.device)].detach().cpu().contiguous()}
+                    tensors = {
+                        "kv_cache": kv[torch.tensor(blocks, device=kv.device)].detach().cpu().contiguous()
+                    }
                 path = os.path.join(folder, state_file_name(layer_name, self._tp_size, rank))
-                tmp = f"{path}.{os.getpid()}.tmp"  # unique per process: two writers never rename each other's file
+                # unique per process: two writers never rename each other's file
+                tmp = f"{path}.{os.getpid()}.tmp"
                 safetensors.torch.save_file(tensors, tmp)
                 os.replace(tmp, path)
         if self._tp_size > 1:  # rank 0 returns the first token: only once every rank's shard is stored
@@ -169,7 +177,9 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
             folder = self._folder(request.token_ids, request.mm_hashes)
             for layer_name, kv in layers.items():
                 blocks, state = self._where(layer_name, request)
-                src = safetensors.torch.load_file(os.path.join(folder, state_file_name(layer_name, self._tp_size, rank)))
+                src = safetensors.torch.load_file(
+                    os.path.join(folder, state_file_name(layer_name, self._tp_size, rank))
+                )
                 if state:
                     index = torch.tensor(blocks, device=kv[0].device)
                     for i, t in enumerate(kv):
@@ -178,25 +188,34 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
                     kv[torch.tensor(blocks, device=kv.device)] = src["kv_cache"].to(kv.device)
 
     def _stored(self, token_ids: list[int], mm_hashes: list[str]) -> bool:
-        """Whether every rank's file of every layer is stored for this prompt at this instance's tensor-parallel
-        size. A prompt stored only at another size is refused: its shards do not fit this instance's ranks."""
+        """Whether every rank's file of every layer is stored for this prompt at this instance's
+        tensor-parallel size. A prompt stored only at another size is refused: its shards do not fit this
+        instance's ranks."""
         folder = self._folder(token_ids, mm_hashes)
         names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
         if not self._layers:  # no KV-cache config (older single-group path): any file of this size
             return any(name.endswith(state_file_name("", self._tp_size, 0)) for name in names)
-        want = {state_file_name(layer, self._tp_size, rank) for layer in self._layers for rank in range(self._tp_size)}
+        want = {
+            state_file_name(layer, self._tp_size, rank)
+            for layer in self._layers
+            for rank in range(self._tp_size)
+        }
         if want <= names:
             return True
         sizes = {m.group(1) for name in names if (m := _TAG.search(name))} - {str(self._tp_size)}
         if sizes and not self._kv_transfer_config.is_kv_producer:
-            raise SlimWiseError(f"SlimWiseConnector: the prefill instance stored this prompt's state at "
-                                f"--tensor-parallel-size {', '.join(sorted(sizes))} and this decode instance runs "
-                                f"{self._tp_size}; the connector copies each rank's shard to the same rank: start both "
-                                "instances with the same --tensor-parallel-size")
+            raise SlimWiseError(
+                f"SlimWiseConnector: the prefill instance stored this prompt's state at "
+                f"--tensor-parallel-size {', '.join(sorted(sizes))} and this decode instance runs "
+                f"{self._tp_size}; the connector copies each rank's shard to the same rank: start both "
+                "instances with the same --tensor-parallel-size"
+            )
         return False
 
     # ----- scheduler side ------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self._kv_transfer_config.is_kv_producer:
             return 0, False
         prompt = list(request.prompt_token_ids or [])
@@ -233,8 +252,8 @@ _TAG = re.compile(r"\.tp(\d+)-r\d+\.safetensors$")
 
 
 def state_file_name(layer_name: str, tp_size: int = 1, rank: int = 0) -> str:
-    """The name of one layer's stored state, by one rank, in a prompt's folder (`proxy.kv_folder`); the size is
-    part of the name, so a decode instance of another size sees the mismatch (`_TAG`)."""
+    """The name of one layer's stored state, by one rank, in a prompt's folder (`proxy.kv_folder`); the size
+    is part of the name, so a decode instance of another size sees the mismatch (`_TAG`)."""
     return f"{layer_name}.tp{tp_size}-r{rank}.safetensors"
 
 
@@ -247,14 +266,15 @@ def _nixl_connector():
 def make_nixl_connector() -> type:
     """`SlimWiseNixlConnector`: vLLM's NixlConnector (pull) whose prefill side computes the *whole* prompt.
 
-    For hybrid models (Mamba / Gated DeltaNet layers) stock NIXL makes the prefill instance drop the last prompt token
-    (`_truncate_request_for_prefill`, `_prefill_backoff() == 1`): it hands over h(N-1) and the decode instance
-    recomputes the last prompt token and samples the first output token with its own -- here pruned -- weights. The
-    decode side already loads every prompt token but the last; SlimWise's proxy sends it `P + [t1]`, so that is all of
-    P, *if* the prefill instance computed all of P. This subclass keeps the prefill request whole, so the transferred
-    state is the full model's h(N) after P and t1 is the full model's token, as with `SlimWiseConnector` on CPU.
-    Attention-only models are unaffected (their backoff is 0). Designed from vLLM 0.32's NIXL code; not run here
-    (NIXL needs CUDA): see docs/serving.md for what a GPU run must check.
+    For hybrid models (Mamba / Gated DeltaNet layers) stock NIXL makes the prefill instance drop the last
+    prompt token (`_truncate_request_for_prefill`, `_prefill_backoff() == 1`): it hands over h(N-1) and the
+    decode instance recomputes the last prompt token and samples the first output token with its own -- here
+    pruned -- weights. The decode side already loads every prompt token but the last; SlimWise's proxy sends
+    it `P + [t1]`, so that is all of P, *if* the prefill instance computed all of P. This subclass keeps the
+    prefill request whole, so the transferred state is the full model's h(N) after P and t1 is the full
+    model's token, as with `SlimWiseConnector` on CPU. Attention-only models are unaffected (their backoff is
+    0). Designed from vLLM 0.32's NIXL code; not run here (NIXL needs CUDA): see docs/serving.md for what a
+    GPU run must check.
     """
     base = _nixl_connector()
 
@@ -270,7 +290,8 @@ def make_nixl_connector() -> type:
 
 
 def _keep_whole_prompt(request) -> None:
-    """Replaces NIXL's P-side truncation of hybrid prompts: the prefill instance computes every prompt token."""
+    """Replaces NIXL's P-side truncation of hybrid prompts: the prefill instance computes every prompt
+    token."""
 
 
 def __getattr__(name: str):

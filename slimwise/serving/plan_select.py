@@ -32,9 +32,10 @@ def served_names(base: str, plans: list[str]) -> dict[str, str | None]:
 
 
 class PlanSelectMiddleware:
-    """ASGI middleware in front of vLLM's OpenAI routes: refuses bodies it cannot parse and requests over the cost
-    limit (400, as the disaggregated proxy does), maps `model` -> `vllm_xargs.slimwise_plan` on requests, and puts
-    the requested name back on responses. Installed by every colocated `slimwise serve`, with or without plans."""
+    """ASGI middleware in front of vLLM's OpenAI routes: refuses bodies it cannot parse and requests over the
+    cost limit (400, as the disaggregated proxy does), maps `model` -> `vllm_xargs.slimwise_plan` on requests,
+    and puts the requested name back on responses. Installed by every colocated `slimwise serve`, with or
+    without plans."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -64,9 +65,15 @@ class PlanSelectMiddleware:
             xargs = request.get("vllm_xargs") if isinstance(request.get("vllm_xargs"), dict) else {}
             asked = xargs.get(REQUEST_PLAN_ARG)
             if asked is not None and asked not in self.plans:
-                await _error(send, 400, BadRequest(f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; "
-                                                   f"choose a plan by model name: {', '.join(self.models)}",
-                                                   f"vllm_xargs.{REQUEST_PLAN_ARG}").payload())
+                await _error(
+                    send,
+                    400,
+                    BadRequest(
+                        f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; "
+                        f"choose a plan by model name: {', '.join(self.models)}",
+                        f"vllm_xargs.{REQUEST_PLAN_ARG}",
+                    ).payload(),
+                )
                 return
             name = request.get("model")
             plan = self.models.get(name) if isinstance(name, str) else None
@@ -111,6 +118,11 @@ class PlanSelectMiddleware:
 
 async def _error(send, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -1,6 +1,7 @@
 """vLLM general plugin (entry point `vllm.general_plugins: slimwise`), run in every vLLM process.
 
-0. Lets vLLM's Qwen3.5/3.6 model file import on a CPU build without torchvision (`compat.py`; no-op elsewhere).
+0. Lets vLLM's Qwen3.5/3.6 model file import on a CPU build without torchvision (`compat.py`; no-op
+   elsewhere).
 1. Registers the SlimWise model classes with vLLM's ModelRegistry (lazily, by import path).
 2. Registers the tokenizer mode "slimwise" (`tokenizer.py`): the checkpoint's own tokenizer.json, as the
    reference engine loads it; `slimwise serve` and `VllmEngine` select it.
@@ -21,15 +22,16 @@ from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
 
 logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
 _NO_ROUTING = object()
-#: vLLM releases whose internals the plugin was tested against (it wraps `GPUModelRunner._model_forward` and reads
-#: the runner's `input_batch` and `query_start_loc`, and replaces routers' `_compute_routing`); pyproject pins the same
+#: vLLM releases whose internals the plugin was tested against (it wraps `GPUModelRunner._model_forward` and
+#: reads the runner's `input_batch` and `query_start_loc`, and replaces routers' `_compute_routing`);
+#: pyproject pins the same
 TESTED_VLLM = ("0.32.",)
 ALLOW_UNTESTED_ENV = "SLIMWISE_ALLOW_UNTESTED_VLLM"
 
 
 def vllm_problem() -> str | None:
-    """Why SlimWise cannot run in this vLLM, or None. An untested release is refused unless ALLOW_UNTESTED_ENV=1;
-    missing internals are refused always."""
+    """Why SlimWise cannot run in this vLLM, or None. An untested release is refused unless
+    ALLOW_UNTESTED_ENV=1; missing internals are refused always."""
     import inspect
     import os
 
@@ -37,15 +39,23 @@ def vllm_problem() -> str | None:
 
     version = getattr(vllm, "__version__", "unknown")
     if not version.startswith(TESTED_VLLM) and os.environ.get(ALLOW_UNTESTED_ENV) != "1":
-        return (f"SlimWise's vLLM plugin is tested with vLLM {', '.join(v + 'x' for v in TESTED_VLLM)}, not {version}: "
-                f"install a tested release (pip install 'slimwise[gpu]' or [cpu]), or set {ALLOW_UNTESTED_ENV}=1 to try")
+        return (
+            f"SlimWise's vLLM plugin is tested with vLLM {', '.join(v + 'x' for v in TESTED_VLLM)}, not "
+            f"{version}: install a tested release (pip install 'slimwise[gpu]' or [cpu]), or set "
+            f"{ALLOW_UNTESTED_ENV}=1 to try"
+        )
     try:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     except ImportError as exc:
-        return f"vLLM {version} has no vllm.v1.worker.gpu_model_runner ({exc}); SlimWise cannot hook its steps"
+        return (
+            f"vLLM {version} has no vllm.v1.worker.gpu_model_runner ({exc}); SlimWise cannot hook its steps"
+        )
     forward = getattr(GPUModelRunner, "_model_forward", None)
     if forward is None or "positions" not in inspect.signature(forward).parameters:
-        return f"vLLM {version}'s GPUModelRunner._model_forward(positions=...) is gone; SlimWise cannot hook its steps"
+        return (
+            f"vLLM {version}'s GPUModelRunner._model_forward(positions=...) is gone; SlimWise "
+            "cannot hook its steps"
+        )
     return None
 
 
@@ -83,8 +93,8 @@ def _patch_model_runner() -> None:
             starts = self.query_start_loc.np[: num_reqs + 1]
             counts = np.diff(starts)
             prompt_lens = np.repeat(self.input_batch.num_prompt_tokens[:num_reqs], counts)
-            # each token's index in its sequence, from host data (no device sync): tokens already computed for its
-            # request (prefix-cache hits and earlier chunks included) plus its offset in this step's query
+            # each token's index in its sequence, from host data (no device sync): tokens already computed for
+            # its request (prefix-cache hits and earlier chunks included) plus its offset in this step's query
             offsets = np.arange(int(starts[-1])) - np.repeat(starts[:-1], counts)
             token_positions = np.repeat(self.input_batch.num_computed_tokens_cpu[:num_reqs], counts) + offsets
             token_plans = None
@@ -93,8 +103,14 @@ def _patch_model_runner() -> None:
                 plans = routing.request_plans(req_ids, [self.requests[r].sampling_params for r in req_ids])
                 token_plans = np.repeat(plans, counts)
             routing.set_step(token_positions, prompt_lens, positions, token_plans)
-        return original(self, input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
-                        inputs_embeds=inputs_embeds, **model_kwargs)
+        return original(
+            self,
+            input_ids=input_ids,
+            positions=positions,
+            intermediate_tensors=intermediate_tensors,
+            inputs_embeds=inputs_embeds,
+            **model_kwargs,
+        )
 
     GPUModelRunner._model_forward = _model_forward
     GPUModelRunner._slimwise_patched = True
@@ -105,7 +121,8 @@ def register() -> None:
 
     install_torchvision_free_qwen_vl()  # stock Qwen3.5/3.6 classes import too (CPU build without torchvision)
     problem = vllm_problem()
-    if problem:  # stock vLLM keeps working; SlimWise's own entry points refuse with this line (require_known_vllm)
+    if problem:
+        # stock vLLM keeps working; SlimWise's own entry points refuse with this line (require_known_vllm)
         logger.warning("SlimWise plugin inactive: %s", problem)
         return
 
@@ -136,13 +153,16 @@ def _add_worker_method() -> None:
 
 
 def set_mode(worker, mode: str, min_decode_batch: int | None = None) -> dict:
-    """For `LLM.collective_rpc("slimwise_set_mode", ...)`: switch the worker's served mode (see DecodeRouting)."""
+    """For `LLM.collective_rpc("slimwise_set_mode", ...)`: switch the worker's served mode (see
+    DecodeRouting)."""
     from slimwise.errors import SlimWiseError
 
     routing = getattr(worker.model_runner.get_model(), "slimwise", None)
     if routing is None:
         if mode != "full":
-            raise SlimWiseError(f"mode {mode!r}: this engine runs a stock model class; serve it with a SlimWise plan")
+            raise SlimWiseError(
+                f"mode {mode!r}: this engine runs a stock model class; serve it with a SlimWise plan"
+            )
         return {"mode": "full", "min_decode_batch": 0}
     return routing.set_mode(mode, min_decode_batch)
 

@@ -1,10 +1,11 @@
 """Shared-memory segments vLLM's killed workers leave in /dev/shm, found and removed.
 
 Why: with tensor parallelism on the CPU backend, every vLLM engine creates shared-memory segments: the CPU
-all-reduce's (`vllm_dist_<id>-tp:...-cpushm_<rank>`, 4 MB in use each) and the executor's message queues (Python
-`psm_<id>` segments). vLLM's shutdown force-kills its workers, so their destructors never unlink them: measured
-here, every TP=2 engine leaves 2 to 4 segments and about 8 MB of memory behind, for good. On a machine with a
-small /dev/shm (64 MB is Docker's default) a few runs fill it, and the next TP engine dies during start-up.
+all-reduce's (`vllm_dist_<id>-tp:...-cpushm_<rank>`, 4 MB in use each) and the executor's message queues
+(Python `psm_<id>` segments). vLLM's shutdown force-kills its workers, so their destructors never unlink them:
+measured here, every TP=2 engine leaves 2 to 4 segments and about 8 MB of memory behind, for good. On a
+machine with a small /dev/shm (64 MB is Docker's default) a few runs fill it, and the next TP engine dies
+during start-up.
 
 A segment is removed only when it matches those names, belongs to this user, and no live process maps it; with
 `since`, only those that appeared after that snapshot (what `slimwise serve` and the engine wrapper started).
@@ -35,8 +36,8 @@ def segments(directory: Path = SHM_DIR) -> set[str]:
 
 
 def mapped(directory: Path = SHM_DIR) -> set[str]:
-    """Names of files in `directory` that a live process maps (its own processes are all this user can read, and
-    the segments are mode 0600: nobody else can map them)."""
+    """Names of files in `directory` that a live process maps (its own processes are all this user can read,
+    and the segments are mode 0600: nobody else can map them)."""
     prefix = str(directory).rstrip("/") + "/"
     out = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
@@ -62,9 +63,12 @@ def remove_leftovers(since: set[str] | None = None, directory: Path = SHM_DIR) -
     return removed
 
 
-def remove_after_exit(since: set[str] | None = None, timeout: float = 3.0, directory: Path = SHM_DIR) -> list[str]:
-    """`remove_leftovers`, retried while a process that was just killed may still hold its mappings (the kernel
-    tears a SIGKILLed process down asynchronously); stops as soon as nothing new is left or `timeout` passes."""
+def remove_after_exit(
+    since: set[str] | None = None, timeout: float = 3.0, directory: Path = SHM_DIR
+) -> list[str]:
+    """`remove_leftovers`, retried while a process that was just killed may still hold its mappings (the
+    kernel tears a SIGKILLed process down asynchronously); stops as soon as nothing new is left or `timeout`
+    passes."""
     deadline = time.monotonic() + timeout
     removed = remove_leftovers(since, directory)
     while segments(directory) - (since or set()) and time.monotonic() < deadline:

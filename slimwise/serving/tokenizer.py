@@ -21,9 +21,9 @@ TOKENIZER_MODE = "slimwise"
 
 
 class ShippedTokenizer:
-    """`from_pretrained` returns the checkpoint's tokenizer.json as saved, cached as vLLM's "hf" mode caches it;
-    a directory without tokenizer.json (sentencepiece files only) gets vLLM's own "hf" loading. (vLLM's registry
-    only calls `from_pretrained`; vLLM is imported there, so importing this module stays cheap.)"""
+    """`from_pretrained` returns the checkpoint's tokenizer.json as saved, cached as vLLM's "hf" mode caches
+    it; a directory without tokenizer.json (sentencepiece files only) gets vLLM's own "hf" loading. (vLLM's
+    registry only calls `from_pretrained`; vLLM is imported there, so importing this module stays cheap.)"""
 
     @classmethod
     def from_pretrained(cls, path_or_repo_id: str | Path, *args, trust_remote_code: bool = False,
@@ -34,12 +34,19 @@ class ShippedTokenizer:
         from slimwise.models import TOKENIZER_FILE
 
         if not (Path(path_or_repo_id) / TOKENIZER_FILE).is_file():
-            return CachedHfTokenizer.from_pretrained(path_or_repo_id, *args, trust_remote_code=trust_remote_code,
-                                                     revision=revision, download_dir=download_dir, **kwargs)
+            return CachedHfTokenizer.from_pretrained(
+                path_or_repo_id,
+                *args,
+                trust_remote_code=trust_remote_code,
+                revision=revision,
+                download_dir=download_dir,
+                **kwargs,
+            )
         kwargs.pop("config", None)  # AutoTokenizer's: the class choice it informs is what this mode replaces
         kwargs.pop("mistral_format", None)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path_or_repo_id, *args, revision=revision,
-                                                            cache_dir=download_dir, local_files_only=True, **kwargs)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(
+            path_or_repo_id, *args, revision=revision, cache_dir=download_dir, local_files_only=True, **kwargs
+        )
         return get_cached_tokenizer(tokenizer)
 
 
@@ -59,32 +66,44 @@ def register_tokenizer_mode() -> None:
 TOKENIZER_PROBE = "add 565+70\nQ: what pet does Bob have?\n  sort [3, 1, 2] -> \"x\"\tüñ€ 数字 #### 42\n"
 
 
-def check_tokenizer(url: str, model: str, tokenizer_dir: str | None, what: str, api_key: str | None = None) -> None:
-    """Refuse to serve, in one line, when vLLM's tokenizer at `url` encodes TOKENIZER_PROBE differently from the
-    tokenizer the reference engine loads from `tokenizer_dir`: a client's text would reach the model as other
-    token ids than it was trained and calibrated on (vLLM's AutoTokenizer swaps classes for some model types)."""
+def check_tokenizer(
+    url: str, model: str, tokenizer_dir: str | None, what: str, api_key: str | None = None
+) -> None:
+    """Refuse to serve, in one line, when vLLM's tokenizer at `url` encodes TOKENIZER_PROBE differently from
+    the tokenizer the reference engine loads from `tokenizer_dir`: a client's text would reach the model as
+    other token ids than it was trained and calibrated on (vLLM's AutoTokenizer swaps classes for some model
+    types)."""
     from slimwise.models import load_tokenizer
 
     reference = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
     if reference is None:
-        return  # a checkpoint without tokenizer files: vLLM has none either (--skip-tokenizer-init), token ids only
+        # a checkpoint without tokenizer files: vLLM has none either (--skip-tokenizer-init), token ids only
+        return
     want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     try:
-        r = httpx.post(url + "/tokenize", json={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False},
-                       headers=headers, timeout=60)
+        r = httpx.post(
+            url + "/tokenize",
+            json={"model": model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False},
+            headers=headers,
+            timeout=60,
+        )
         got = r.json().get("tokens") if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as exc:
-        raise SlimWiseError(f"{what} at {url} did not answer the tokenizer check ({type(exc).__name__})") from exc
+        raise SlimWiseError(
+            f"{what} at {url} did not answer the tokenizer check ({type(exc).__name__})"
+        ) from exc
     if r.status_code != 200:
         raise SlimWiseError(f"{what} at {url} answered the tokenizer check with HTTP {r.status_code}: "
                             f"{r.text[:200]}")
     if got != want:
-        raise SlimWiseError(f"{what}'s tokenizer encodes text differently from the checkpoint's tokenizer.json "
-                            f"({len(got or [])} vs {len(want)} tokens for a probe text, first difference at token "
-                            f"{_first_difference(got or [], want)}); clients' text would reach the model as other "
-                            "token ids. Drop --tokenizer-mode/--tokenizer, or give the tokenizer the model was "
-                            "trained with")
+        raise SlimWiseError(
+            f"{what}'s tokenizer encodes text differently from the checkpoint's tokenizer.json "
+            f"({len(got or [])} vs {len(want)} tokens for a probe text, first difference at token "
+            f"{_first_difference(got or [], want)}); clients' text would reach the model as other "
+            "token ids. Drop --tokenizer-mode/--tokenizer, or give the tokenizer the model was "
+            "trained with"
+        )
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
