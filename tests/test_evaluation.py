@@ -21,6 +21,7 @@ from slimwise.evaluation import (
     DecodeTrafficMeter,
     EvalConfig,
     GradedSample,
+    PlanSpec,
     Sweep,
     accuracy_metrics,
     bootstrap_ci,
@@ -38,8 +39,9 @@ from slimwise.evaluation import (
     teacher_forced_kl,
 )
 from slimwise.evaluation.plots import PLOTS
+from slimwise.evaluation.report import write_markdown
 from slimwise.models import load_model, load_tokenizer
-from slimwise.plan import make_plan
+from slimwise.plan import PrunePlan, make_plan
 from slimwise.testbed import build_tokenizer
 
 
@@ -65,7 +67,8 @@ def test_length_metrics_known_lengths():
     m = length_metrics(gens, max_new_tokens=10)
     assert m["length_mean"] == pytest.approx((3 + 5 + 10 + 2) / 4)
     assert m["length_median"] == pytest.approx(4.0)
-    assert m["length_p90"] == pytest.approx(float(np.quantile([3, 5, 10, 2], 0.9)))
+    # linear interpolation on the sorted lengths 2, 3, 5, 10: position 0.9 x 3 = 2.7, so 5 + 0.7 x (10 - 5)
+    assert m["length_p90"] == pytest.approx(8.5)
     assert m["eos_share"] == pytest.approx(0.5)
     assert m["truncated_share"] == pytest.approx(0.25)  # only the one that hit max_new_tokens
 
@@ -93,6 +96,8 @@ def test_fidelity_known_differences():
     assert m["first_token_agree"] == pytest.approx(2 / 3)
     assert m["first_diff_mean"] == pytest.approx((1 + 0) / 2)
     assert m["length_ratio_mean"] == pytest.approx((1 + 3 / 4 + 2) / 3)
+    # sorted ratios 0.75, 1, 2: p10 at position 0.2 -> 0.75 + 0.2 x 0.25; p90 at 1.8 -> 1 + 0.8 x 1
+    assert m["length_ratio_p10"] == pytest.approx(0.8) and m["length_ratio_p90"] == pytest.approx(1.8)
 
 
 def test_accuracy_and_bootstrap():
@@ -282,9 +287,49 @@ TRAFFIC = ("distinct_experts_per_layer_step", "uniform_expectation", "expert_byt
            "expert_bytes_per_step", "batch_size")
 
 
+def assert_report_matches_run_cache(sweep: Sweep, report: dict) -> None:
+    """Every run's figures in `report` recomputed from the generations in the run cache: the grader on the
+    cached texts, lengths, finish reasons and exact match against the cached full run, the cached KL."""
+    grade = make_grader(sweep.config.grader)
+
+    def cached(mode, r, other=False):
+        spec = None if r is None else PlanSpec(r["label"], PrunePlan.load(r["plan"]), r["criterion"],
+                                               r["ratio"], r["phase"], r["plan"])
+        key = sweep.run_cache.key(mode, spec, other)
+        return json.loads((sweep.cache_dir / f"run-{mode}-{key}.json").read_text())
+
+    def check(m, rec, full, samples):
+        gens = [Generation([], g["token_ids"], g["finish_reason"], g["text"]) for g in rec["gens"]]
+        correct = [int(grade(s, g)) for s, g in zip(samples, gens, strict=True)]
+        lengths = [len(g.token_ids) for g in gens]
+        assert m["correct"] == correct and m["accuracy"] == pytest.approx(np.mean(correct))
+        assert m["lengths"] == lengths and m["length_mean"] == pytest.approx(np.mean(lengths))
+        assert m["eos_share"] == pytest.approx(np.mean([g.finish_reason == "eos" for g in gens]))
+        same = [g.token_ids == f["token_ids"] for g, f in zip(gens, full["gens"], strict=True)]
+        assert m["exact_match"] == pytest.approx(np.mean(same))
+        family = samples[0].family
+        rows = [i for i, s in enumerate(samples) if s.family == family]
+        assert m["by_family"][family]["exact_match"] == pytest.approx(np.mean([same[i] for i in rows]))
+        if "kl" in m:  # main problems only
+            assert m["kl"] == [round(x, 6) for x in rec["kl"]]
+            assert m["kl_mean"] == pytest.approx(np.mean(rec["kl"])) and m["traffic"] == rec["traffic"]
+
+    full, other_full = cached("full", None), cached("full", None, other=True)
+    check(report["full"], full, full, sweep.samples)
+    check(report["other_domains"]["full"], other_full, other_full, sweep.other_samples)
+    for r in report["runs"]:
+        check(r["metrics"], cached(r["mode"], r), full, sweep.samples)
+        check(r["other_metrics"], cached(r["mode"], r, other=True), other_full, sweep.other_samples)
+    by_label = {(r["label"], r["mode"]): r["metrics"]["correct"] for r in report["runs"]}
+    for c in report["comparisons"]:
+        sw, uni = by_label[c["label"], "slimwise"], by_label[c["label"], "uniform"]
+        assert c["slimwise_minus_uniform"]["diff"] == pytest.approx(np.mean(sw) - np.mean(uni))
+
+
 def test_end_to_end_eval(model_dir, tmp_path):
     out = tmp_path / "out"
-    report = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS)).run()
+    first = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS))
+    report = first.run()
     assert {"schema", "model", "config", "tasks", "full", "runs", "comparisons", "summary", "timing",
             "plots", "other_domains"} <= set(report)
     # 2 phases + 2 mixed calibrations (headline criterion and phase), each x (uniform, slimwise)
@@ -315,9 +360,13 @@ def test_end_to_end_eval(model_dir, tmp_path):
         if r["mode"] == "slimwise":
             assert m["first_token_agree"] == 1.0  # the first token always comes from the full model
     assert all("slimwise_minus_uniform" in c for c in report["comparisons"])
-    # files: JSON equals the returned report, Markdown holds every metric, plots are real PNGs
-    assert json.loads((out / "report.json").read_text())["runs"][0]["metrics"]["kl"] == report["runs"][0]["metrics"]["kl"]
+    # files: report.json's figures are those of the cached generations (recomputed here, not read back from
+    # the dict it was written from), the Markdown renders again from the reloaded JSON and holds every metric,
+    # plots are real PNGs
+    on_disk = json.loads((out / "report.json").read_text())
+    assert_report_matches_run_cache(first, on_disk)
     md = (out / "report.md").read_text()
+    assert write_markdown(on_disk, tmp_path / "again.md").read_text() == md
     for text in ("accuracy [95% CI]", "len mean / med / p90", "EOS", "truncated", "len ratio vs full",
                  "exact match", "first diff pos", "KL(full‖mode)", "experts/layer/step", "expert MiB/step",
                  "slimwise − uniform", "Runtime:", "Sample size:", "## Plots", "## Other domains",
@@ -333,7 +382,7 @@ def test_end_to_end_eval(model_dir, tmp_path):
     # the dtype that ran is in the report and in every cache key: a bf16 sweep never reads float32 runs or stats
     assert report["generation"]["dtype"] == sweep.dtype == "float32"
     bf16 = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS | {"dtype": "bfloat16"}))
-    assert bf16.dtype == "bfloat16" and bf16._run_key("full", None) != sweep._run_key("full", None)
+    assert bf16.dtype == "bfloat16" and bf16.run_cache.key("full", None) != sweep.run_cache.key("full", None)
     assert all(r["metrics"]["cached"] and r["other_metrics"]["cached"] for r in again["runs"])
     assert [r["other_metrics"]["correct"] for r in again["runs"]] == [r["other_metrics"]["correct"]
                                                                        for r in report["runs"]]
@@ -426,12 +475,10 @@ def test_distilled_mode_on_its_plan(model_dir, tmp_path):
 def test_test_seed_and_calibration_seed_are_apart():
     """`slimwise eval --seed N` draws another test sample but keeps the plan: the calibration split follows
     `calib_seed` only (before, one seed drew both, so a new test seed silently changed the plans)."""
-    from types import SimpleNamespace
-
     from slimwise.evaluation import EvalConfig
-    from slimwise.evaluation.sweep import Sweep
+    from slimwise.evaluation.calibration_cache import calibration_prompts
 
     def calib(**kw):
-        return Sweep._calibration_prompts(SimpleNamespace(config=EvalConfig(**kw)))[0]
+        return calibration_prompts(EvalConfig(**kw))[0]
 
     assert calib(seed=1) == calib(seed=0) != calib(calib_seed=1)

@@ -1,9 +1,12 @@
 """Evaluation of full / uniform / SlimWise decoding: accuracy, generation length, fidelity, decode traffic.
 
-One module per concern: `config` (EvalConfig, PlanSpec), `samples` (data and graders), `metrics` (pure metric functions, teacher-forced KL),
-`traffic` (distinct experts per decode step), `runs` (engines and one run's metrics), `sweep` (criterion x ratio x
-calibration-phase grids, resumable), `report` (Markdown) and `plots` (PNG) of a sweep, and `mix` (a traffic mix
-routed over several plans in one vLLM engine).
+One module per concern: `config` (EvalConfig, PlanSpec), `samples` (data and graders), `metrics` (pure metric
+functions, teacher-forced KL), `reference_traffic` (distinct experts per decode step), `runs` (engines and one
+run's metrics), `sweep` (criterion x ratio x calibration-phase grids, resumable) and what it orchestrates:
+`evaluated_model` (the model loaded once), `calibration_cache` (stats per phase and mix), `plan_grid` (the
+plans), `run_cache` (generations cached on disk, keyed by `cache_keys`) and `report_assembly` (report.json);
+`report` (Markdown) and `plots` (PNG) of a sweep, and `mix` (a traffic mix routed over several plans in one
+vLLM engine).
 """
 
 from slimwise.evaluation.config import (

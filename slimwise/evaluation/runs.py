@@ -55,6 +55,9 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
 
 
 def close_engine(engine: Any) -> None:
+    """Close any one engine that has a `close` (a reference engine takes its mask and delta off the shared
+    model, a vLLM engine stops its EngineCore). The sweep's vLLM engine kept across a plan's modes is released
+    by `RunCache.release_shared_engine`, which calls this."""
     close = getattr(engine, "close", None)
     if callable(close):
         close()
