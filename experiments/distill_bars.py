@@ -43,7 +43,7 @@ class BarsConfig:
     # 160 prompts/family (1200 steps x 16 = 24 epochs) overfit: final train loss 0.0004 against a test KL of
     # 0.017; 1000/family (under 4 epochs) end at 0.005 against 0.006 and recover twice as much on testbed-b;
     # 2000/family (base conversions have 1,447) lower the test KL by 4-11% and move pooled accuracy by -0.4 to
-    # +0.8 points: within the run-to-run spread, so not the default (docs/results/distillation.md, session 7)
+    # +0.8 points: within the run-to-run spread, so not the default (docs/results/distillation.md)
     distill_per_family: int = 1000
     test_per_family: int = 200
     heldout_per_family: int = 50
@@ -299,7 +299,7 @@ def replicate_bars(model_name: str, run_dir: str | Path, seeds: Sequence[int] = 
     tok = load_tokenizer(model_name)
     config = BarsConfig()
     out: dict = {"model": model_name, "run": str(run_dir), "per_family": per_family, "seeds": {}}
-    # replication samples are disjoint from the run's own test sample and from each other (issue #17: seeds 1
+    # replication samples are disjoint from the run's own test sample and from each other (seeds 1
     # and 2 drawn independently shared 161 of 1,000 prompts with seed 0); a family with fewer distinct
     # problems left (base conversions: ~460 test problems in all) gives what remains, recorded per family
     used = {s.prompt for s in make_split("test", report.get("config", {}).get("test_per_family", per_family),

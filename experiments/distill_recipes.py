@@ -29,9 +29,9 @@ from slimwise.testbed import TARGET_DOMAIN, make_split
 from slimwise.testbed.tasks import select_families
 
 VARIANTS = {
-    # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp) since session 6
+    # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp)
     "default": {},
-    # session 5's probe, around its default (LoRA on attention)
+    # the earlier default, LoRA on attention, and probes around it
     "attention": {"lora_targets": ATTENTION_TARGETS},
     "lr6e-3": {"lora_targets": ATTENTION_TARGETS, "lr": 6e-3},
     "steps1800": {"lora_targets": ATTENTION_TARGETS, "steps": 1800},

@@ -1,5 +1,4 @@
-"""A roofline of the kernel vLLM runs (issue #18): the fused-MoE op measured at the `cpu` preset's shapes, \
-fitted as
+"""A roofline of the kernel vLLM runs: the fused-MoE op measured at the `cpu` preset's shapes, fitted as
 t = a * experts read + b * (token, expert) pairs + c per call, then checked against the decode-step profile.
 
 What it prints and writes (`--out`): the fit (a, b, c; the kernel's streaming rate 4 x hidden x inter x bytes

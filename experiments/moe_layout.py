@@ -1,4 +1,4 @@
-"""Does the fused-MoE kernel care where the kept experts lie in the weight tensor? (issue #18)
+"""Does the fused-MoE kernel care where the kept experts lie in the weight tensor?
 
 The step profile found vLLM's `cpu_fused_moe` 3 ms slower per step in the colocated engine (the full 64-expert
 tensor, decode tokens routed to 32 kept experts) than in the packed pruned checkpoint (a 32-expert tensor),

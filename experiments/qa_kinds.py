@@ -1,4 +1,4 @@
-"""Where a testbed model fails the qa family, by question kind and by step of the worked solution (issue #14).
+"""Where a testbed model fails the qa family, by question kind and by step of the worked solution.
 
 A qa solution copies every fact of the passage as a line `Name color animal yes|no` (yes on the fact the
 question asks about), then reads the answer off the yes line: `#### color` for "what color is X's animal?",

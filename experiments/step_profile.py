@@ -1,4 +1,4 @@
-"""Where a decode step goes (issue #18): full vs pruned checkpoint vs colocated SlimWise, split by operator.
+"""Where a decode step goes: full vs pruned checkpoint vs colocated SlimWise, split by operator.
 
 Each variant's engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, one engine alive at a time),
 so torch's profiler sees every operator the model runs. Decode is isolated by difference: a batch generating N

@@ -1,4 +1,4 @@
-"""The bad-input corpus (issue #15): every subcommand, fed what a careless or hostile user would give it, refuses with
+"""The bad-input corpus: every subcommand, fed what a careless or hostile user would give it, refuses with
 exit 2 and one line on stderr (`slimwise...: error: ...`), writes nothing (no output, no hidden temporary sibling)
 and leaves the source model byte for byte as it was.
 

@@ -587,7 +587,7 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
 def test_killing_the_training_command_stops_its_ranks(tmp_path):
     """kill -9 of a `--ranks 2` training command started as a shell's background job (`cmd &`, nohup: SIGINT
     ignored, so torch's own parent-death signal, SIGINT, does nothing): its rank processes end too (SlimWise's
-    parent-death signal is SIGTERM), rather than train on, orphaned, writing the run directory (seen in session 19)."""
+    parent-death signal is SIGTERM), rather than train on, orphaned, writing the run directory."""
     import os
     import signal
     import subprocess

@@ -7,7 +7,7 @@ float32 reference with the routing the mode promises (prompt tokens: every exper
 kept experts; uniform: every token pruned; distilled: the delta on decode rows). Per token, the gap is the
 reference's best log-prob minus that of vLLM's token. Under the promised routing the mean gap must stay below
 MEAN_GAP, under the *other* routing it must exceed WRONG_GAP, so the check tells the routings apart. Measured on
-these models (2026-12-01, `/tmp`-free: rerun this file): promised routing 0.012-0.053 nats (vLLM bf16), other routing
+these models (rerun this file to see them again): promised routing 0.012-0.053 nats (vLLM bf16), other routing
 0.89-0.93; transformers' own bf16 model scores 0.25-0.76 nats at its worst single token against its float32 self,
 so a per-token bound would test bf16 rounding, not routing. Counters are exact in every case.
 """
@@ -241,7 +241,7 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
                                 float((other - want).norm() / want.norm())))
     # measured, worst in the deepest layer on the 33-token prompt: 0.11 on an AVX512-BF16 VM, 0.19 on an AVX2-only one
     # (vLLM's bf16 kernels round differently there), where the pruned-prefill state sits 0.65 away; every stored
-    # state is nearer the full model's than half the pruned model's distance (at worst 0.29 of it, 2026-12-02)
+    # state is nearer the full model's than half the pruned model's distance (at worst 0.29 of it when measured)
     assert max(e for e, _ in checked) < 0.3, checked
     assert all(e < p / 2 for e, p in checked if p > 0), checked  # the first layer's state precedes any MoE block
     decode = _engine(decode_dir, "kv_consumer", kv)

@@ -71,7 +71,7 @@ def scaled(rc: RooflineConfig, *, shared: float = 1.0, mixers: float = 1.0, othe
 
 
 def default_scenarios(base_context: int = 1024) -> list[Scenario]:
-    """The assumptions issue 14 asks about, one at a time, then combined."""
+    """The roofline's assumptions varied one at a time, then combined."""
     bf16 = dict(state_bytes=2.0)
     return [
         Scenario("base", f"as published: fp32 state, context {base_context}"),
