@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from experiments.distill_bars import BarsConfig, evaluate_run, family_length_check, length_drift, pool_runs
-from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
 from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.io import atomic_write_text
@@ -27,6 +26,7 @@ from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan
 from slimwise.testbed import TARGET_DOMAIN, make_split
 from slimwise.testbed.tasks import select_families
+from slimwise.trainable import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 
 VARIANTS = {
     # LoRA targets "auto": testbed-b's shared expert gate/up/down (= shared-mlp)

@@ -3,8 +3,9 @@
 A delta is a few parameters trained by `slimwise.distill` (router rows, the norm feeding each MoE block, LoRA
 factors) that act only while the pruned decoder runs. This module is what every consumer needs and nothing more:
 the reference engine installs it next to an `ExpertMask` (`apply_delta`), the export folds it into a pruned
-checkpoint (`fold_delta`), and the vLLM plugin reads it (`Delta`, `plan_hash`, `merged_weight`). None of them loads
-the trainer.
+checkpoint (`fold_delta`), and the vLLM plugin reads it (`Delta`, `plan_hash`). None of them loads the trainer.
+What each trainable set (router, norm, LoRA) does in each of these places is its `TrainableSet` in
+`slimwise.trainable`; this module only loops over them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,21 +21,22 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slimwise.adapters import MoEAdapter, get_adapter
+from slimwise.adapters import get_adapter
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import fingerprints_match, model_fingerprint
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_dir, refuse_existing
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan
+from slimwise.trainable import (
+    TRAINABLE_SETS,
+    SetState,
+)
 
 DELTA_FORMAT = "slimwise-delta/1"
 TENSORS_FILE = "delta.safetensors"
 MANIFEST_FILE = "delta.json"
-PARAM_SETS = ("router", "norm", "lora")
 DELTA_MODES = ("slimwise", "uniform")
-#: where decoder layers keep the norm whose output feeds the MoE block, by family naming
-NORM_ATTRS = ("post_attention_layernorm", "ffn_norm", "pre_feedforward_layernorm")
 
 # ----------------------------------------------------------------------------------------------------------
 # Helpers
@@ -51,52 +53,6 @@ def fingerprint_of(model: nn.Module) -> dict[str, str]:
     fp = getattr(model, "_slimwise_fingerprint", None) or model_fingerprint(model)
     model._slimwise_fingerprint = fp
     return fp
-
-
-def moe_norm(model: nn.Module, layer_index: int, adapter: MoEAdapter | None = None) -> nn.Module:
-    """The norm whose output feeds decoder layer `layer_index`'s MoE block."""
-    adapter = adapter or get_adapter(model.config)
-    layer = adapter.decoder_layers(model)[layer_index]
-    for name in NORM_ATTRS:
-        module = getattr(layer, name, None)
-        if isinstance(module, nn.Module) and isinstance(getattr(module, "weight", None), torch.Tensor):
-            return module
-    raise SlimWiseError(f"decoder layer {layer_index} has none of {NORM_ATTRS}: the `norm` set does not support "
-                        f"{type(layer).__name__}; use --params router or lora")
-
-
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-DENSE_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # routed experts are fused 3-D weights: never matched
-
-
-def resolve_lora_targets(model: nn.Module, targets: Sequence[str]) -> tuple[str, ...]:
-    """`("auto",)`: the shared expert's gate/up/down where the model has one, else the attention projections.
-
-    Every decode token runs the shared expert beside the pruned routed experts, so a LoRA there can stand in
-    for what they computed: on testbed-b at 50% it recovers 87.7% against 86.5% for attention LoRA, in the same
-    time and a similar share (docs/results/distillation.md, recipe probe). Models without one keep attention.
-    """
-    if tuple(targets) != ("auto",):
-        return tuple(targets)
-    shared = any(isinstance(m, nn.Linear) and ".shared_expert" in name and name.rsplit(".", 1)[-1] in DENSE_MLP_TARGETS
-                 for name, m in model.named_modules())
-    return DENSE_MLP_TARGETS if shared else ATTENTION_TARGETS
-
-
-def lora_modules(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Linear]:
-    """Linear modules whose last name component is in `targets` (e.g. q_proj), by full module name."""
-    targets = resolve_lora_targets(model, targets)
-    found = {name: m for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in set(targets)}
-    if not found:
-        raise SlimWiseError(f"no Linear module named {', '.join(targets)} in the model: pass --lora-targets with "
-                            "module names it has (e.g. q_proj,v_proj,o_proj)")
-    return found
-
-
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W + scale * B @ A in W's dtype; the masked view and the export both use this exact expression."""
-    return weight + ((b.float() @ a.float()) * scale).to(weight.dtype)
 
 
 @contextmanager
@@ -178,19 +134,8 @@ class Delta:
             raise SlimWiseError(f"delta was distilled for another plan (hash {m.get('plan_hash')}, this plan "
                                 f"{plan_hash(plan)}): pass the plan given to `slimwise distill`, or distill again")
         layers = {layer.index: layer for layer in adapter.moe_layers(model)}
-        for i, w in self.routers().items():
-            if i not in layers or tuple(w.shape) != tuple(layers[i].router.weight.shape):
-                raise SlimWiseError(f"delta router of layer {i} {tuple(w.shape)} does not fit this model")
-        for i, w in self.norms().items():
-            if i not in layers or w.shape != moe_norm(model, i, adapter).weight.shape:
-                raise SlimWiseError(f"delta norm of layer {i} {tuple(w.shape)} does not fit this model")
-        for name, (a, b) in self.lora_pairs().items():
-            try:
-                lin = model.get_submodule(name)
-            except AttributeError as exc:
-                raise SlimWiseError(f"delta has LoRA for {name}, which this model does not have") from exc
-            if not isinstance(lin, nn.Linear) or (b.shape[0], a.shape[1]) != tuple(lin.weight.shape):
-                raise SlimWiseError(f"delta LoRA for {name} does not fit the module's weight")
+        for trainable_set in TRAINABLE_SETS.values():  # each set checks its own tensors' shapes
+            trainable_set.check(self, model, adapter, layers)
 
     # ----- io --------------------------------------------------------------------------------------------------
     def save(self, path: str | Path, force: bool = False) -> Path:
@@ -245,36 +190,23 @@ class InstalledDelta:
         self.manifest = dict(delta.manifest)
         self.scale = delta.lora_scale
         self.on = False
-        self.routers: dict[int, nn.Parameter] = {}
-        self.norms: dict[int, nn.Parameter] = {}
-        self.lora: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
-        self.pruned: dict[int, torch.Tensor] = {}
-        self._stock_routers: dict[int, torch.Tensor] = {}
+        self.sets: dict[str, SetState] = {}  # set name -> its overrides, in registry order (slimwise.trainable)
         self._wrappers = ForwardWrappers("delta")
         layers = {layer.index: layer for layer in self.adapter.moe_layers(model)}
         try:
-            for i, w in sorted(delta.routers().items()):
-                router = layers[i].router
-                param = nn.Parameter(w.to(router.weight.device, router.weight.dtype).clone(), trainable)
-                self.routers[i] = param
-                self.pruned[i] = plan.pruned_mask(i, device=router.weight.device)
-                self._stock_routers[i] = router.weight.detach()
-                self._wrappers.wrap(router, self._router_forward(router, param, self.pruned[i]))
-            for i, w in sorted(delta.norms().items()):
-                norm = moe_norm(model, i, self.adapter)
-                param = nn.Parameter(w.to(norm.weight.device, norm.weight.dtype).clone(), trainable)
-                self.norms[i] = param
-                self._wrappers.wrap(norm, self._swap_forward(norm, lambda p=param: p))
-            for name, (a, b) in sorted(delta.lora_pairs().items()):
-                lin = model.get_submodule(name)
-                pa = nn.Parameter(a.to(lin.weight.device, torch.float32).clone(), trainable)
-                pb = nn.Parameter(b.to(lin.weight.device, torch.float32).clone(), trainable)
-                self.lora[name] = (pa, pb)
-                self._wrappers.wrap(lin, self._swap_forward(
-                    lin, lambda lin=lin, pa=pa, pb=pb: merged_weight(lin.weight, pa, pb, self.scale)))
+            for name, trainable_set in TRAINABLE_SETS.items():
+                self.sets[name] = trainable_set.install(self, delta, layers, trainable)
         except BaseException:
             self.remove()
             raise
+
+    def override_router(self, router: nn.Module, weight: nn.Parameter, pruned: torch.Tensor) -> None:
+        """Route with `weight` (pruned experts unselectable) while active; the stock route otherwise."""
+        self._wrappers.wrap(router, self._router_forward(router, weight, pruned))
+
+    def override_weight(self, module: nn.Module, weight: Callable[[], torch.Tensor]) -> None:
+        """Run `module` with `weight()` as its weight while active (called per forward: autograd reaches it)."""
+        self._wrappers.wrap(module, self._swap_forward(module, weight))
 
     # ----- switching -----------------------------------------------------------------------------------------
     @contextmanager
@@ -336,37 +268,41 @@ class InstalledDelta:
 
     # ----- training support ----------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
-        return [*self.routers.values(), *self.norms.values(), *(p for ab in self.lora.values() for p in ab)]
+        """Every set's parameters in registry order: the order the gradient clip sums them in."""
+        return [p for state in self.sets.values() for p in state.params.values()]
 
     def param_groups(self, lr: float, lora_lr: float | None, weight_decay: float) -> list[dict]:
+        """Dense sets (routers, norms) train at `lr` without weight decay; LoRA at `lora_lr` (default `lr`) with
+        `weight_decay`. Group order and parameter order are what an optimizer checkpoint indexes by."""
         groups = []
-        dense = [*self.routers.values(), *self.norms.values()]
+        dense = self._group_params("dense")
         if dense:
             groups.append({"params": dense, "lr": lr, "base_lr": lr, "weight_decay": 0.0})
-        lora = [p for ab in self.lora.values() for p in ab]
+        lora = self._group_params("lora")
         if lora:
             groups.append({"params": lora, "lr": lora_lr or lr, "base_lr": lora_lr or lr, "weight_decay": weight_decay})
         return groups
 
+    def _group_params(self, group: str) -> list[nn.Parameter]:
+        return [p for name, state in self.sets.items() if TRAINABLE_SETS[name].group == group
+                for p in state.params.values()]
+
     def trainable_count(self) -> int:
-        """Parameters that actually train: kept router rows, norm weights, LoRA factors."""
-        rows = sum(int((~self.pruned[i]).sum()) * w.shape[1] for i, w in self.routers.items())
-        return rows + sum(p.numel() for p in self.norms.values()) + sum(a.numel() + b.numel()
-                                                                       for a, b in self.lora.values())
+        """Parameters that actually train: kept router rows, norm weights, LoRA factors (frozen rows excluded)."""
+        frozen = sum(int(rows.sum()) * state.params[key].shape[1]
+                     for state in self.sets.values() for key, (rows, _) in state.frozen.items())
+        return sum(p.numel() for p in self.parameters()) - frozen
 
     @torch.no_grad()
     def restore_pruned_rows(self) -> None:
         """Pruned router rows never train (they cannot be selected); keep them bit-equal to the stock rows."""
-        for i, w in self.routers.items():
-            w[self.pruned[i]] = self._stock_routers[i][self.pruned[i]].to(w.dtype)
+        for state in self.sets.values():
+            for key, (rows, stock) in state.frozen.items():
+                w = state.params[key]
+                w[rows] = stock[rows].to(w.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"layers.{i}.router.weight": w.detach().float().clone() for i, w in self.routers.items()}
-        out |= {f"layers.{i}.moe_norm.weight": w.detach().float().clone() for i, w in self.norms.items()}
-        for name, (a, b) in self.lora.items():
-            out[f"lora.{name}.lora_A.weight"] = a.detach().float().clone()
-            out[f"lora.{name}.lora_B.weight"] = b.detach().float().clone()
-        return out
+        return {key: p.detach().float().clone() for state in self.sets.values() for key, p in state.params.items()}
 
     def to_delta(self, manifest: dict | None = None) -> Delta:
         return Delta(self.tensors(), self.manifest | (manifest or {}))
@@ -389,14 +325,8 @@ def fold_delta(model: nn.Module, delta: Delta | str | Path, plan: PrunePlan) -> 
     delta.check(model, plan)
     adapter = get_adapter(model.config)
     layers = {layer.index: layer for layer in adapter.moe_layers(model)}
-    for i, w in delta.routers().items():
-        layers[i].router.weight.copy_(w.to(layers[i].router.weight.dtype))
-    for i, w in delta.norms().items():
-        norm = moe_norm(model, i, adapter)
-        norm.weight.copy_(w.to(norm.weight.dtype))
-    for name, (a, b) in delta.lora_pairs().items():
-        lin = model.get_submodule(name)
-        lin.weight.copy_(merged_weight(lin.weight, a.to(lin.weight.device), b.to(lin.weight.device), delta.lora_scale))
+    for trainable_set in TRAINABLE_SETS.values():
+        trainable_set.fold(model, delta, adapter, layers)
     if hasattr(model, "_slimwise_fingerprint"):
         del model._slimwise_fingerprint  # the weights changed
     return delta.summary()

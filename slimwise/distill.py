@@ -5,12 +5,9 @@ pruned decoder shares its weights with it (`ExpertMask`, one copy). So the train
 installed next to the mask: they act only while the mask is active and the delta is switched on (mode
 `distilled`), and the stock weights never change. Prefill cannot see them, by construction.
 
-Trainable sets (combinable, `DistillConfig.params`):
-  router  a copy of each MoE layer's router weight used by the masked route; only the kept rows train (pruned
-          rows are unselectable, get no gradient and are restored after every step)
-  norm    a copy of the norm that feeds each MoE block (`post_attention_layernorm` in Qwen families)
-  lora    low-rank adapters W + scale * B @ A on chosen Linear modules (attention projections by default),
-          used as a merged weight, so a folded export computes exactly the same weights
+Trainable sets (combinable, `DistillConfig.params`): `router` (the kept rows of each MoE router), `norm` (the
+norm feeding each MoE block) and `lora` (low-rank adapters used as a merged weight), each a `TrainableSet` in
+`slimwise.trainable`, which says what it trains, how it starts and how it acts; this module never branches on them.
 
 Training (`distill`): the full model generates greedy continuations of the prompts once (EOS kept, so the
 decoder learns when to stop) and its teacher-forced log-probs on them are cached. Each step, the full model
@@ -31,7 +28,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,24 +36,15 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import get_adapter
-from slimwise.delta import (
-    DELTA_FORMAT,
-    DELTA_MODES,
-    PARAM_SETS,
-    Delta,
-    InstalledDelta,
-    fingerprint_of,
-    lora_modules,
-    moe_norm,
-    plan_hash,
-    resolve_lora_targets,
-)
+from slimwise.argtypes import comma_list, integer, number
+from slimwise.delta import DELTA_FORMAT, DELTA_MODES, Delta, InstalledDelta, fingerprint_of, plan_hash
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import memory_fingerprint
 from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.plan import PrunePlan
 from slimwise.scoring import DIVERGENCES, continue_on_cache, divergence, logprobs_along, teacher_logprobs
+from slimwise.trainable import trainable_sets
 
 CHECKPOINT_FORMAT = "slimwise-distill-checkpoint/1"
 TEACHER_FORMAT = "slimwise-teacher/1"
@@ -74,43 +62,66 @@ def peak_memory_mb() -> float:
 
 @dataclass
 class DistillConfig:
-    """Knobs of `distill`. The defaults are the cheapest recipe that met the accuracy bar on both testbed backbones
-    (router + norm alone, 0.26% of the parameters, recovered 9.0 of 20.7 and 4.6 of 14.7 points at 50%: not enough;
-    docs/results/distillation.md), with the LoRA where it recovers most: on the shared expert if there is one."""
+    """Knobs of `distill`, and the one declaration of their defaults (the CLI reads them). The defaults are the
+    recipe the published bars were run with (docs/results/distillation.md): all three sets, because router + norm
+    alone did not meet the accuracy bar on both testbed backbones, with the LoRA where it recovered most: on the
+    shared expert if there is one. Every knob but the run's plumbing (`max_minutes`, `max_samples`, `checkpoint`,
+    `checkpoint_every`, `resume`, `teacher_cache_mb`, `progress`) is in a checkpoint's run key (`_run_key`): a
+    run resumed with another value is refused."""
 
-    params: tuple[str, ...] = ("router", "norm", "lora")
-    mode: str = "slimwise"  # "uniform": distil the uniform-pruned model (prefill pruned and trained too)
-    steps: int = 1200
-    max_minutes: float | None = None  # hard wall-clock cap on the training loop (the delta keeps the steps done)
-    batch_size: int = 16
-    # the teacher data's generation and log-prob batches. 64 runs the testbed's greedy decode 1.9x faster than 16
-    # on one thread; 16 stays the default so the published bars regenerate bit for bit (padding changes rounding)
-    teacher_batch_size: int = 16
-    lr: float = 3e-3
-    lora_lr: float | None = None  # default: lr
+    params: tuple[str, ...] = field(default=("router", "norm", "lora"), metadata={  # slimwise.trainable's sets
+        "type": comma_list(str),
+        "help": "comma-separated trainable sets among router,norm,lora (default: router,norm,lora, the cheapest set "
+                "that met the accuracy bar on both testbed backbones)"})
+    mode: str = field(default="slimwise", metadata={  # "uniform": the uniform-pruned model, prefill trained too
+        "choices": DELTA_MODES,
+        "help": "slimwise: full prefill, decode-only delta; uniform: the uniform-pruned baseline"})
+    steps: int = field(default=1200, metadata={"type": integer(1), "help": None})  # each on `batch_size` prompts
+    max_minutes: float | None = field(default=None, metadata={  # a hard cap on the training loop
+        "flag": "--minutes", "type": number(0, lo_open=True), "help": "wall-clock cap on training (keeps the steps done)"})
+    batch_size: int = field(default=16, metadata={"type": integer(1), "help": None})  # prompts per training step
+    # the teacher data's generation and log-prob batches. Larger batches build it faster on CPU (results page);
+    # 16 stays the default so the published bars regenerate bit for bit (padding changes rounding)
+    teacher_batch_size: int = field(default=16, metadata={
+        "type": integer(1), "help": "batch of the full model's continuations and log-probs (the teacher data); 64 "
+                                    "builds it about 1.9x faster on CPU"})
+    # peak AdamW learning rate of routers and norms (and of LoRA unless lora_lr)
+    lr: float = field(default=3e-3, metadata={"type": number(0, lo_open=True), "help": None})
+    lora_lr: float | None = field(default=None, metadata={
+        "type": number(0, lo_open=True), "help": "LoRA learning rate (default: --lr)"})
     weight_decay: float = 0.0  # LoRA only; routers and norms never decay
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # linear warm-up to lr, then a cosine decay towards min_lr_ratio * lr (_lr_factor)
     min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    loss: str = "fkl"  # fkl = KL(full || student); rkl; jsd
-    ce_weight: float = 0.0  # + cross-entropy on the full model's continuation tokens
-    on_policy: float = 0.0  # share of steps that train on the student's own greedy continuations
-    max_new_tokens: int = 128  # continuation length the full model generates per prompt
-    max_samples: int | None = None
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_targets: tuple[str, ...] = ("auto",)  # shared expert gate/up/down if any, else q/k/v/o (resolve_lora_targets)
-    seed: int = 0
+    grad_clip: float = 1.0  # max global gradient norm over every trained parameter; 0 turns clipping off
+    loss: str = field(default="fkl", metadata={  # fkl = KL(full || student); rkl; jsd
+        "choices": LOSSES, "help": "fkl = KL(full || student)"})
+    ce_weight: float = field(default=0.0, metadata={  # + cross-entropy on the full model's continuation tokens
+        "type": number(0), "help": "add cross-entropy on the full model's tokens"})
+    on_policy: float = field(default=0.0, metadata={  # on the student's own greedy continuations
+        "type": number(0, 1), "help": "share of steps on the student's own samples"})
+    max_new_tokens: int = field(default=128, metadata={  # per prompt
+        "type": integer(1), "help": "length of the full model's continuations"})
+    max_samples: int | None = None  # use the first N prompts only (None: all)
+    lora_rank: int = field(default=8, metadata={"type": integer(1), "help": None})  # r of B @ A
+    lora_alpha: float = field(default=16.0, metadata={  # LoRA scale = alpha / rank, as in PEFT
+        "type": number(0, lo_open=True), "help": None})
+    lora_targets: tuple[str, ...] = field(default=("auto",), metadata={  # resolve_lora_targets
+        "type": comma_list(str),
+        "help": "comma-separated Linear module names for LoRA (default: auto = the shared expert's "
+                "gate_proj,up_proj,down_proj where the model has one, else q_proj,k_proj,v_proj,o_proj)"})
+    # batches and the LoRA init are functions of (seed, step): what makes resume exact
+    seed: int = field(default=0, metadata={"type": integer(0), "help": None})
     checkpoint: str | None = None  # resumable state file (written atomically every checkpoint_every steps)
-    checkpoint_every: int = 25
-    resume: bool = False
+    checkpoint_every: int = field(default=25, metadata={
+        "type": integer(1),
+        "help": "steps between resumable checkpoints (OUT.ckpt.pt, removed once the delta is written)"})
+    resume: bool = field(default=False, metadata={  # refused if the checkpoint belongs to another run
+        "help": "continue an interrupted run from OUT.ckpt.pt"})
     teacher_cache_mb: float = 1024.0  # cache the full model's log-probs below this size, else recompute per step
-    progress: bool = True
+    progress: bool = True  # progress bar and one-line reports (tqdm.write)
 
     def validate(self) -> None:
-        bad = [p for p in self.params if p not in PARAM_SETS]
-        if not self.params or bad:
-            raise SlimWiseError(f"unknown trainable set(s) {bad or '(none)'}; choose among {', '.join(PARAM_SETS)}")
+        sets = trainable_sets(self.params)  # refuses none or an unknown name
         if self.mode not in DELTA_MODES:
             raise SlimWiseError(f"distill mode {self.mode!r} is not one of {', '.join(DELTA_MODES)}")
         if self.loss not in LOSSES:
@@ -119,36 +130,22 @@ class DistillConfig:
             raise SlimWiseError("steps and batch sizes must be at least 1 and max_new_tokens at least 2")
         if not 0.0 <= self.on_policy <= 1.0:
             raise SlimWiseError(f"on_policy {self.on_policy} is outside [0, 1]")
-        if "lora" in self.params and (self.lora_rank < 1 or not self.lora_targets):
-            raise SlimWiseError("lora needs a rank >= 1 and at least one target module")
+        for trainable_set in sets:
+            trainable_set.validate(self)
 
 
 def init_delta(model: nn.Module, plan: PrunePlan, config: DistillConfig) -> Delta:
     """The starting point: stock routers and norms (so step 0 is training-free SlimWise), LoRA B = 0."""
     adapter = get_adapter(model.config)
     tensors: dict[str, torch.Tensor] = {}
-    layers = [layer for layer in adapter.moe_layers(model) if layer.index in plan.kept_experts]
-    if "router" in config.params:
-        for layer in layers:
-            tensors[f"layers.{layer.index}.router.weight"] = layer.router.weight.detach().float().clone()
-    if "norm" in config.params:
-        for layer in layers:
-            tensors[f"layers.{layer.index}.moe_norm.weight"] = moe_norm(model, layer.index, adapter).weight.detach().float().clone()
-    lora = None
-    if "lora" in config.params:
-        gen = torch.Generator().manual_seed(config.seed)
-        targets = resolve_lora_targets(model, config.lora_targets)
-        modules = lora_modules(model, targets)
-        for name, lin in sorted(modules.items()):
-            bound = 1.0 / math.sqrt(lin.in_features)  # PEFT's default A init (kaiming-uniform, a=sqrt(5))
-            a = (torch.rand(config.lora_rank, lin.in_features, generator=gen) * 2 - 1) * bound
-            tensors[f"lora.{name}.lora_A.weight"] = a
-            tensors[f"lora.{name}.lora_B.weight"] = torch.zeros(lin.out_features, config.lora_rank)
-        lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "scale": config.lora_alpha / config.lora_rank,
-                "targets": list(targets), "modules": sorted(modules)}
+    layers = {layer.index: layer for layer in adapter.moe_layers(model) if layer.index in plan.kept_experts}
     manifest = {"format": DELTA_FORMAT, "mode": config.mode, "params": list(config.params), "family": adapter.family,
                 "plan_hash": plan_hash(plan), "plan_fingerprint": plan.fingerprint,
-                "model_fingerprint": fingerprint_of(model), "num_experts": plan.num_experts, "lora": lora}
+                "model_fingerprint": fingerprint_of(model), "num_experts": plan.num_experts, "lora": None}
+    for trainable_set in trainable_sets(config.params):
+        set_tensors, entries = trainable_set.init(model, adapter, layers, config)
+        tensors |= set_tensors
+        manifest |= entries
     return Delta(tensors, manifest)
 
 
@@ -216,13 +213,18 @@ def _build_teacher(engine: PhaseSplitEngine, ids: list[list[int]], config: Disti
                        round(time.perf_counter() - t0, 2))
 
 
+def _distill_prompts(prompts: Sequence[str] | Sequence[Sequence[int]], config: DistillConfig) -> list:
+    prompts = list(prompts)[:config.max_samples] if config.max_samples else list(prompts)
+    if not prompts:
+        raise SlimWiseError("distillation data is empty: pass calibration prompts (JSONL with a 'prompt' field)")
+    return prompts
+
+
 def build_teacher(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer=None,
                   config: DistillConfig | None = None) -> TeacherData:
     """The teacher data `distill` would build for (model, prompts, config), to share between several runs."""
     config = config or DistillConfig()
-    prompts = list(prompts)[:config.max_samples] if config.max_samples else list(prompts)
-    if not prompts:
-        raise SlimWiseError("distillation data is empty: pass calibration prompts (JSONL with a 'prompt' field)")
+    prompts = _distill_prompts(prompts, config)
     engine = PhaseSplitEngine(model, tokenizer)
     try:
         with torch.no_grad():
@@ -323,6 +325,139 @@ def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: lis
     return loss
 
 
+def _check_plan(model: nn.Module, plan: PrunePlan) -> None:
+    adapter = get_adapter(model.config)
+    plan.validate(adapter.min_kept_per_group(model.config))
+    plan.check_model(model, adapter)
+    if plan.is_empty:
+        raise SlimWiseError("the plan prunes nothing, so there is nothing to distil: pass a plan with ratio > 0")
+
+
+def _resume_state(ckpt: Path | None, key: dict, config: DistillConfig, say: Callable[[str], None]) -> dict | None:
+    """The checkpoint to continue from, checked to belong to this run (`key`); None: start at step 0 (no
+    --resume, or no checkpoint written yet)."""
+    if not (config.resume and ckpt is not None and ckpt.is_file()):
+        return None
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)  # no code from user files
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise SlimWiseError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}): delete it or run "
+                            "without --resume") from exc
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("key") != key:
+        raise SlimWiseError(f"checkpoint {ckpt} belongs to another run (model, plan, data or settings "
+                            "differ): delete it or run without --resume")
+    say(f"distill: resuming from {ckpt} at step {state['step']}")
+    return state
+
+
+def _teacher_data(engine: PhaseSplitEngine, ids: list[list[int]], config: DistillConfig,
+                  teacher: TeacherData | None, state: dict | None) -> TeacherData:
+    """The full model's greedy continuations (EOS included) and log-probs, built once: the shared `teacher`
+    (checked), or rebuilt from a checkpoint's continuations (the log-probs are recomputed), or built here."""
+    if teacher is not None:
+        teacher.check(_teacher_key(engine.model, ids, config))
+    elif state is not None:
+        teacher = _build_teacher(engine, ids, config, state["continuations"])
+    else:
+        teacher = _build_teacher(engine, ids, config)
+    if all(len(c) < 2 for c in teacher.continuations) and config.mode == "slimwise":
+        raise SlimWiseError("every continuation is a single token, so the decoder has nothing to learn: use "
+                            "longer max_new_tokens or other prompts")
+    return teacher
+
+
+@dataclass
+class _Run:
+    """What a checkpoint saves and a resumed run restores: the installed delta (its tensors), the optimizer,
+    the steps done and their losses, and the training seconds spent before this process."""
+
+    installed: InstalledDelta
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+    history: list[float] = field(default_factory=list)
+    elapsed0: float = 0.0
+    stopped_early: bool = False
+    t_train: float = field(default_factory=time.perf_counter)  # this process's training clock
+
+    @classmethod
+    def begin(cls, installed: InstalledDelta, config: DistillConfig, state: dict | None) -> _Run:
+        optimizer = torch.optim.AdamW(installed.param_groups(config.lr, config.lora_lr, config.weight_decay),
+                                      betas=(0.9, 0.999))
+        if state is None:
+            return cls(installed, optimizer)
+        optimizer.load_state_dict(state["optimizer"])
+        return cls(installed, optimizer, state["step"], list(state["history"]), float(state["elapsed"]))
+
+    def elapsed(self) -> float:
+        """Training seconds, this process's and those before a resume."""
+        return self.elapsed0 + time.perf_counter() - self.t_train
+
+    def time_is_up(self, config: DistillConfig, say: Callable[[str], None]) -> bool:
+        """Whether `max_minutes` of training are spent (then the run stops early, keeping the steps done)."""
+        if config.max_minutes is None or self.elapsed() <= 60 * config.max_minutes:
+            return False
+        self.stopped_early = True
+        say(f"distill: time budget of {config.max_minutes} min reached at step {self.step}")
+        return True
+
+
+def _batch(engine: PhaseSplitEngine, ids: list[list[int]], teacher: TeacherData, config: DistillConfig,
+           step: int) -> tuple[list[list[int]], list[list[int]], torch.Tensor | None]:
+    """Step `step`'s (prompts, continuations, teacher log-probs padded to the longest continuation or None:
+    computed in the step). On-policy steps continue with the student's own greedy tokens (mode distilled)."""
+    idx = _batch_indices(len(ids), config.batch_size, config.seed, step)
+    prompts = [ids[i] for i in idx]
+    if _is_on_policy(config.on_policy, step):
+        gen_cfg = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
+        return prompts, [g.token_ids for g in engine.generate(prompts, mode="distilled", config=gen_cfg)], None
+    conts = [teacher.continuations[i] for i in idx]
+    if teacher.logprobs is None:
+        return prompts, conts, None
+    vocab = engine.model.get_output_embeddings().weight.shape[0]
+    logprobs = torch.zeros(len(idx), max(len(c) for c in conts), vocab)
+    for row, i in enumerate(idx):
+        logprobs[row, :len(conts[row])] = teacher.logprobs[i]
+    return prompts, conts, logprobs
+
+
+def _train_step(engine: PhaseSplitEngine, run: _Run, ids: list[list[int]], teacher: TeacherData,
+                config: DistillConfig) -> float:
+    """One optimizer step at `run.step` (not advanced here); returns the loss recorded in the history (NaN: no
+    position to train in this batch, every continuation a single token)."""
+    prompts, conts, logprobs = _batch(engine, ids, teacher, config, run.step)
+    factor = _lr_factor(config, run.step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = group["base_lr"] * factor
+    loss = _step_loss(engine, run.installed, prompts, conts, logprobs, config)
+    if loss is None:
+        return float("nan")
+    loss.backward()
+    if config.grad_clip:
+        torch.nn.utils.clip_grad_norm_(run.installed.parameters(), config.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.installed.restore_pruned_rows()
+    return round(float(loss.detach()), 6)
+
+
+def _save_checkpoint(ckpt: Path, key: dict, run: _Run, continuations: list[list[int]]) -> None:
+    """The resumable state, written atomically; the teacher's continuations ride along (the log-probs are
+    recomputed on resume: cheaper than storing them)."""
+    atomic_torch_save({"format": CHECKPOINT_FORMAT, "key": key, "step": run.step,
+                       "tensors": run.installed.tensors(), "manifest": run.installed.manifest,
+                       "optimizer": run.optimizer.state_dict(), "history": run.history,
+                       "elapsed": run.elapsed(), "continuations": continuations}, ckpt)
+
+
+def _start_line(trainable: int, total: int, installed: InstalledDelta, ids: list[list[int]], teacher: TeacherData,
+                config: DistillConfig) -> str:
+    lora = installed.manifest.get("lora")
+    lora_on = f" on {','.join(lora['targets'])}" if lora else ""
+    return (f"distill: {trainable:,} trainable parameters ({'+'.join(config.params)}{lora_on}) = "
+            f"{100 * trainable / total:.3f}% of {total:,}; {len(ids)} prompts, "
+            f"{sum(len(c) for c in teacher.continuations)} continuation tokens; mode {config.mode}")
+
+
 def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer=None,
             config: DistillConfig | None = None, *, teacher: TeacherData | None = None,
             callback: Callable[[int, float], None] | None = None) -> Delta:
@@ -338,14 +473,8 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
     config = config or DistillConfig()
     config.validate()
     t_start = time.perf_counter()
-    prompts = list(prompts)[:config.max_samples] if config.max_samples else list(prompts)
-    if not prompts:
-        raise SlimWiseError("distillation data is empty: pass calibration prompts (JSONL with a 'prompt' field)")
-    adapter = get_adapter(model.config)
-    plan.validate(adapter.min_kept_per_group(model.config))
-    plan.check_model(model, adapter)
-    if plan.is_empty:
-        raise SlimWiseError("the plan prunes nothing, so there is nothing to distil: pass a plan with ratio > 0")
+    prompts = _distill_prompts(prompts, config)
+    _check_plan(model, plan)
     fingerprint = fingerprint_of(model)
     ckpt = Path(config.checkpoint) if config.checkpoint else None
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -356,110 +485,44 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
         for p, _ in flags:
             p.requires_grad_(False)
         ids = engine.encode(prompts)
-        data_hash = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
-        key = _run_key(config, plan, fingerprint, data_hash)
-        state = None
-        if config.resume and ckpt is not None and ckpt.is_file():
-            try:
-                state = torch.load(ckpt, map_location="cpu", weights_only=True)  # no code from user files
-            except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-                raise SlimWiseError(f"checkpoint {ckpt} is unreadable ({type(exc).__name__}): delete it or run "
-                                    "without --resume") from exc
-            if state.get("format") != CHECKPOINT_FORMAT or state.get("key") != key:
-                raise SlimWiseError(f"checkpoint {ckpt} belongs to another run (model, plan, data or settings "
-                                    "differ): delete it or run without --resume")
-            say(f"distill: resuming from {ckpt} at step {state['step']}")
-        # teacher data: the full model's greedy continuations (EOS included) and its log-probs, built once
+        key = _run_key(config, plan, fingerprint, hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16])
+        state = _resume_state(ckpt, key, config, say)
         shared_teacher = teacher is not None
-        if teacher is not None:
-            teacher.check(_teacher_key(model, ids, config))
-        elif state is not None:  # the continuations are in the checkpoint; the log-probs are recomputed
-            teacher = _build_teacher(engine, ids, config, state["continuations"])
-        else:
-            teacher = _build_teacher(engine, ids, config)
-        conts = teacher.continuations
-        if all(len(c) < 2 for c in conts) and config.mode == "slimwise":
-            raise SlimWiseError("every continuation is a single token, so the decoder has nothing to learn: use "
-                                "longer max_new_tokens or other prompts")
-        vocab = model.get_output_embeddings().weight.shape[0]
-        teacher_cache = teacher.logprobs
+        teacher = _teacher_data(engine, ids, config, teacher, state)
         delta0 = Delta(state["tensors"], state["manifest"]) if state is not None else init_delta(model, plan, config)
         installed = InstalledDelta(model, delta0, engine.mask, plan, trainable=True)
         engine.delta = installed
-        optimizer = torch.optim.AdamW(installed.param_groups(config.lr, config.lora_lr, config.weight_decay),
-                                      betas=(0.9, 0.999))
-        if state is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        trainable = installed.trainable_count()
-        total = sum(p.numel() for p in model.parameters())
-        lora = delta0.manifest.get("lora")
-        lora_on = f" on {','.join(lora['targets'])}" if lora else ""
-        say(f"distill: {trainable:,} trainable parameters ({'+'.join(config.params)}{lora_on}) = "
-            f"{100 * trainable / total:.3f}% of {total:,}; {len(ids)} prompts, "
-            f"{sum(len(c) for c in conts)} continuation tokens; mode {config.mode}")
-        step = state["step"] if state is not None else 0
-        history: list[float] = list(state["history"]) if state is not None else []
-        elapsed0 = float(state["elapsed"]) if state is not None else 0.0
-        t_train = time.perf_counter()
-        stopped_early = False
-        bar = tqdm(total=config.steps, initial=step, desc=f"distill[{'+'.join(config.params)}]", unit="step",
+        trainable, total = installed.trainable_count(), sum(p.numel() for p in model.parameters())
+        say(_start_line(trainable, total, installed, ids, teacher, config))
+        run = _Run.begin(installed, config, state)
+        bar = tqdm(total=config.steps, initial=run.step, desc=f"distill[{'+'.join(config.params)}]", unit="step",
                    disable=None if config.progress else True)  # a terminal only
-        while step < config.steps:
-            if config.max_minutes is not None and time.perf_counter() - t_train + elapsed0 > 60 * config.max_minutes:
-                stopped_early = True
-                say(f"distill: time budget of {config.max_minutes} min reached at step {step}")
+        while run.step < config.steps:
+            if run.time_is_up(config, say):
                 break
-            idx = _batch_indices(len(ids), config.batch_size, config.seed, step)
-            batch_prompts = [ids[i] for i in idx]
-            batch_teacher = None
-            if _is_on_policy(config.on_policy, step):  # the student's own greedy continuations (mode distilled)
-                gen_cfg = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
-                batch_conts = [g.token_ids for g in engine.generate(batch_prompts, mode="distilled", config=gen_cfg)]
-            else:
-                batch_conts = [conts[i] for i in idx]
-                if teacher_cache is not None:
-                    width = max(len(c) for c in batch_conts)
-                    batch_teacher = torch.zeros(len(idx), width, vocab)
-                    for row, i in enumerate(idx):
-                        batch_teacher[row, :len(conts[i])] = teacher_cache[i]
-            factor = _lr_factor(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = group["base_lr"] * factor
-            loss = _step_loss(engine, installed, batch_prompts, batch_conts, batch_teacher, config)
-            if loss is not None:  # None: no position to train in this batch (single-token continuations)
-                loss.backward()
-                if config.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(installed.parameters(), config.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                installed.restore_pruned_rows()
-            step += 1
-            history.append(round(float(loss.detach()), 6) if loss is not None else float("nan"))
+            lr = config.lr * _lr_factor(config, run.step)
+            run.history.append(_train_step(engine, run, ids, teacher, config))
+            run.step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{history[-1]:.4f}", lr=f"{config.lr * factor:.1e}")
-            if ckpt is not None and (step % config.checkpoint_every == 0 or step == config.steps):
-                atomic_torch_save({"format": CHECKPOINT_FORMAT, "key": key, "step": step,
-                                    "tensors": installed.tensors(), "manifest": installed.manifest,
-                                    "optimizer": optimizer.state_dict(), "history": history,
-                                    "elapsed": elapsed0 + time.perf_counter() - t_train,
-                                    "continuations": conts}, ckpt)
+            bar.set_postfix(loss=f"{run.history[-1]:.4f}", lr=f"{lr:.1e}")
+            if ckpt is not None and (run.step % config.checkpoint_every == 0 or run.step == config.steps):
+                _save_checkpoint(ckpt, key, run, teacher.continuations)
             if callback is not None:
-                callback(step, history[-1])
+                callback(run.step, run.history[-1])
         bar.close()
-        train_seconds = elapsed0 + time.perf_counter() - t_train
-        manifest = {"steps": step, "stopped_early": stopped_early, "loss_history": history,
+        train_seconds = run.elapsed()
+        manifest = {"steps": run.step, "stopped_early": run.stopped_early, "loss_history": run.history,
                     "teacher_seconds": teacher.seconds, "teacher_shared": shared_teacher,
                     "trainable_params": trainable, "model_params": total,
                     "trainable_share": trainable / total, "seconds": round(time.perf_counter() - t_start, 2),
                     "train_seconds": round(train_seconds, 2), "peak_memory_mb": round(peak_memory_mb(), 1),
-                    "num_prompts": len(ids), "continuation_tokens": sum(len(c) for c in conts),
+                    "num_prompts": len(ids), "continuation_tokens": sum(len(c) for c in teacher.continuations),
                     "config": {k: v for k, v in asdict(config).items()
                                if k not in ("checkpoint", "resume", "progress")}}
-        delta = installed.to_delta(manifest)
-        say(f"distill: {step} steps in {train_seconds:.1f}s (total {manifest['seconds']:.1f}s), loss "
-            f"{history[0] if history else float('nan'):.4f} -> {history[-1] if history else float('nan'):.4f}, "
-            f"peak memory {manifest['peak_memory_mb']:.0f} MB")
-        return delta
+        say(f"distill: {run.step} steps in {train_seconds:.1f}s (total {manifest['seconds']:.1f}s), loss "
+            f"{run.history[0] if run.history else float('nan'):.4f} -> "
+            f"{run.history[-1] if run.history else float('nan'):.4f}, peak memory {manifest['peak_memory_mb']:.0f} MB")
+        return installed.to_delta(manifest)
     finally:
         if installed is not None:
             installed.remove()

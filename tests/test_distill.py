@@ -16,13 +16,14 @@ from tiny import build_tiny_model
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
-from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS, Delta, plan_hash
+from slimwise.delta import Delta, plan_hash
 from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill, init_delta
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+from slimwise.trainable import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 
 GREEDY = GenerationConfig(max_new_tokens=12, batch_size=4)
 FAST = dict(steps=6, batch_size=8, max_new_tokens=10, lr=1e-2, progress=False)
@@ -123,6 +124,31 @@ def test_auto_lora_targets_pick_the_shared_expert_where_there_is_one(setup, fami
     explicit = init_delta(model, plan, DistillConfig(lora_targets=("o_proj",)))
     assert {n.rpartition(".")[2] for n in explicit.lora_pairs()} == {"o_proj"}
     assert explicit.manifest["lora"]["targets"] == ["o_proj"]
+
+
+def test_trainable_set_registry():
+    """Sets act in registry order (what optimizer checkpoints index by); a taken name is refused; every LoRA
+    target `auto` can pick has a vLLM module to be served colocated on."""
+    from slimwise.trainable import (
+        TRAINABLE_SETS,
+        VLLM_LORA_TARGETS,
+        TrainableSet,
+        register_set,
+        trainable_sets,
+    )
+
+    assert list(TRAINABLE_SETS) == ["router", "norm", "lora"]
+    assert [s.name for s in trainable_sets(("lora", "router"))] == ["router", "lora"]
+    with pytest.raises(SlimWiseError, match="unknown trainable set"):
+        trainable_sets(())
+
+    class Another(TrainableSet):
+        name = "norm"
+
+    with pytest.raises(SlimWiseError, match="already registered"):
+        register_set(Another)
+    assert type(TRAINABLE_SETS["norm"]).__name__ == "NormSet"
+    assert set(ATTENTION_TARGETS + DENSE_MLP_TARGETS) <= set(VLLM_LORA_TARGETS)
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)
@@ -388,12 +414,23 @@ def test_family_length_check():
     assert family_length_check(sw, good, {"lengths": full["lengths"]})["halved"] is None  # no labels: no verdict
 
 
-def test_replicate_on_fresh_samples(tmp_path):
+def test_replicate_on_fresh_samples(tmp_path, monkeypatch):
     """`python -m experiments.distill_bars replicate` re-tests a bars run's plan and delta on another seed's test problems:
     the rows are the engine's own greedy results on those problems, written atomically beside the report."""
     from tiny import save_tiny_model
 
+    import experiments.distill_bars as bars
     from experiments.distill_bars import BarsConfig, evaluate_run, replicate_bars
+    from slimwise.testbed import check_disjoint
+
+    evaluated: list[list[str]] = []  # the prompts each seed's full-model run was actually given, in seed order
+
+    def recording(engine, samples, mode, config, *args, **kwargs):
+        if mode == "full":
+            evaluated.append([s.prompt for s in samples])
+        return evaluate_run(engine, samples, mode, config, *args, **kwargs)
+
+    monkeypatch.setattr(bars, "evaluate_run", recording)
 
     tok = build_tokenizer(tmp_path / "model")
     save_tiny_model("qwen3_moe", tmp_path / "model", initializer_range=0.15, vocab_size=len(tok),
@@ -415,7 +452,11 @@ def test_replicate_on_fresh_samples(tmp_path):
                         allow_fewer=True)
     assert own.isdisjoint(s.prompt for s in fresh) and own.isdisjoint(s.prompt for s in second)
     assert {s.prompt for s in fresh}.isdisjoint(s.prompt for s in second)
-    assert out["disjoint"] and out["sizes"]["2"] == {f: 1 for f in ("add", "sub", "mul", "gcd", "base")}
+    # from the data, not the report's own flag: the samples the run evaluated share no prompt with the run's own
+    # sample or with each other, and the report's claim agrees
+    assert len(evaluated) == 2 and all(evaluated) and check_disjoint(own, *evaluated)
+    assert out["disjoint"] == check_disjoint(own, *evaluated)
+    assert out["sizes"]["2"] == {f: 1 for f in ("add", "sub", "mul", "gcd", "base")}
     assert out["seeds"]["2"]["0.5"]["slimwise"]["lengths"] == evaluate_run(
         PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), second, "slimwise",
         BarsConfig())["lengths"]

@@ -16,11 +16,11 @@ from tiny import build_tiny_model
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
-from slimwise.delta import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.engines.vllm_engine import VllmEngine
 from slimwise.masking import ExpertMask
 from slimwise.models import load_model
+from slimwise.trainable import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 
@@ -229,8 +229,9 @@ def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup,
     (qwen3_moe) and eager; the first token stays the full model's. LoRA targets: q/k/v/o (qwen2_moe's q/k/v carry
     a bias), the shared expert's gate/up/down too (qwen2_moe), and the default "auto" on DeepSeek-V3 (its shared
     experts' and its dense first layer's gate/up/down)."""
-    from slimwise.delta import Delta, resolve_lora_targets
+    from slimwise.delta import Delta
     from slimwise.distill import DistillConfig, distill
+    from slimwise.trainable import resolve_lora_targets
 
     model_dir, plan, ref, _ = setup(family)
     model = load_model(model_dir)

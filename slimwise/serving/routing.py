@@ -51,14 +51,7 @@ DEFAULT_PLAN_NAME = "default"  # the name of a lone PLAN_KEY plan
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
 _NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
-#: transformers' projection -> (vLLM module name, block of its fused output): q/k/v are fused in vLLM's
-#: QKVParallelLinear (output blocks q, k, v), o_proj is one RowParallelLinear; a dense MLP's -- the shared
-#: expert's (Qwen2-MoE, Qwen3-Next) or a dense layer's -- gate/up are fused in MergedColumnParallelLinear
-#: (blocks gate, up) and down_proj is one RowParallelLinear. Routed experts are fused 3-D weights in both
-#: libraries, never LoRA targets.
-_LORA_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "o_proj": ("o_proj", None),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
+# a LoRA target's vLLM module and fused block: slimwise.trainable.VLLM_LORA_TARGETS, beside the targets
 
 
 @dataclass
@@ -163,50 +156,27 @@ class DecodeRouting(nn.Module):
         self.gates: dict[int, nn.Module] = {}
         self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}  # module names
         self.lora_modules: dict[str, nn.Module] = {}  # vLLM module name -> module whose decode rows use W + sBA
-        self._lora: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
-        self._lora_scale = 1.0
+        # a delta's tensors, handed over by each trainable set (slimwise.trainable `install_in_vllm`): routers and
+        # norms by layer, taken as the module walk hooks them (any left over is refused); LoRA factors by vLLM
+        # module name and fused output block, merged by `merge_lora`
+        self.pending_routers: dict[int, torch.Tensor] = {}
+        self.pending_norms: dict[int, torch.Tensor] = {}
+        self.lora_blocks: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
+        self.lora_scale = 1.0
         if self.plan is None:
             self._install_counting(model, text_config)
             return
         for plan in self.plans.values():
             check_plan_config(plan, hf_config)
-        delta_setting = _setting(hf_config, text_config, DELTA_KEY)
-        if delta_setting and len(self.plans) > 1:
-            raise SlimWiseError("a distilled delta is tied to one plan: serve it with that plan alone (one engine per "
-                                "delta), not with several plans")
-        routers, norms = self._load_delta(delta_setting)
+        self._load_delta(_setting(hf_config, text_config, DELTA_KEY))
         self._install_lora(model)
+        routers, norms = self.pending_routers, self.pending_norms
         for name, module in model.named_modules():
             norm_match = _NORM_NAME.search(name)
             if norm_match is not None and int(norm_match.group(1)) in norms:
                 self._install_norm(module, norms.pop(int(norm_match.group(1))))
                 self.hooked["norms"].append(name)
-            match = _GATE_NAME.search(name)
-            if match is None or not hasattr(module, "weight"):
-                continue
-            layer = int(match.group(1))
-            if all(layer not in p.kept_experts for p in self.plans.values()):
-                continue
-            pruned = self._pruned_table(layer)
-            if not pruned.any() and layer not in routers:
-                continue
-            router = _selection_router(model, name)
-            runner = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts", None)
-            if router is not None:  # sigmoid + correction bias / grouped top-k: -inf logits alone would not do
-                self._install(module, pruned if pruned.any() else None, routers.pop(layer, None))
-                if pruned.any():
-                    self._install_selection(router)
-                    self.hooked["selection"].append(name.rsplit(".", 1)[0] + ".experts.router")
-            elif getattr(runner, "_fse_fuse_gate", False):
-                # the runner computes router + shared-expert-gate logits in one GEMM and never calls the gate; a
-                # mask applied inside the runner is not known to survive torch.compile (see _install_selection)
-                raise SlimWiseError(f"{name}: vLLM fuses this router with the shared-expert gate (ROCm AITER fused "
-                                    "shared experts), which bypasses the SlimWise gate hook; disable the fusion "
-                                    "(VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
-            else:
-                self._install(module, pruned, routers.pop(layer, None))
-            self.gates[layer] = module
-            self.hooked["gates"].append(name)
+            self._install_gate(model, name, module)
         if routers or norms:
             raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in this vLLM "
                                 "model: use the delta made for this model and plan")
@@ -221,6 +191,37 @@ class DecodeRouting(nn.Module):
                         plan.ratio, ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
         self._install_counting(model, text_config)
 
+    def _install_gate(self, model: nn.Module, name: str, module: nn.Module) -> None:
+        """If `name` is an MoE gate that a plan prunes or the delta has a router for: hook it (its layer's router
+        taken from `pending_routers`); other modules are left alone."""
+        match = _GATE_NAME.search(name)
+        if match is None or not hasattr(module, "weight"):
+            return
+        layer = int(match.group(1))
+        if all(layer not in p.kept_experts for p in self.plans.values()):
+            return
+        pruned = self._pruned_table(layer)
+        routers = self.pending_routers
+        if not pruned.any() and layer not in routers:
+            return
+        router = _selection_router(model, name)
+        runner = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts", None)
+        if router is not None:  # sigmoid + correction bias / grouped top-k: -inf logits alone would not do
+            self._install(module, pruned if pruned.any() else None, routers.pop(layer, None))
+            if pruned.any():
+                self._install_selection(router)
+                self.hooked["selection"].append(name.rsplit(".", 1)[0] + ".experts.router")
+        elif getattr(runner, "_fse_fuse_gate", False):
+            # the runner computes router + shared-expert-gate logits in one GEMM and never calls the gate; a
+            # mask applied inside the runner is not known to survive torch.compile (see _install_selection)
+            raise SlimWiseError(f"{name}: vLLM fuses this router with the shared-expert gate (ROCm AITER fused "
+                                "shared experts), which bypasses the SlimWise gate hook; disable the fusion "
+                                "(VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+        else:
+            self._install(module, pruned, routers.pop(layer, None))
+        self.gates[layer] = module
+        self.hooked["gates"].append(name)
+
     def _pruned_table(self, layer: int) -> torch.Tensor:
         """(plans + 1, experts) bool: row 0 (every expert) all False, row k plan k's pruned experts in `layer`."""
         rows = [torch.zeros(self.plan.num_experts, dtype=torch.bool)]
@@ -229,30 +230,27 @@ class DecodeRouting(nn.Module):
                         else torch.zeros(plan.num_experts, dtype=torch.bool))
         return torch.stack(rows)
 
-    def _load_delta(self, value) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """Router and norm overrides of a distilled delta (decode tokens only); its LoRA pairs go to `self._lora`
-        (applied by `_install_lora` / `merge_lora`). Refuses a delta made for another plan or for uniform pruning."""
+    def _load_delta(self, value) -> None:
+        """Load a distilled delta and let each trainable set hand its tensors over (`pending_routers`,
+        `pending_norms`, `lora_blocks`: decode tokens only). Refuses a delta with several plans, made for another
+        plan, or made for uniform pruning."""
         if not value:
-            return {}, {}
+            return
+        if len(self.plans) > 1:
+            raise SlimWiseError("a distilled delta is tied to one plan: serve it with that plan alone (one engine per "
+                                "delta), not with several plans")
         from slimwise.delta import Delta, plan_hash
+        from slimwise.trainable import TRAINABLE_SETS
 
         delta = Delta.load(value)
         if delta.manifest.get("plan_hash") != plan_hash(self.plan):
             raise SlimWiseError(f"delta {value} was distilled for another plan: serve it with its own plan")
         if delta.mode == "uniform" and self.mode != "uniform":
             raise SlimWiseError("this delta was distilled for uniform pruning (prefill pruned too), not SlimWise")
-        self._lora_scale = delta.lora_scale
         self.has_delta = True
-        for name, (a, b) in sorted(delta.lora_pairs().items()):
-            prefix, _, leaf = name.rpartition(".")
-            if leaf not in _LORA_TARGETS:
-                raise SlimWiseError(f"LoRA on {name} is not served colocated (only {', '.join(_LORA_TARGETS)}): export "
-                                    "the folded checkpoint with `slimwise prune --distilled` and serve it as the "
-                                    "--disaggregated decode model")
-            target, block = _LORA_TARGETS[leaf]
-            self._lora.setdefault(f"{prefix}.{target}", []).append((block, a, b))
+        for trainable_set in TRAINABLE_SETS.values():
+            trainable_set.install_in_vllm(self, delta)
         logger.info("SlimWise: decode-only delta %s (%s)", value, ", ".join(delta.params))
-        return dict(delta.routers()), dict(delta.norms())
 
     def _install_lora(self, model: nn.Module) -> None:
         """Decode rows of each LoRA-targeted projection are recomputed with the merged weight W + scale * B @ A --
@@ -260,7 +258,7 @@ class DecodeRouting(nn.Module):
         keep the stock output. The merged weight is a fixed-address buffer filled by `merge_lora` once the
         checkpoint is loaded (it costs one more copy of the targeted projections: the attention weights, a few
         percent of an MoE model)."""
-        if not self._lora:
+        if not self.lora_blocks:
             return
         from vllm.distributed import get_tensor_model_parallel_world_size
 
@@ -269,8 +267,8 @@ class DecodeRouting(nn.Module):
                                 "`slimwise prune --distilled` and serve it as the --disaggregated decode model")
         modules = dict(model.named_modules())
         routing = self
-        self._lora = {_vllm_name(modules, name): pairs for name, pairs in self._lora.items()}
-        for name in self._lora:
+        self.lora_blocks = {_vllm_name(modules, name): blocks for name, blocks in self.lora_blocks.items()}
+        for name in self.lora_blocks:
             module = modules.get(name)
             if module is None or getattr(module, "weight", None) is None:
                 raise SlimWiseError(f"the delta's LoRA targets {name}, which this vLLM model does not have: use the "
@@ -292,20 +290,20 @@ class DecodeRouting(nn.Module):
     @torch.no_grad()
     def merge_lora(self) -> None:
         """After the weights are loaded (before vLLM may repack them): W + scale * B @ A per targeted block."""
-        from slimwise.delta import merged_weight
+        from slimwise.trainable import merged_weight
 
         for name, module in self.lora_modules.items():
             merged = module.weight.detach().clone()
             sizes = list(getattr(module, "output_sizes", None) or [merged.shape[0]])
             starts = np.cumsum([0, *sizes]).tolist()
-            for block, a, b in self._lora[name]:
+            for block, a, b in self.lora_blocks[name]:
                 lo, hi = (0, merged.shape[0]) if block is None else (starts[block], starts[block + 1])
                 if b.shape[0] != hi - lo or a.shape[1] != merged.shape[1]:
                     raise SlimWiseError(f"LoRA for {name} (block {block}) has shape B {tuple(b.shape)} A "
                                         f"{tuple(a.shape)}, not rows {hi - lo} x {merged.shape[1]}: use the delta made "
                                         "for this model")
                 merged[lo:hi] = merged_weight(merged[lo:hi], a.to(merged.device), b.to(merged.device),
-                                              self._lora_scale)
+                                              self.lora_scale)
             module.slimwise_lora_weight.copy_(merged)
         if self.lora_modules:
             logger.info("SlimWise: decode-only LoRA merged into %d projections", len(self.lora_modules))
