@@ -238,6 +238,23 @@ def _schema_problem(d: object) -> str | None:
     for key, value in d.items():
         if not isinstance(value, _PLAN_TYPES[key]) or isinstance(value, bool):
             return f"{key!r} must be {' or '.join(t.__name__ for t in _PLAN_TYPES[key])}, not {value!r:.40}"
+    problem = _shape_problem(d)
+    if problem:
+        return problem
+    if not d["kept_experts"]:
+        return "kept_experts is empty (no MoE layer)"
+    for layer, ids in d["kept_experts"].items():
+        problem = _layer_problem(layer, ids, d["num_experts"], d["top_k"])
+        if problem:
+            return problem
+    fingerprint = d.get("fingerprint")
+    if fingerprint is not None and not all(isinstance(v, str) for v in fingerprint.values()):
+        return "fingerprint values must be strings"
+    return None
+
+
+def _shape_problem(d: dict) -> str | None:
+    """The plan-wide numbers: expert count, top-k, ratio, scope, groups (types already checked)."""
     n, k = d["num_experts"], d["top_k"]
     if n < 2:
         return f"num_experts {n} must be at least 2"
@@ -251,22 +268,21 @@ def _schema_problem(d: object) -> str | None:
     groups = d.get("num_groups", 1)
     if groups < 1 or n % groups:
         return f"num_groups {groups} must be >= 1 and divide num_experts={n}"
-    if not d["kept_experts"]:
-        return "kept_experts is empty (no MoE layer)"
-    for layer, ids in d["kept_experts"].items():
-        if not (isinstance(layer, str) and layer.isdigit()) and not _is_int(layer):
-            return f"layer key {layer!r} must be a decoder-layer index"
-        if not isinstance(ids, list) or not all(_is_int(e) for e in ids):
-            return f"layer {layer}: kept experts must be a list of integer ids, not {ids!r:.40}"
-        if len(set(ids)) != len(ids):
-            return f"layer {layer}: duplicate expert ids {sorted({e for e in ids if ids.count(e) > 1})}"
-        if any(e < 0 or e >= n for e in ids):
-            return f"layer {layer}: expert ids must be in [0, {n})"
-        if len(ids) < k:
-            return f"layer {layer} keeps {len(ids)} experts, fewer than top_k={k}"
-    fingerprint = d.get("fingerprint")
-    if fingerprint is not None and not all(isinstance(v, str) for v in fingerprint.values()):
-        return "fingerprint values must be strings"
+    return None
+
+
+def _layer_problem(layer: object, ids: object, n: int, k: int) -> str | None:
+    """One `kept_experts` entry: a decoder-layer index mapped to at least top-k distinct ids in [0, n)."""
+    if not (isinstance(layer, str) and layer.isdigit()) and not _is_int(layer):
+        return f"layer key {layer!r} must be a decoder-layer index"
+    if not isinstance(ids, list) or not all(_is_int(e) for e in ids):
+        return f"layer {layer}: kept experts must be a list of integer ids, not {ids!r:.40}"
+    if len(set(ids)) != len(ids):
+        return f"layer {layer}: duplicate expert ids {sorted({e for e in ids if ids.count(e) > 1})}"
+    if any(e < 0 or e >= n for e in ids):
+        return f"layer {layer}: expert ids must be in [0, {n})"
+    if len(ids) < k:
+        return f"layer {layer} keeps {len(ids)} experts, fewer than top_k={k}"
     return None
 
 

@@ -188,111 +188,149 @@ def format_tables(result: dict) -> str:
     out += _table(result, "Time per output token, ms: median (min-max)", names, tpot)
     out += _table(result, "Speedup over full, paired within each round: median (min-max)",
                   [n for n in names if n != "full"], speed)
-    colocated = (result.get("bars") or {}).get("colocated_reaches_95pct_of_pruned") or {}
-    if any("paired" in e for e in colocated.values()):
-        out += [
-            "### Colocated SlimWise over the pruned checkpoint, tokens/s paired within each "
-            "round (bar: >= 0.95)",
-            "",
-            "| batch | median (min-max) | ratio of the two median speedups | bar |",
-            "|---|---|---|---|",
-        ]
-        for b in result["config"]["batches"]:
-            e = batch_entry(colocated, b)
-            if e and "paired" in e:
-                q = e["paired"]
-                out.append(f"| {b} | {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) | {e['ratio']:.3f} | "
-                           f"{'met' if e['met'] else 'not met'} |")
-        out.append("")
+    out += _colocated_section(result)
     out += ["### Engine start, s (excluded from the timing)", "", "| variant | start s |", "|---|---|"]
     out += [f"| {n} | {', '.join(f'{s:.1f}' for s in v)} |" for n, v in result["engine_start_s"].items()]
     out.append("")
-    traffic = result.get("traffic")
-    if traffic:
-        tn = list(traffic)
-
-        def touched(n, b):
-            e = batch_entry(traffic[n]["batches"], b)
-            return f"{e['touched_mean']:.1f} / {e['expected_uniform']:.1f}" if e else ""
-
-        def mb(n, b):
-            e = batch_entry(traffic[n]["batches"], b)
-            return f"{e['expert_bytes_per_step'] / 1e6:.1f}" if e else ""
-
-        out += _table(
-            result,
-            "Distinct experts per MoE layer per decode step: measured / uniform expectation E'(1-(1-k/E')^B)",
-            tn,
-            touched,
-        )
-        out += _table(result, "Expert weights read per decode step, MB (all MoE layers)", tn, mb)
-    split = result.get("bytes_split")
-    if split:
-        out += [
-            f"### Bytes per decode step, MB (roofline accounting at context {split['context_len']}; experts "
-            "touched from the counters)",
-            "",
-            "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + "
-            "write) | total full → pruned | state share of the full step |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for b in result["config"]["batches"]:
-            e = batch_entry(split["batches"], b)
-            if not e:
-                continue
-            f, p = e["full"], e["pruned"]
-            out.append(
-                f"| {b} | {f['expert_weights'] / 1e6:.1f} → {p['expert_weights'] / 1e6:.1f} | "
-                f"{f['other_weights'] / 1e6:.1f} | {f['kv'] / 1e6:.2f} | {f['state'] / 1e6:.1f} | "
-                f"{f['total'] / 1e6:.1f} → {p['total'] / 1e6:.1f} | {100 * f['state'] / f['total']:.1f}% |"
-            )
-        out.append("")
-    kr = result.get("kernel_roofline")
-    if kr:
-        m = kr["model"]
-        # a fit that puts no time on expert reads (noise on a tiny model) has an infinite bandwidth, None in
-        # JSON
-        bw = m.get("streaming_bandwidth")
-        bw = f"{bw / 1e9:.1f} GB/s" if bw is not None and math.isfinite(bw) else "not resolved by the fit"
-        out += [
-            "### Kernel roofline: vLLM's fused-MoE op timed at this model's shapes, t = a U + b P + c per "
-            f"call (a {m['per_expert_s'] * 1e6:.1f} us per expert read = {bw}, b {m['per_pair_s'] * 1e6:.2f} "
-            f"us per pair, c {m['per_call_s'] * 1e6:.1f} us; R^2 {m['r2']:.3f}); pruned step = measured full "
-            f"step - kernel time of the experts no longer read ({kr['unions']})",
-            "",
-            "| batch | experts read full → pruned | kernel share of the full step | pairs + call share, full "
-            "→ pruned | predicted speedup | measured slimwise | measured pruned |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in kr["rows"]:
-            pred = f"{r['predicted_speedup']:.3f}" if r["applies"] else "model does not apply"
-            meas = [
-                f"{r[k]:.3f}" if r.get(k) else ""
-                for k in ("measured_speedup_slimwise", "measured_speedup_pruned")
-            ]
-            out.append(
-                f"| {r['batch']} | {r['union_full']:.1f} → {r['union_pruned']:.1f} | "
-                f"{r['kernel_share_full']:.0%} | {r['pair_share_full']:.0%} → {r['pair_share_pruned']:.0%} | "
-                f"{pred} | {meas[0]} | {meas[1]} |"
-            )
-        out.append("")
-    roof = result.get("roofline")
-    if roof:
-        out += [f"### Roofline ({roof['hardware']}, context {roof['context_len']}) vs measured", "",
-                "| batch | bound | predicted speedup | measured slimwise | predicted / measured | within 15% "
-                "| measured pruned | predicted / measured | measured / predicted step time (full) |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        nan = float("nan")
-        for r in roof["comparison"]:
-            out.append(f"| {r['batch']} | {r['bound']} | {r['predicted_speedup']:.3f} | "
-                       f"{r.get('measured_speedup_slimwise') or nan:.3f} | "
-                       f"{r.get('predicted_over_measured_slimwise') or nan:.3f} | "
-                       f"{'yes' if r.get('within_15pct_slimwise') else 'no'} | "
-                       f"{r.get('measured_speedup_pruned') or nan:.3f} | "
-                       f"{r.get('predicted_over_measured_pruned') or nan:.3f} | "
-                       f"{r.get('step_time_measured_over_predicted') or nan:.2f} |")
-        out.append("")
+    for part in (_traffic_section, _bytes_section, _kernel_roofline_section, _roofline_section):
+        out += part(result)
     return "\n".join(out)
+
+
+def _colocated_section(result: dict) -> list[str]:
+    """The colocated engine against the pruned checkpoint, paired within each round (where measured)."""
+    colocated = (result.get("bars") or {}).get("colocated_reaches_95pct_of_pruned") or {}
+    if not any("paired" in e for e in colocated.values()):
+        return []
+    out: list[str] = []
+    out += [
+        "### Colocated SlimWise over the pruned checkpoint, tokens/s paired within each "
+        "round (bar: >= 0.95)",
+        "",
+        "| batch | median (min-max) | ratio of the two median speedups | bar |",
+        "|---|---|---|---|",
+    ]
+    for b in result["config"]["batches"]:
+        e = batch_entry(colocated, b)
+        if e and "paired" in e:
+            q = e["paired"]
+            out.append(f"| {b} | {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) | {e['ratio']:.3f} | "
+                       f"{'met' if e['met'] else 'not met'} |")
+    out.append("")
+    return out
+
+
+def _traffic_section(result: dict) -> list[str]:
+    """Experts touched per layer and step, and expert bytes read (from the routing counters)."""
+    traffic = result.get("traffic")
+    if not traffic:
+        return []
+    out: list[str] = []
+    tn = list(traffic)
+
+    def touched(n, b):
+        e = batch_entry(traffic[n]["batches"], b)
+        return f"{e['touched_mean']:.1f} / {e['expected_uniform']:.1f}" if e else ""
+
+    def mb(n, b):
+        e = batch_entry(traffic[n]["batches"], b)
+        return f"{e['expert_bytes_per_step'] / 1e6:.1f}" if e else ""
+
+    out += _table(
+        result,
+        "Distinct experts per MoE layer per decode step: measured / uniform expectation E'(1-(1-k/E')^B)",
+        tn,
+        touched,
+    )
+    out += _table(result, "Expert weights read per decode step, MB (all MoE layers)", tn, mb)
+    return out
+
+
+def _bytes_section(result: dict) -> list[str]:
+    """Bytes per decode step by kind, full and pruned (roofline accounting)."""
+    split = result.get("bytes_split")
+    if not split:
+        return []
+    out: list[str] = []
+    out += [
+        f"### Bytes per decode step, MB (roofline accounting at context {split['context_len']}; experts "
+        "touched from the counters)",
+        "",
+        "| batch | expert weights full → pruned | other weights | KV | linear-attention state (read + "
+        "write) | total full → pruned | state share of the full step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for b in result["config"]["batches"]:
+        e = batch_entry(split["batches"], b)
+        if not e:
+            continue
+        f, p = e["full"], e["pruned"]
+        out.append(
+            f"| {b} | {f['expert_weights'] / 1e6:.1f} → {p['expert_weights'] / 1e6:.1f} | "
+            f"{f['other_weights'] / 1e6:.1f} | {f['kv'] / 1e6:.2f} | {f['state'] / 1e6:.1f} | "
+            f"{f['total'] / 1e6:.1f} → {p['total'] / 1e6:.1f} | {100 * f['state'] / f['total']:.1f}% |"
+        )
+    out.append("")
+    return out
+
+
+def _kernel_roofline_section(result: dict) -> list[str]:
+    """The fused-MoE kernel's fitted roofline and the speedup it predicts."""
+    kr = result.get("kernel_roofline")
+    if not kr:
+        return []
+    out: list[str] = []
+    m = kr["model"]
+    # a fit that puts no time on expert reads (noise on a tiny model) has an infinite bandwidth, None in
+    # JSON
+    bw = m.get("streaming_bandwidth")
+    bw = f"{bw / 1e9:.1f} GB/s" if bw is not None and math.isfinite(bw) else "not resolved by the fit"
+    out += [
+        "### Kernel roofline: vLLM's fused-MoE op timed at this model's shapes, t = a U + b P + c per "
+        f"call (a {m['per_expert_s'] * 1e6:.1f} us per expert read = {bw}, b {m['per_pair_s'] * 1e6:.2f} "
+        f"us per pair, c {m['per_call_s'] * 1e6:.1f} us; R^2 {m['r2']:.3f}); pruned step = measured full "
+        f"step - kernel time of the experts no longer read ({kr['unions']})",
+        "",
+        "| batch | experts read full → pruned | kernel share of the full step | pairs + call share, full "
+        "→ pruned | predicted speedup | measured slimwise | measured pruned |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in kr["rows"]:
+        pred = f"{r['predicted_speedup']:.3f}" if r["applies"] else "model does not apply"
+        meas = [
+            f"{r[k]:.3f}" if r.get(k) else ""
+            for k in ("measured_speedup_slimwise", "measured_speedup_pruned")
+        ]
+        out.append(
+            f"| {r['batch']} | {r['union_full']:.1f} → {r['union_pruned']:.1f} | "
+            f"{r['kernel_share_full']:.0%} | {r['pair_share_full']:.0%} → {r['pair_share_pruned']:.0%} | "
+            f"{pred} | {meas[0]} | {meas[1]} |"
+        )
+    out.append("")
+    return out
+
+
+def _roofline_section(result: dict) -> list[str]:
+    """The analytic roofline's predicted speedups against the measured ones."""
+    roof = result.get("roofline")
+    if not roof:
+        return []
+    out: list[str] = []
+    out += [f"### Roofline ({roof['hardware']}, context {roof['context_len']}) vs measured", "",
+            "| batch | bound | predicted speedup | measured slimwise | predicted / measured | within 15% "
+            "| measured pruned | predicted / measured | measured / predicted step time (full) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for r in roof["comparison"]:
+        out.append(f"| {r['batch']} | {r['bound']} | {r['predicted_speedup']:.3f} | "
+                   f"{r.get('measured_speedup_slimwise') or nan:.3f} | "
+                   f"{r.get('predicted_over_measured_slimwise') or nan:.3f} | "
+                   f"{'yes' if r.get('within_15pct_slimwise') else 'no'} | "
+                   f"{r.get('measured_speedup_pruned') or nan:.3f} | "
+                   f"{r.get('predicted_over_measured_pruned') or nan:.3f} | "
+                   f"{r.get('step_time_measured_over_predicted') or nan:.2f} |")
+    out.append("")
+    return out
 
 
 def plot_bench(result: dict, path: str | Path) -> Path:

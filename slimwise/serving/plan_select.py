@@ -48,38 +48,14 @@ class PlanSelectMiddleware:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in _PATHS:
             await self.app(scope, receive, send)
             return
-        chunks = []
-        while True:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            if message["type"] == "http.disconnect" or not message.get("more_body"):
-                break
-        body, name = b"".join(chunks), None
+        body = await _read_body(receive)
         try:
             request = parse_body(body)
             check_n(request, self.max_n)
+            body, name = self.route(request, body)
         except BadRequest as exc:
             await _error(send, exc.status, exc.payload())
             return
-        if self.models:
-            xargs = request.get("vllm_xargs") if isinstance(request.get("vllm_xargs"), dict) else {}
-            asked = xargs.get(REQUEST_PLAN_ARG)
-            if asked is not None and asked not in self.plans:
-                await _error(
-                    send,
-                    400,
-                    BadRequest(
-                        f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; "
-                        f"choose a plan by model name: {', '.join(self.models)}",
-                        f"vllm_xargs.{REQUEST_PLAN_ARG}",
-                    ).payload(),
-                )
-                return
-            name = request.get("model")
-            plan = self.models.get(name) if isinstance(name, str) else None
-            if plan is not None and asked is None:
-                request["vllm_xargs"] = {**xargs, REQUEST_PLAN_ARG: plan}
-                body = json.dumps(request).encode()
         sent = False
 
         async def replay():
@@ -92,28 +68,60 @@ class PlanSelectMiddleware:
         if not isinstance(name, str) or name == self.base or name not in self.models:
             await self.app(scope, replay, send)
             return
-        # responses echo vLLM's first served name: put the requested one back (JSON and SSE chunks alike)
-        old, new = f'"model":"{self.base}"'.encode(), f'"model":"{name}"'.encode()
-        start = None
+        await self.app(scope, replay, _renaming(send, self.base, name))
 
-        async def send_renamed(message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start":
-                start = message
-                return
-            if message["type"] == "http.response.body":
-                data = message.get("body", b"").replace(old, new)
-                if start is not None:
-                    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
-                    if not message.get("more_body"):
-                        headers.append((b"content-length", str(len(data)).encode()))
-                    await send({**start, "headers": headers})
-                    start = None
-                await send({**message, "body": data})
-                return
-            await send(message)
+    def route(self, request: dict, body: bytes) -> tuple[bytes, object]:
+        """The body to hand vLLM (the plan of the requested model name in `vllm_xargs`, unless the request
+        named one itself) and the model name asked for; a plan this server does not serve is refused."""
+        if not self.models:
+            return body, None
+        xargs = request.get("vllm_xargs") if isinstance(request.get("vllm_xargs"), dict) else {}
+        asked = xargs.get(REQUEST_PLAN_ARG)
+        if asked is not None and asked not in self.plans:
+            raise BadRequest(f"vllm_xargs.{REQUEST_PLAN_ARG} {asked!r} is not served here; "
+                             f"choose a plan by model name: {', '.join(self.models)}",
+                             f"vllm_xargs.{REQUEST_PLAN_ARG}")
+        name = request.get("model")
+        plan = self.models.get(name) if isinstance(name, str) else None
+        if plan is not None and asked is None:
+            request["vllm_xargs"] = {**xargs, REQUEST_PLAN_ARG: plan}
+            body = json.dumps(request).encode()
+        return body, name
 
-        await self.app(scope, replay, send_renamed)
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if message["type"] == "http.disconnect" or not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _renaming(send, base: str, name: str):
+    """An ASGI `send` that puts the requested model name back: responses echo vLLM's first served name (JSON
+    and SSE chunks alike); the content length is recomputed for a whole body."""
+    old, new = f'"model":"{base}"'.encode(), f'"model":"{name}"'.encode()
+    start = None
+
+    async def send_renamed(message) -> None:
+        nonlocal start
+        if message["type"] == "http.response.start":
+            start = message
+            return
+        if message["type"] == "http.response.body":
+            data = message.get("body", b"").replace(old, new)
+            if start is not None:
+                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+                if not message.get("more_body"):
+                    headers.append((b"content-length", str(len(data)).encode()))
+                await send({**start, "headers": headers})
+                start = None
+            await send({**message, "body": data})
+            return
+        await send(message)
+
+    return send_renamed
 
 
 async def _error(send, status: int, payload: dict) -> None:
