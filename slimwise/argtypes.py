@@ -41,6 +41,16 @@ def number(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open
     return parse
 
 
+def comma_list(kind):
+    """argparse type: comma-separated values, each converted by `kind`, as a tuple (empty items dropped)."""
+    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
+
+
+def gib_to_bytes(gib: float) -> int:
+    """A size given in GiB (the options say GB), in bytes."""
+    return int(gib * 2**30)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Usage errors as one line (`slimwise: error: ...; see slimwise COMMAND --help`), exit 2."""
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from slimwise.argtypes import OneLineParser, integer, number
-from slimwise.errors import SlimWiseError
+from slimwise.errors import SlimWiseError, run_command
 from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
-from slimwise.serving.validation import MAX_N_DEFAULT
+from slimwise.options import add_dataclass_options, config_from_args
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -122,16 +121,11 @@ def cmd_generate(args) -> None:
 
 
 def cmd_serve(args) -> None:
-    from slimwise.serving.server import ServeConfig, serve
+    from slimwise.serving.config import ServeConfig
+    from slimwise.serving.server import serve
 
     plan, plans = serve_plans(args.plan or [])
-    code = serve(ServeConfig(model=args.model, plan=plan, plans=plans, default_plan=args.default_plan,
-                             delta=args.distilled, disaggregated=args.disaggregated,
-                             decode_model=args.decode_model, prefill_url=args.prefill_url, decode_url=args.decode_url,
-                             nixl=args.nixl, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                             min_decode_batch=args.min_decode_batch, log_every=args.log_every,
-                             kv_dir_max_bytes=int(args.kv_dir_max_gb * 2**30) if args.kv_dir_max_gb else None,
-                             max_n=args.max_n, vllm_args=list(args.vllm_args)))
+    code = serve(config_from_args(ServeConfig, args, plan=plan, plans=plans, vllm_args=list(args.vllm_args)))
     if code:
         raise SystemExit(code)
 
@@ -172,13 +166,7 @@ def cmd_distill(args) -> None:
     prompts = load_prompts(args.data, limit=args.max_samples)
     model = load_model(args.model, dtype=args.dtype)
     checkpoint = out.with_name(out.name + ".ckpt.pt")
-    config = DistillConfig(
-        params=args.params, mode=args.mode, steps=args.steps, max_minutes=args.minutes, batch_size=args.batch_size,
-        teacher_batch_size=args.teacher_batch_size, lr=args.lr, lora_lr=args.lora_lr, loss=args.loss,
-        ce_weight=args.ce_weight, on_policy=args.on_policy,
-        max_new_tokens=args.max_new_tokens, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        lora_targets=args.lora_targets, seed=args.seed, checkpoint=str(checkpoint),
-        checkpoint_every=args.checkpoint_every, resume=args.resume)
+    config = config_from_args(DistillConfig, args, checkpoint=str(checkpoint))
     tokenizer = load_tokenizer(args.model)
     teacher = None
     if args.teacher:  # shared between runs on the same model and prompts (other plans, ratios, the baseline)
@@ -203,31 +191,14 @@ def cmd_demo(args) -> None:
     run_demo(out_dir=args.out, samples=args.samples, seed=args.seed)
 
 
-def _csv(kind):
-    return lambda text: tuple(kind(x) for x in text.split(",") if x.strip())
-
-
 def cmd_eval(args) -> None:
     from slimwise.evaluation import EvalConfig, run_eval
-    from slimwise.evaluation.config import DEFAULT_CALIB_MIXES
 
     if args.route:
         _eval_mix(args)
         return
-    config = EvalConfig(
-        criteria=args.criteria, ratios=args.ratios, phases=args.phases, plans=tuple(args.plan or ()),
-        stats=tuple(args.stats or ()), scope="global" if args.global_budget else "layer", modes=args.modes,
-        distilled=args.distilled, engine=args.engine, data=args.data, grader=args.grader, domain=args.domain,
-        families=args.families, split=args.split, n_per_family=args.per_family, max_samples=args.max_samples,
-        calib_data=args.calib_data, calib_domain=args.calib_domain, calib_per_family=args.calib_per_family,
-        calib_max_new_tokens=args.calib_max_new_tokens, calib_seed=args.calib_seed,
-        calib_mixes=() if args.no_calib_mixes else tuple(args.calib_mix or DEFAULT_CALIB_MIXES),
-        other_domains=not args.no_other_domains, other_per_family=args.other_per_family,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, seed=args.seed, dtype=args.dtype, threads=args.threads, kl=not args.no_kl,
-        traffic=not args.no_traffic, out_dir=args.out, plots=not args.no_plots, cache=not args.no_cache,
-        cache_dir=args.cache_dir)
-    run_eval(args.models, config)
+    no_mixes = {"calib_mixes": ()} if args.no_calib_mixes else {}
+    run_eval(args.models, config_from_args(EvalConfig, args, **no_mixes))
 
 
 def _eval_mix(args) -> None:
@@ -257,14 +228,19 @@ def _eval_mix(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from slimwise.distill import DistillConfig
+    from slimwise.perf.cli import add_bench_parser, add_roofline_parser
 
-    _DISTILL_DEFAULTS = DistillConfig()  # noqa: N806  (the one place the distillation defaults are declared)
     parser = OneLineParser(
         prog="slimwise",
         description="Decode-only expert pruning for MoE serving: full-model prefill, pruned decode.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=OneLineParser)
+    for add in (_add_calibrate, _add_plan, _add_prune, _add_generate, _add_distill, _add_eval, _add_serve,
+                _add_demo, add_roofline_parser, add_bench_parser):
+        add(sub)
+    return parser
 
+
+def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="record per-expert routing statistics on calibration data")
     _add_model(p)
     p.add_argument("--data", required=True, help="prompts: a .jsonl file ('prompt' field) or a directory of them")
@@ -277,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=integer(0), default=0)
     p.set_defaults(func=cmd_calibrate)
 
+
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="score experts with a criterion and write a prune plan (JSON)")
     _add_plan_source(p, plan_option=False)
     p.add_argument("--ep-size", type=integer(1), default=1,
@@ -287,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="plan JSON to write")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_prune(sub) -> None:
     p = sub.add_parser("prune", help="write a pruned checkpoint that stock transformers and vLLM load")
     _add_model(p)
     _add_plan_source(p)
@@ -296,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(func=cmd_prune)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate with full, uniform-pruned or SlimWise (full prefill, pruned decode)")
     _add_model(p)
     p.add_argument("--plan", help="prune plan (the pruned decoder is a masked view of the model)")
@@ -312,6 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write generations as JSONL here instead of printing")
     p.set_defaults(func=cmd_generate)
 
+
+#: the options of `slimwise distill` from DistillConfig, in --help's order (--max-samples between the two)
+DISTILL_OPTIONS = (("params", "mode", "steps", "max_minutes", "batch_size", "teacher_batch_size", "lr",
+                    "lora_lr", "loss", "ce_weight", "on_policy", "max_new_tokens"),
+                   ("lora_rank", "lora_alpha", "lora_targets", "seed", "checkpoint_every", "resume"))
+
+
+def _add_distill(sub) -> None:
+    from slimwise.distill import DistillConfig
+
     p = sub.add_parser("distill", help="distil a decode-only delta (router / norm / LoRA) so the pruned decoder "
                        "continues full-model caches like the full model")
     p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
@@ -320,140 +312,69 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", required=True, help="the prune plan JSON to distil the decoder of")
     p.add_argument("--data", required=True, help="calibration prompts: .jsonl ('prompt' field), .txt or a directory")
     p.add_argument("--out", required=True, help="delta directory to write (delta.safetensors + delta.json)")
-    p.add_argument("--params", type=_csv(str), default=_DISTILL_DEFAULTS.params,
-                   help="comma-separated trainable sets among router,norm,lora (default: router,norm,lora, the "
-                   "cheapest set that met the accuracy bar on both testbed backbones)")
-    p.add_argument("--mode", default=_DISTILL_DEFAULTS.mode, choices=["slimwise", "uniform"],
-                   help="slimwise: full prefill, decode-only delta; uniform: the uniform-pruned baseline")
-    p.add_argument("--steps", type=integer(1), default=_DISTILL_DEFAULTS.steps)
-    p.add_argument("--minutes", type=number(0, lo_open=True), default=None, help="wall-clock cap on training (keeps the steps done)")
-    p.add_argument("--batch-size", type=integer(1), default=_DISTILL_DEFAULTS.batch_size)
-    p.add_argument("--teacher-batch-size", type=integer(1), default=_DISTILL_DEFAULTS.teacher_batch_size,
-                   help="batch of the full model's continuations and log-probs (the teacher data); 64 builds it "
-                   "about 1.9x faster on CPU")
-    p.add_argument("--lr", type=number(0, lo_open=True), default=_DISTILL_DEFAULTS.lr)
-    p.add_argument("--lora-lr", type=number(0, lo_open=True), default=None, help="LoRA learning rate (default: --lr)")
-    p.add_argument("--loss", default=_DISTILL_DEFAULTS.loss, choices=["fkl", "rkl", "jsd"], help="fkl = KL(full || student)")
-    p.add_argument("--ce-weight", type=number(0), default=_DISTILL_DEFAULTS.ce_weight, help="add cross-entropy on the full model's tokens")
-    p.add_argument("--on-policy", type=number(0, 1), default=_DISTILL_DEFAULTS.on_policy, help="share of steps on the student's own samples")
-    p.add_argument("--max-new-tokens", type=integer(1), default=_DISTILL_DEFAULTS.max_new_tokens, help="length of the full model's continuations")
+    add_dataclass_options(p, DistillConfig, DISTILL_OPTIONS[0])
+    # the prompts' limit, applied as they load: DistillConfig.max_samples (and the delta's record) stays None
     p.add_argument("--max-samples", type=integer(1), default=None)
-    p.add_argument("--lora-rank", type=integer(1), default=_DISTILL_DEFAULTS.lora_rank)
-    p.add_argument("--lora-alpha", type=number(0, lo_open=True), default=_DISTILL_DEFAULTS.lora_alpha)
-    p.add_argument("--lora-targets", type=_csv(str), default=_DISTILL_DEFAULTS.lora_targets,
-                   help="comma-separated Linear module names for LoRA (default: auto = the shared expert's "
-                        "gate_proj,up_proj,down_proj where the model has one, else q_proj,k_proj,v_proj,o_proj)")
-    p.add_argument("--seed", type=integer(0), default=0)
-    p.add_argument("--checkpoint-every", type=integer(1), default=_DISTILL_DEFAULTS.checkpoint_every, help="steps between resumable checkpoints "
-                   "(OUT.ckpt.pt, removed once the delta is written)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run from OUT.ckpt.pt")
+    add_dataclass_options(p, DistillConfig, DISTILL_OPTIONS[1])
     p.add_argument("--teacher", help="teacher-data file (.pt) shared between runs on the same model and data: "
                    "built and written there if absent, reused (and checked) if present")
     p.add_argument("--force", action="store_true", help="replace a non-empty output")
     p.set_defaults(func=cmd_distill)
 
+
+#: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
+EVAL_OPTIONS = (("dtype", "out_dir", "plans", "stats", "criteria", "ratios", "phases", "scope", "modes",
+                 "distilled", "engine", "data", "grader", "domain", "families", "split", "n_per_family",
+                 "max_samples", "calib_data", "calib_domain", "calib_per_family", "calib_max_new_tokens",
+                 "calib_seed", "calib_mixes"),
+                ("other_domains", "other_per_family", "max_new_tokens", "batch_size", "seed", "threads", "kl",
+                 "traffic", "plots", "cache", "cache_dir"))
+
+
+def _add_eval(sub) -> None:
+    from slimwise.evaluation.config import EvalConfig
+
     p = sub.add_parser("eval", help="accuracy, length, fidelity and decode traffic of full / uniform / SlimWise "
                        "over criteria x ratios x calibration phases; JSON + Markdown report + plots")
     p.add_argument("models", nargs="+", help="model directories or embedded names (testbed-a testbed-b)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: the checkpoint's dtype, float32 for bf16 on a CPU without bf16 matrix units")
-    p.add_argument("--out", default="runs/eval", help="report directory (one subdirectory per model if several)")
-    p.add_argument("--plan", action="append", help="evaluate this plan JSON (repeatable) instead of the grid")
-    p.add_argument("--stats", action="append", help="calibration stats to plan from (repeatable) instead of "
-                   "calibrating")
-    p.add_argument("--criteria", type=_csv(str), default=("frequency", "soft", "ean", "reap"),
-                   help="comma-separated criteria (default: frequency,soft,ean,reap)")
-    p.add_argument("--ratios", type=_csv(float), default=(0.25, 0.5, 0.75),
-                   help="comma-separated shares of experts to prune (default: 0.25,0.5,0.75)")
-    p.add_argument("--phases", type=_csv(str), default=("prompt", "decode"),
-                   help="comma-separated calibration phases (default: prompt,decode)")
-    p.add_argument("--global", dest="global_budget", action="store_true", help="one pruning budget across layers")
-    p.add_argument("--modes", type=_csv(str), default=("full", "uniform", "slimwise"),
-                   help="comma-separated among full,uniform,slimwise,distilled (default: full,uniform,slimwise)")
-    p.add_argument("--distilled", help="a `slimwise distill` delta: adds mode distilled on the plan it was made for")
-    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="hf (reference) or vllm (if installed)")
-    p.add_argument("--data", help="JSONL with prompt and answer (optional family) instead of the testbed")
-    p.add_argument("--grader", default="testbed", help="testbed | exact | contains | module:function")
-    p.add_argument("--domain", help="testbed domain: arithmetic (default, the target), lists, text, or all")
-    p.add_argument("--families", type=_csv(str), default=(), help="comma-separated testbed families")
-    p.add_argument("--split", default="test", choices=["test", "edge", "heldout", "calib"],
-                   help="testbed split: test; edge (the hardest trained sizes, e.g. 4-digit operands, never a test "
-                        "problem); heldout (beyond training: 5-6 digits, which the testbeds cannot solve); calib")
-    p.add_argument("--per-family", type=integer(1), default=48, help="testbed problems per family (default: 48)")
-    p.add_argument("--max-samples", type=integer(1), default=None, help="cap on problems (round-robin over families)")
-    p.add_argument("--calib-data", help="calibration prompts (JSONL) instead of the testbed calib split")
-    p.add_argument("--calib-domain", help="testbed domain to calibrate on (default: arithmetic, the target; "
-                   "evaluating other domains then measures transfer)")
-    p.add_argument("--calib-per-family", type=integer(1), default=16)
-    p.add_argument("--calib-max-new-tokens", type=integer(1), default=128)
-    p.add_argument("--calib-seed", type=integer(0), default=0,
-                   help="seed of the calibration split and sampling (apart from --seed, so the plans stay fixed)")
-    p.add_argument("--calib-mix", action="append", metavar="MIX",
-                   help="a mixed-domain calibration of the headline criterion and phase, at every ratio: 'all' or "
-                        "domain:weight,... (repeatable; default: all and arithmetic:3,lists:1,text:1)")
+    add_dataclass_options(p, EvalConfig, EVAL_OPTIONS[0])
     p.add_argument("--no-calib-mixes", action="store_true", help="no mixed-domain calibrations")
-    p.add_argument("--no-other-domains", action="store_true",
-                   help="do not also score every plan on the testbed's other domains")
-    p.add_argument("--other-per-family", type=integer(1), default=24,
-                   help="other-domain problems per family (default: 24)")
-    p.add_argument("--max-new-tokens", type=integer(1), default=160)
-    p.add_argument("--batch-size", type=integer(1), default=32, help="decode batch size (traffic is measured at it)")
-    p.add_argument("--seed", type=integer(0), default=0, help="seed of the test sample and the bootstrap intervals")
-    p.add_argument("--threads", type=integer(1), default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--no-kl", action="store_true", help="skip the teacher-forced KL")
-    p.add_argument("--no-traffic", action="store_true", help="skip decode-traffic counting")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-cache", action="store_true", help="recompute calibration and runs cached in --out")
-    p.add_argument("--cache-dir", help="where cached stats and generations go (default: OUT/cache)")
+    add_dataclass_options(p, EvalConfig, EVAL_OPTIONS[1])
     p.add_argument("--route", action="append", metavar="DOMAIN=NAME",
                    help="evaluate a traffic mix instead of the grid (--engine vllm): plans given as --plan NAME=PLAN "
                         "served in one engine, each problem routed by its domain to plan NAME (or full); DOMAIN * "
                         "routes the rest (default full). Problems of every domain; writes OUT/mix.json and mix.md")
     p.set_defaults(func=cmd_eval)
 
+
+#: the options of `slimwise serve` after MODEL and --plan, in the order --help lists them
+SERVE_OPTIONS = ("default_plan", "delta", "disaggregated", "decode_model", "prefill_url", "decode_url",
+                 "nixl", "host", "port", "served_model_name", "max_n", "min_decode_batch", "log_every",
+                 "kv_dir_max_bytes")
+
+
+def _add_serve(sub) -> None:
+    from slimwise.serving.config import ServeConfig
+
     p = sub.add_parser("serve", help="OpenAI-compatible server in vLLM: colocated (one engine) or disaggregated PD",
                        description="Serve MODEL with SlimWise in vLLM's OpenAI server. Unknown options are passed "
                                    "to `vllm serve` unchanged (e.g. --tensor-parallel-size, --max-num-seqs).")
-    p.add_argument("model", help="the full model's checkpoint directory")
+    add_dataclass_options(p, ServeConfig, ("model",))
     p.add_argument("--plan", action="append", metavar="[NAME=]PLAN",
                    help="prune plan; without it the model is served unpruned. Repeat as NAME=PLAN to serve several "
                         "plans in one engine, each request choosing by model name MODEL:NAME (MODEL:full: every "
                         "expert)")
-    p.add_argument("--default-plan", metavar="NAME|full",
-                   help="with named plans: the plan of requests to plain MODEL (default: the first plan)")
-    p.add_argument("--distilled", help="decode-only delta from `slimwise distill`")
-    p.add_argument("--disaggregated", action="store_true",
-                   help="full-model prefill instance + pruned decode instance + proxy behind one endpoint")
-    p.add_argument("--decode-model", help="pruned checkpoint for the decode instance (default: exported from --plan)")
-    p.add_argument("--prefill-url", help="attach the proxy to a prefill instance started elsewhere")
-    p.add_argument("--decode-url", help="attach the proxy to a decode instance started elsewhere")
-    p.add_argument("--nixl", action="store_true", help="attached instances use NixlConnector (GPU); see docs/serving.md")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=integer(1, 65535), default=8000, help="endpoint port (disaggregated: instances on port+1, +2)")
-    p.add_argument("--served-model-name", help="model name clients use (both instances share it; default: the "
-                   "embedded name as typed, e.g. testbed-c, or the checkpoint directory's name)")
-    p.add_argument("--max-n", type=integer(1), default=MAX_N_DEFAULT,
-                   help="most completions one request may ask for (n); more gets 400 (default %(default)s; the "
-                        "disaggregated proxy serves n=1 only)")
-    p.add_argument("--min-decode-batch", type=integer(0), default=0,
-                   help="load-aware: use the pruned experts only when a step has at least this many decode tokens")
-    p.add_argument("--log-every", type=integer(0), default=100, help="log routing counters every N steps (0: never)")
-    p.add_argument("--kv-dir-max-gb", type=number(0, lo_open=True), default=None,
-                   help="--disaggregated: cap of the shared KV directory in GB (default 4); over it, new requests get "
-                   "503 with Retry-After")
+    # the command line logs routing counters by default; ServeConfig from Python does not
+    add_dataclass_options(p, ServeConfig, SERVE_OPTIONS, overrides={"log_every": {"default": 100}})
     p.set_defaults(func=cmd_serve, vllm_args=[])
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the main job on the embedded default model: calibrate, prune 50%%, compare modes")
     p.add_argument("--out", default="runs/demo", help="where to write the report")
     p.add_argument("--samples", type=integer(1), default=64, help="test prompts per mode")
     p.add_argument("--seed", type=integer(0), default=0)
     p.set_defaults(func=cmd_demo)
-
-    from slimwise.perf.cli import add_bench_parser, add_roofline_parser
-
-    add_roofline_parser(sub)
-    add_bench_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -463,35 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "serve":
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.vllm_args = extra
-    try:
-        args.func(args)
-    except SlimWiseError as exc:
-        print(f"slimwise: error: {exc}", file=sys.stderr)
-        return 2
-    except EXPECTED_FAILURES as exc:
-        if os.environ.get(DEBUG_ENV) == "1":
-            raise
-        print(f"slimwise: error: {describe_failure(exc)} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
-        return 2
-    return 0
-
-
-#: failures a user's input or machine causes (unreadable, corrupt or contradictory files, a full or read-only disk):
-#: one line and exit 2 at the command line; anything else is a bug and keeps its traceback
-EXPECTED_FAILURES: tuple[type[BaseException], ...] = (OSError, ValueError, UnicodeError, KeyError, RuntimeError)
-DEBUG_ENV = "SLIMWISE_DEBUG"
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line for an expected failure: its kind and the first line of its message (paths included)."""
-    if isinstance(exc, OSError) and exc.filename is not None:
-        what = f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-    else:
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        what = f"{type(exc).__name__}: {lines[0] if lines else 'no message'}"
-    if len(what) > 300:
-        what = what[:297] + "..."
-    return what
+    return run_command(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The decode-only delta: its file format, its checks, and how it acts on a model.
 
 A delta is a few parameters trained by `slimwise.distill` (router rows, the norm feeding each MoE block, LoRA
-factors) that act only while the pruned decoder runs. This module is what every consumer needs and nothing more:
-the reference engine installs it next to an `ExpertMask` (`apply_delta`), the export folds it into a pruned
-checkpoint (`fold_delta`), and the vLLM plugin reads it (`Delta`, `plan_hash`). None of them loads the trainer.
-What each trainable set (router, norm, LoRA) does in each of these places is its `TrainableSet` in
+factors) that act only while the pruned decoder runs. This module is what every consumer needs and nothing
+more: the reference engine installs it next to an `ExpertMask` (`apply_delta`), the export folds it into a
+pruned checkpoint (`fold_delta`), and the vLLM plugin reads it (`Delta`, `plan_hash`). None of them loads the
+trainer. What each trainable set (router, norm, LoRA) does in each of these places is its `TrainableSet` in
 `slimwise.trainable`; this module only loops over them.
 """
 
@@ -43,7 +43,8 @@ DELTA_MODES = ("slimwise", "uniform")
 
 
 def plan_hash(plan: PrunePlan) -> str:
-    """Hash of what a delta depends on in a plan: the kept experts of each layer and the weights they index."""
+    """Hash of what a delta depends on in a plan: the kept experts of each layer
+    and the weights they index."""
     key = {"family": plan.family, "num_experts": plan.num_experts, "fingerprint": plan.fingerprint,
            "kept": {str(k): v for k, v in sorted(plan.kept_experts.items())}}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -77,12 +78,12 @@ class Delta:
       `layers.{i}.router.weight`    [E, H] the full-size router for decode; pruned rows equal the stock rows
       `layers.{i}.moe_norm.weight`  [H] the norm feeding layer i's MoE block (post_attention_layernorm)
       `lora.{module}.lora_A.weight` [r, in] and `lora.{module}.lora_B.weight` [out, r] for the Linear at the
-                                    full module name {module} (e.g. model.layers.0.self_attn.q_proj); the decode
-                                    weight is W + scale * B @ A with scale = manifest["lora"]["scale"]
-    Manifest (`delta.json`): format, mode ("slimwise": decode only; "uniform": both phases of uniform pruning),
-    params, plan_hash, plan_fingerprint, model_fingerprint, family, lora, trainable_params, trainable_share,
-    steps, loss_history, seconds, peak_memory_mb, config. A delta applies only to the model and plan it was
-    distilled for (`check`).
+                                    full module name {module} (e.g. model.layers.0.self_attn.q_proj); the
+                                    decode weight is W + scale * B @ A with scale = manifest["lora"]["scale"]
+    Manifest (`delta.json`): format, mode ("slimwise": decode only; "uniform": both phases of uniform
+    pruning), params, plan_hash, plan_fingerprint, model_fingerprint, family, lora, trainable_params,
+    trainable_share, steps, loss_history, seconds, peak_memory_mb, config. A delta applies only to the model
+    and plan it was distilled for (`check`).
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], manifest: dict):
@@ -111,15 +112,16 @@ class Delta:
 
     def lora_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         names = [k[len("lora."):-len(".lora_A.weight")] for k in self.tensors if k.endswith(".lora_A.weight")]
-        return {n: (self.tensors[f"lora.{n}.lora_A.weight"], self.tensors[f"lora.{n}.lora_B.weight"]) for n in names}
+        return {n: (self.tensors[f"lora.{n}.lora_A.weight"], self.tensors[f"lora.{n}.lora_B.weight"])
+                for n in names}
 
     def summary(self) -> dict:
         """What an export manifest records about the delta folded into it."""
-        keys = ("format", "mode", "params", "plan_hash", "model_fingerprint", "lora", "steps", "trainable_params",
-                "trainable_share", "seconds")
+        keys = ("format", "mode", "params", "plan_hash", "model_fingerprint", "lora", "steps",
+                "trainable_params", "trainable_share", "seconds")
         return {k: self.manifest.get(k) for k in keys} | {"source": str(self.path) if self.path else None}
 
-    # ----- checks --------------------------------------------------------------------------------------------
+    # ----- checks -------------------------------------------------------------------------------------------
     def check(self, model: nn.Module, plan: PrunePlan) -> None:
         """Refuse a delta made for another plan or other weights, or a plan that does not fit the model."""
         m = self.manifest
@@ -128,22 +130,25 @@ class Delta:
         adapter = get_adapter(model.config)
         plan.check_model(model, adapter)
         if not fingerprints_match(m.get("model_fingerprint"), fingerprint_of(model)):
-            raise SlimWiseError(f"delta was distilled on other weights (fingerprint {m.get('model_fingerprint')}, "
-                                f"this model {fingerprint_of(model)}): pass its source model, or distill again")
+            raise SlimWiseError("delta was distilled on other weights (fingerprint "
+                                f"{m.get('model_fingerprint')}, this model {fingerprint_of(model)}): pass "
+                                "its source model, or distill again")
         if m.get("plan_hash") != plan_hash(plan):
             raise SlimWiseError(f"delta was distilled for another plan (hash {m.get('plan_hash')}, this plan "
-                                f"{plan_hash(plan)}): pass the plan given to `slimwise distill`, or distill again")
+                                f"{plan_hash(plan)}): pass the plan given to "
+                                "`slimwise distill`, or distill again")
         layers = {layer.index: layer for layer in adapter.moe_layers(model)}
         for trainable_set in TRAINABLE_SETS.values():  # each set checks its own tensors' shapes
             trainable_set.check(self, model, adapter, layers)
 
-    # ----- io --------------------------------------------------------------------------------------------------
+    # ----- io -----------------------------------------------------------------------------------------------
     def save(self, path: str | Path, force: bool = False) -> Path:
         """Write the directory atomically (temporary directory, then rename): never half a delta."""
         path = Path(path)
         refuse_existing(path, force)
         with atomic_dir(path) as tmp:
-            tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sorted(self.tensors.items())}
+            tensors = {k: v.detach().to("cpu", torch.float32).contiguous()
+                       for k, v in sorted(self.tensors.items())}
             save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": DELTA_FORMAT})
             manifest = self.manifest | {"tensors": sorted(tensors)}
             (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, default=str) + "\n")
@@ -179,18 +184,20 @@ class InstalledDelta:
     """A delta's overrides on a model. They act only while switched on AND the mask is active (pruned rows).
 
     The engine switches it on for mode `distilled`; with a `slimwise` delta the mask is active on decode steps
-    only, so prefill runs the stock weights (bit-identical to the full model). Each override wraps the module's
-    forward (router, MoE-feeding norm, LoRA Linear) and lends it the trained tensor for one call.
+    only, so prefill runs the stock weights (bit-identical to the full model). Each override wraps the
+    module's forward (router, MoE-feeding norm, LoRA Linear) and lends it the trained tensor for one call.
     """
 
-    def __init__(self, model: nn.Module, delta: Delta, mask: ExpertMask, plan: PrunePlan, trainable: bool = False):
+    def __init__(self, model: nn.Module, delta: Delta, mask: ExpertMask, plan: PrunePlan,
+                 trainable: bool = False):
         self.model, self.mask, self.plan = model, mask, plan
         self.adapter = mask.adapter
         self.mode = delta.mode
         self.manifest = dict(delta.manifest)
         self.scale = delta.lora_scale
         self.on = False
-        self.sets: dict[str, SetState] = {}  # set name -> its overrides, in registry order (slimwise.trainable)
+        # set name -> its overrides, in registry order (slimwise.trainable)
+        self.sets: dict[str, SetState] = {}
         self._wrappers = ForwardWrappers("delta")
         layers = {layer.index: layer for layer in self.adapter.moe_layers(model)}
         try:
@@ -205,10 +212,11 @@ class InstalledDelta:
         self._wrappers.wrap(router, self._router_forward(router, weight, pruned))
 
     def override_weight(self, module: nn.Module, weight: Callable[[], torch.Tensor]) -> None:
-        """Run `module` with `weight()` as its weight while active (called per forward: autograd reaches it)."""
+        """Run `module` with `weight()` as its weight while active (called per
+        forward: autograd reaches it)."""
         self._wrappers.wrap(module, self._swap_forward(module, weight))
 
-    # ----- switching -----------------------------------------------------------------------------------------
+    # ----- switching ----------------------------------------------------------------------------------------
     @contextmanager
     def switched_on(self):
         previous, self.on = self.on, True
@@ -220,7 +228,7 @@ class InstalledDelta:
     def _active(self) -> bool:
         return self.on and self.mask.active
 
-    # ----- wrappers ------------------------------------------------------------------------------------------
+    # ----- wrappers -----------------------------------------------------------------------------------------
     def _router_forward(self, router: nn.Module, weight: nn.Parameter, pruned: torch.Tensor):
         """A wrapper factory: `previous` is ExpertMask's wrapper, or the stock forward for a layer that prunes
         nothing."""
@@ -266,21 +274,22 @@ class InstalledDelta:
     def remove(self) -> None:
         self._wrappers.remove()
 
-    # ----- training support ----------------------------------------------------------------------------------
+    # ----- training support ---------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """Every set's parameters in registry order: the order the gradient clip sums them in."""
         return [p for state in self.sets.values() for p in state.params.values()]
 
     def param_groups(self, lr: float, lora_lr: float | None, weight_decay: float) -> list[dict]:
-        """Dense sets (routers, norms) train at `lr` without weight decay; LoRA at `lora_lr` (default `lr`) with
-        `weight_decay`. Group order and parameter order are what an optimizer checkpoint indexes by."""
+        """Dense sets (routers, norms) train at `lr` without weight decay; LoRA at `lora_lr` (default `lr`)
+        with `weight_decay`. Group order and parameter order are what an optimizer checkpoint indexes by."""
         groups = []
         dense = self._group_params("dense")
         if dense:
             groups.append({"params": dense, "lr": lr, "base_lr": lr, "weight_decay": 0.0})
         lora = self._group_params("lora")
         if lora:
-            groups.append({"params": lora, "lr": lora_lr or lr, "base_lr": lora_lr or lr, "weight_decay": weight_decay})
+            groups.append({"params": lora, "lr": lora_lr or lr, "base_lr": lora_lr or lr,
+                           "weight_decay": weight_decay})
         return groups
 
     def _group_params(self, group: str) -> list[nn.Parameter]:
@@ -288,7 +297,8 @@ class InstalledDelta:
                 for p in state.params.values()]
 
     def trainable_count(self) -> int:
-        """Parameters that actually train: kept router rows, norm weights, LoRA factors (frozen rows excluded)."""
+        """Parameters that actually train: kept router rows, norm weights, LoRA
+        factors (frozen rows excluded)."""
         frozen = sum(int(rows.sum()) * state.params[key].shape[1]
                      for state in self.sets.values() for key, (rows, _) in state.frozen.items())
         return sum(p.numel() for p in self.parameters()) - frozen
@@ -302,14 +312,17 @@ class InstalledDelta:
                 w[rows] = stock[rows].to(w.dtype)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {key: p.detach().float().clone() for state in self.sets.values() for key, p in state.params.items()}
+        return {key: p.detach().float().clone() for state in self.sets.values()
+                for key, p in state.params.items()}
 
     def to_delta(self, manifest: dict | None = None) -> Delta:
         return Delta(self.tensors(), self.manifest | (manifest or {}))
 
 
-def apply_delta(model: nn.Module, delta: Delta | str | Path, mask: ExpertMask, plan: PrunePlan) -> InstalledDelta:
-    """Install a delta (or a delta directory) on `model` next to `mask`, after checking it fits model and plan."""
+def apply_delta(model: nn.Module, delta: Delta | str | Path, mask: ExpertMask,
+                plan: PrunePlan) -> InstalledDelta:
+    """Install a delta (or a delta directory) on `model` next to `mask`, after
+    checking it fits model and plan."""
     if isinstance(delta, (str, os.PathLike)):
         delta = Delta.load(delta)
     delta.check(model, plan)
@@ -319,7 +332,8 @@ def apply_delta(model: nn.Module, delta: Delta | str | Path, mask: ExpertMask, p
 @torch.no_grad()
 def fold_delta(model: nn.Module, delta: Delta | str | Path, plan: PrunePlan) -> dict:
     """Write the delta into the model's weights in place (trained routers and norms replace the stock ones,
-    LoRA merged), for exporting a pruned-and-distilled decoder. Returns the delta's summary for the manifest."""
+    LoRA merged), for exporting a pruned-and-distilled decoder. Returns the
+    delta's summary for the manifest."""
     if isinstance(delta, (str, os.PathLike)):
         delta = Delta.load(delta)
     delta.check(model, plan)

@@ -1,13 +1,15 @@
-"""Decode-only distillation: train a few parameters so the pruned decoder continues full-model caches faithfully.
+"""Decode-only distillation: train a few parameters so the pruned decoder
+continues full-model caches faithfully.
 
-Why decode-only: SlimWise's prefill must stay exactly the full model (prompt KV cache and first token), and the
-pruned decoder shares its weights with it (`ExpertMask`, one copy). So the trainable parameters are *overrides*
-installed next to the mask: they act only while the mask is active and the delta is switched on (mode
-`distilled`), and the stock weights never change. Prefill cannot see them, by construction.
+Why decode-only: SlimWise's prefill must stay exactly the full model (prompt KV cache and first token), and
+the pruned decoder shares its weights with it (`ExpertMask`, one copy). So the trainable parameters are
+*overrides* installed next to the mask: they act only while the mask is active and the delta is switched on
+(mode `distilled`), and the stock weights never change. Prefill cannot see them, by construction.
 
 Trainable sets (combinable, `DistillConfig.params`): `router` (the kept rows of each MoE router), `norm` (the
 norm feeding each MoE block) and `lora` (low-rank adapters used as a merged weight), each a `TrainableSet` in
-`slimwise.trainable`, which says what it trains, how it starts and how it acts; this module never branches on them.
+`slimwise.trainable`, which says what it trains, how it starts and how it acts; this
+module never branches on them.
 
 Training (`distill`): the full model generates greedy continuations of the prompts once (EOS kept, so the
 decoder learns when to stop) and its teacher-forced log-probs on them are cached. Each step, the full model
@@ -62,29 +64,34 @@ def peak_memory_mb() -> float:
 
 @dataclass
 class DistillConfig:
-    """Knobs of `distill`, and the one declaration of their defaults (the CLI reads them). The defaults are the
-    recipe the published bars were run with (docs/results/distillation.md): all three sets, because router + norm
-    alone did not meet the accuracy bar on both testbed backbones, with the LoRA where it recovered most: on the
-    shared expert if there is one. Every knob but the run's plumbing (`max_minutes`, `max_samples`, `checkpoint`,
-    `checkpoint_every`, `resume`, `teacher_cache_mb`, `progress`) is in a checkpoint's run key (`_run_key`): a
-    run resumed with another value is refused."""
+    """Knobs of `distill`, and the one declaration of their defaults (the CLI reads them). The defaults are
+    the recipe the published bars were run with (docs/results/distillation.md): all three sets, because
+    router + norm alone did not meet the accuracy bar on both testbed backbones, with the LoRA where it
+    recovered most: on the shared expert if there is one. Every knob but the run's plumbing (`max_minutes`,
+    `max_samples`, `checkpoint`, `checkpoint_every`, `resume`, `teacher_cache_mb`, `progress`) is in a
+    checkpoint's run key (`_run_key`): a run resumed with another value is refused."""
 
-    params: tuple[str, ...] = field(default=("router", "norm", "lora"), metadata={  # slimwise.trainable's sets
+    # slimwise.trainable's sets
+    params: tuple[str, ...] = field(default=("router", "norm", "lora"), metadata={
         "type": comma_list(str),
-        "help": "comma-separated trainable sets among router,norm,lora (default: router,norm,lora, the cheapest set "
-                "that met the accuracy bar on both testbed backbones)"})
-    mode: str = field(default="slimwise", metadata={  # "uniform": the uniform-pruned model, prefill trained too
+        "help": "comma-separated trainable sets among router,norm,lora (default: router,norm,lora, the "
+                "cheapest set that met the accuracy bar on both testbed backbones)"})
+    # "uniform": the uniform-pruned model, prefill trained too
+    mode: str = field(default="slimwise", metadata={
         "choices": DELTA_MODES,
         "help": "slimwise: full prefill, decode-only delta; uniform: the uniform-pruned baseline"})
-    steps: int = field(default=1200, metadata={"type": integer(1), "help": None})  # each on `batch_size` prompts
+    # each on `batch_size` prompts
+    steps: int = field(default=1200, metadata={"type": integer(1), "help": None})
     max_minutes: float | None = field(default=None, metadata={  # a hard cap on the training loop
-        "flag": "--minutes", "type": number(0, lo_open=True), "help": "wall-clock cap on training (keeps the steps done)"})
-    batch_size: int = field(default=16, metadata={"type": integer(1), "help": None})  # prompts per training step
-    # the teacher data's generation and log-prob batches. Larger batches build it faster on CPU (results page);
-    # 16 stays the default so the published bars regenerate bit for bit (padding changes rounding)
+        "flag": "--minutes", "type": number(0, lo_open=True),
+        "help": "wall-clock cap on training (keeps the steps done)"})
+    # prompts per training step
+    batch_size: int = field(default=16, metadata={"type": integer(1), "help": None})
+    # the teacher data's generation and log-prob batches. Larger batches build it faster on CPU (results
+    # page); 16 stays the default so the published bars regenerate bit for bit (padding changes rounding)
     teacher_batch_size: int = field(default=16, metadata={
-        "type": integer(1), "help": "batch of the full model's continuations and log-probs (the teacher data); 64 "
-                                    "builds it about 1.9x faster on CPU"})
+        "type": integer(1), "help": "batch of the full model's continuations and log-probs (the teacher "
+                                    "data); 64 builds it about 1.9x faster on CPU"})
     # peak AdamW learning rate of routers and norms (and of LoRA unless lora_lr)
     lr: float = field(default=3e-3, metadata={"type": number(0, lo_open=True), "help": None})
     lora_lr: float | None = field(default=None, metadata={
@@ -95,7 +102,8 @@ class DistillConfig:
     grad_clip: float = 1.0  # max global gradient norm over every trained parameter; 0 turns clipping off
     loss: str = field(default="fkl", metadata={  # fkl = KL(full || student); rkl; jsd
         "choices": LOSSES, "help": "fkl = KL(full || student)"})
-    ce_weight: float = field(default=0.0, metadata={  # + cross-entropy on the full model's continuation tokens
+    # + cross-entropy on the full model's continuation tokens
+    ce_weight: float = field(default=0.0, metadata={
         "type": number(0), "help": "add cross-entropy on the full model's tokens"})
     on_policy: float = field(default=0.0, metadata={  # on the student's own greedy continuations
         "type": number(0, 1), "help": "share of steps on the student's own samples"})
@@ -117,7 +125,8 @@ class DistillConfig:
         "help": "steps between resumable checkpoints (OUT.ckpt.pt, removed once the delta is written)"})
     resume: bool = field(default=False, metadata={  # refused if the checkpoint belongs to another run
         "help": "continue an interrupted run from OUT.ckpt.pt"})
-    teacher_cache_mb: float = 1024.0  # cache the full model's log-probs below this size, else recompute per step
+    # cache the full model's log-probs below this size, else recompute per step
+    teacher_cache_mb: float = 1024.0
     progress: bool = True  # progress bar and one-line reports (tqdm.write)
 
     def validate(self) -> None:
@@ -139,8 +148,8 @@ def init_delta(model: nn.Module, plan: PrunePlan, config: DistillConfig) -> Delt
     adapter = get_adapter(model.config)
     tensors: dict[str, torch.Tensor] = {}
     layers = {layer.index: layer for layer in adapter.moe_layers(model) if layer.index in plan.kept_experts}
-    manifest = {"format": DELTA_FORMAT, "mode": config.mode, "params": list(config.params), "family": adapter.family,
-                "plan_hash": plan_hash(plan), "plan_fingerprint": plan.fingerprint,
+    manifest = {"format": DELTA_FORMAT, "mode": config.mode, "params": list(config.params),
+                "family": adapter.family, "plan_hash": plan_hash(plan), "plan_fingerprint": plan.fingerprint,
                 "model_fingerprint": fingerprint_of(model), "num_experts": plan.num_experts, "lora": None}
     for trainable_set in trainable_sets(config.params):
         set_tensors, entries = trainable_set.init(model, adapter, layers, config)
@@ -157,9 +166,9 @@ def init_delta(model: nn.Module, plan: PrunePlan, config: DistillConfig) -> Delt
 class TeacherData:
     """The full model's greedy continuations of the distillation prompts (EOS kept) and its log-probs on them.
 
-    Why a value of its own: it depends on the model, the prompts and the generation settings only, never on the
-    plan or the mode, so one is built once and shared by every ratio, plan and baseline distilled on the same
-    prompts (`distill(..., teacher=...)`, `slimwise distill --teacher FILE`). `logprobs` is None when the
+    Why a value of its own: it depends on the model, the prompts and the generation settings only, never on
+    the plan or the mode, so one is built once and shared by every ratio, plan and baseline distilled on the
+    same prompts (`distill(..., teacher=...)`, `slimwise distill --teacher FILE`). `logprobs` is None when the
     cache would exceed `teacher_cache_mb`; training then recomputes them per step."""
 
     key: dict  # model fingerprint, prompt hash and generation settings: what the data is a function of
@@ -169,24 +178,28 @@ class TeacherData:
 
     def check(self, key: dict) -> None:
         if self.key != key:
-            labels = {"model_fingerprint": "model", "data": "prompt set", "max_new_tokens": "--max-new-tokens",
-                      "teacher_batch_size": "--teacher-batch-size"}
-            diff = [labels.get(k, k) for k in sorted(set(self.key) | set(key)) if self.key.get(k) != key.get(k)]
-            raise SlimWiseError(f"teacher data was built for a different {' and '.join(diff)}: rebuild it (delete "
-                                "the file) or pass the one built for this run")
+            labels = {"model_fingerprint": "model", "data": "prompt set",
+                      "max_new_tokens": "--max-new-tokens", "teacher_batch_size": "--teacher-batch-size"}
+            diff = [labels.get(k, k) for k in sorted(set(self.key) | set(key))
+                    if self.key.get(k) != key.get(k)]
+            raise SlimWiseError(f"teacher data was built for a different {' and '.join(diff)}: rebuild it "
+                                "(delete the file) or pass the one built for this run")
 
     def save(self, path: str | Path) -> Path:
-        return atomic_torch_save({"format": TEACHER_FORMAT, "key": self.key, "continuations": self.continuations,
-                                  "logprobs": self.logprobs, "seconds": self.seconds}, path)
+        return atomic_torch_save({"format": TEACHER_FORMAT, "key": self.key,
+                                  "continuations": self.continuations, "logprobs": self.logprobs,
+                                  "seconds": self.seconds}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> TeacherData:
         try:
             state = torch.load(Path(path), map_location="cpu", weights_only=True)  # no code from shared files
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-            raise SlimWiseError(f"teacher data {path} is unreadable ({type(exc).__name__}): delete it to rebuild") from exc
+            raise SlimWiseError(f"teacher data {path} is unreadable ({type(exc).__name__}): delete it "
+                                "to rebuild") from exc
         if not isinstance(state, dict) or state.get("format") != TEACHER_FORMAT:
-            raise SlimWiseError(f"{path} is not SlimWise teacher data ({TEACHER_FORMAT}): delete it to rebuild")
+            raise SlimWiseError(f"{path} is not SlimWise teacher data ({TEACHER_FORMAT}): "
+                                "delete it to rebuild")
         key = dict(state["key"])
         if "batch_size" in key:  # written by older releases, whose training batch built the teacher data too
             key["teacher_batch_size"] = key.pop("batch_size")
@@ -194,7 +207,8 @@ class TeacherData:
 
 
 def _teacher_key(model: nn.Module, ids: list[list[int]], config: DistillConfig) -> dict:
-    return {"model_fingerprint": memory_fingerprint(fingerprint_of(model)), "data": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+    return {"model_fingerprint": memory_fingerprint(fingerprint_of(model)),
+            "data": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
             "max_new_tokens": config.max_new_tokens, "teacher_batch_size": config.teacher_batch_size}
 
 
@@ -207,7 +221,8 @@ def _build_teacher(engine: PhaseSplitEngine, ids: list[list[int]], config: Disti
         continuations = [g.token_ids for g in engine.generate(ids, mode="full", config=gen_cfg)]
     vocab = engine.model.get_output_embeddings().weight.shape[0]
     logprobs: list[torch.Tensor] | None = None
-    if sum(len(c) for c in continuations) * vocab * 4 <= config.teacher_cache_mb * 2**20 and config.on_policy < 1.0:
+    if sum(len(c) for c in continuations) * vocab * 4 <= config.teacher_cache_mb * 2**20 \
+            and config.on_policy < 1.0:
         logprobs = logprobs_along(engine, ids, continuations, config.teacher_batch_size)
     return TeacherData(_teacher_key(engine.model, ids, config), continuations, logprobs,
                        round(time.perf_counter() - t0, 2))
@@ -216,7 +231,8 @@ def _build_teacher(engine: PhaseSplitEngine, ids: list[list[int]], config: Disti
 def _distill_prompts(prompts: Sequence[str] | Sequence[Sequence[int]], config: DistillConfig) -> list:
     prompts = list(prompts)[:config.max_samples] if config.max_samples else list(prompts)
     if not prompts:
-        raise SlimWiseError("distillation data is empty: pass calibration prompts (JSONL with a 'prompt' field)")
+        raise SlimWiseError("distillation data is empty: pass calibration prompts "
+                            "(JSONL with a 'prompt' field)")
     return prompts
 
 
@@ -234,7 +250,8 @@ def build_teacher(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[i
 
 
 def _batch_indices(n: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Step `step`'s samples: a seeded permutation per epoch, so a batch is a pure function of (seed, step)."""
+    """Step `step`'s samples: a seeded permutation per epoch, so a batch is a
+    pure function of (seed, step)."""
     per_epoch = math.ceil(n / batch_size)
     epoch, k = divmod(step, per_epoch)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
@@ -249,17 +266,19 @@ def _lr_factor(config: DistillConfig, step: int) -> float:
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
-    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return config.min_lr_ratio \
+        + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def _run_key(config: DistillConfig, plan: PrunePlan, fingerprint: dict, data_hash: str) -> dict:
     """What a checkpoint must share with the run resuming it (everything the trajectory depends on)."""
-    keep = ("params", "mode", "steps", "batch_size", "lr", "lora_lr", "weight_decay", "warmup_steps", "min_lr_ratio",
-            "grad_clip", "loss", "ce_weight", "on_policy", "max_new_tokens", "teacher_batch_size", "lora_rank",
-            "lora_alpha", "lora_targets", "seed")
+    keep = ("params", "mode", "steps", "batch_size", "lr", "lora_lr", "weight_decay", "warmup_steps",
+            "min_lr_ratio", "grad_clip", "loss", "ce_weight", "on_policy", "max_new_tokens",
+            "teacher_batch_size", "lora_rank", "lora_alpha", "lora_targets", "seed")
     cfg = {k: v for k, v in asdict(config).items() if k in keep}
-    return json.loads(json.dumps({"config": cfg, "plan_hash": plan_hash(plan), "model_fingerprint": memory_fingerprint(fingerprint),
-                                  "data": data_hash}, default=list))
+    return json.loads(json.dumps({"config": cfg, "plan_hash": plan_hash(plan),
+                                  "model_fingerprint": memory_fingerprint(fingerprint), "data": data_hash},
+                                 default=list))
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -267,11 +286,11 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def trainable_cache(cache):
-    """Make a prefill cache safe to backpropagate through: transformers writes each linear-attention layer's new
-    recurrent state into the previous state tensor in place (`copy_`, to keep a static address for CUDA graphs), but
-    that tensor was the layer's initial state, saved for the backward pass of the same forward (Qwen3-Next,
-    Qwen3.5/3.6-MoE: "modified by an inplace operation"). On this cache only, the new state is assigned instead; the
-    values are the same. Attention-only caches are returned unchanged."""
+    """Make a prefill cache safe to backpropagate through: transformers writes each linear-attention layer's
+    new recurrent state into the previous state tensor in place (`copy_`, to keep a static address for CUDA
+    graphs), but that tensor was the layer's initial state, saved for the backward pass of the same forward
+    (Qwen3-Next, Qwen3.5/3.6-MoE: "modified by an inplace operation"). On this cache only, the new state is
+    assigned instead; the values are the same. Attention-only caches are returned unchanged."""
     for layer in getattr(cache, "layers", []):
         if not hasattr(layer, "update_recurrent_state"):
             continue
@@ -287,7 +306,8 @@ def trainable_cache(cache):
 
 
 def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: list[list[int]],
-               conts: list[list[int]], teacher: torch.Tensor | None, config: DistillConfig) -> torch.Tensor | None:
+               conts: list[list[int]], teacher: torch.Tensor | None,
+               config: DistillConfig) -> torch.Tensor | None:
     """One batch: student logits on the full model's prefill cache vs the teacher's log-probs (None: nothing
     to train, every continuation is one token, which the full prefill produced)."""
     width = max(len(c) for c in conts)
@@ -304,7 +324,8 @@ def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: lis
             teacher = torch.log_softmax(logits, dim=-1)
         else:
             teacher = teacher[:, 1:]
-        student = continue_on_cache(engine, "distilled", trainable_cache(cache), attention, positions, conts, width)
+        student = continue_on_cache(engine, "distilled", trainable_cache(cache), attention,
+                                    positions, conts, width)
         first = 1  # position 0 is the full prefill's token: never trained
     else:
         if teacher is None:
@@ -320,7 +341,8 @@ def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: lis
         target = torch.zeros(len(conts), width, dtype=torch.long)
         for i, c in enumerate(conts):
             target[i, :len(c)] = torch.tensor(c)
-        nll = -torch.log_softmax(student, dim=-1).gather(-1, target[:, first:, None].to(student.device)).squeeze(-1)
+        nll = -(torch.log_softmax(student, dim=-1).gather(-1, target[:, first:, None].to(student.device))
+                .squeeze(-1))
         loss = loss + config.ce_weight * (nll * valid).sum() / valid.sum()
     return loss
 
@@ -330,10 +352,12 @@ def _check_plan(model: nn.Module, plan: PrunePlan) -> None:
     plan.validate(adapter.min_kept_per_group(model.config))
     plan.check_model(model, adapter)
     if plan.is_empty:
-        raise SlimWiseError("the plan prunes nothing, so there is nothing to distil: pass a plan with ratio > 0")
+        raise SlimWiseError("the plan prunes nothing, so there is nothing to distil: "
+                            "pass a plan with ratio > 0")
 
 
-def _resume_state(ckpt: Path | None, key: dict, config: DistillConfig, say: Callable[[str], None]) -> dict | None:
+def _resume_state(ckpt: Path | None, key: dict, config: DistillConfig,
+                  say: Callable[[str], None]) -> dict | None:
     """The checkpoint to continue from, checked to belong to this run (`key`); None: start at step 0 (no
     --resume, or no checkpoint written yet)."""
     if not (config.resume and ckpt is not None and ckpt.is_file()):
@@ -409,7 +433,8 @@ def _batch(engine: PhaseSplitEngine, ids: list[list[int]], teacher: TeacherData,
     prompts = [ids[i] for i in idx]
     if _is_on_policy(config.on_policy, step):
         gen_cfg = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
-        return prompts, [g.token_ids for g in engine.generate(prompts, mode="distilled", config=gen_cfg)], None
+        return (prompts, [g.token_ids for g in engine.generate(prompts, mode="distilled", config=gen_cfg)],
+                None)
     conts = [teacher.continuations[i] for i in idx]
     if teacher.logprobs is None:
         return prompts, conts, None
@@ -449,8 +474,8 @@ def _save_checkpoint(ckpt: Path, key: dict, run: _Run, continuations: list[list[
                        "elapsed": run.elapsed(), "continuations": continuations}, ckpt)
 
 
-def _start_line(trainable: int, total: int, installed: InstalledDelta, ids: list[list[int]], teacher: TeacherData,
-                config: DistillConfig) -> str:
+def _start_line(trainable: int, total: int, installed: InstalledDelta, ids: list[list[int]],
+                teacher: TeacherData, config: DistillConfig) -> str:
     lora = installed.manifest.get("lora")
     lora_on = f" on {','.join(lora['targets'])}" if lora else ""
     return (f"distill: {trainable:,} trainable parameters ({'+'.join(config.params)}{lora_on}) = "
@@ -458,10 +483,11 @@ def _start_line(trainable: int, total: int, installed: InstalledDelta, ids: list
             f"{sum(len(c) for c in teacher.continuations)} continuation tokens; mode {config.mode}")
 
 
-def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer=None,
-            config: DistillConfig | None = None, *, teacher: TeacherData | None = None,
+def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence[Sequence[int]],
+            tokenizer=None, config: DistillConfig | None = None, *, teacher: TeacherData | None = None,
             callback: Callable[[int, float], None] | None = None) -> Delta:
-    """Distil a decode-only delta for `plan` on `prompts`; `model` is the (frozen) teacher and the student's base.
+    """Distil a decode-only delta for `plan` on `prompts`; `model` is the (frozen)
+    teacher and the student's base.
 
     `callback(step, loss)` runs after every step (and after its checkpoint). The model's weights and
     requires_grad flags are left as they were. With `config.checkpoint`, a resumable state is written
@@ -489,14 +515,15 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
         state = _resume_state(ckpt, key, config, say)
         shared_teacher = teacher is not None
         teacher = _teacher_data(engine, ids, config, teacher, state)
-        delta0 = Delta(state["tensors"], state["manifest"]) if state is not None else init_delta(model, plan, config)
+        delta0 = Delta(state["tensors"], state["manifest"]) if state is not None \
+            else init_delta(model, plan, config)
         installed = InstalledDelta(model, delta0, engine.mask, plan, trainable=True)
         engine.delta = installed
         trainable, total = installed.trainable_count(), sum(p.numel() for p in model.parameters())
         say(_start_line(trainable, total, installed, ids, teacher, config))
         run = _Run.begin(installed, config, state)
-        bar = tqdm(total=config.steps, initial=run.step, desc=f"distill[{'+'.join(config.params)}]", unit="step",
-                   disable=None if config.progress else True)  # a terminal only
+        bar = tqdm(total=config.steps, initial=run.step, desc=f"distill[{'+'.join(config.params)}]",
+                   unit="step", disable=None if config.progress else True)  # a terminal only
         while run.step < config.steps:
             if run.time_is_up(config, say):
                 break
@@ -516,12 +543,14 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
                     "trainable_params": trainable, "model_params": total,
                     "trainable_share": trainable / total, "seconds": round(time.perf_counter() - t_start, 2),
                     "train_seconds": round(train_seconds, 2), "peak_memory_mb": round(peak_memory_mb(), 1),
-                    "num_prompts": len(ids), "continuation_tokens": sum(len(c) for c in teacher.continuations),
+                    "num_prompts": len(ids),
+                    "continuation_tokens": sum(len(c) for c in teacher.continuations),
                     "config": {k: v for k, v in asdict(config).items()
                                if k not in ("checkpoint", "resume", "progress")}}
         say(f"distill: {run.step} steps in {train_seconds:.1f}s (total {manifest['seconds']:.1f}s), loss "
             f"{run.history[0] if run.history else float('nan'):.4f} -> "
-            f"{run.history[-1] if run.history else float('nan'):.4f}, peak memory {manifest['peak_memory_mb']:.0f} MB")
+            f"{run.history[-1] if run.history else float('nan'):.4f}, peak memory "
+            f"{manifest['peak_memory_mb']:.0f} MB")
         return installed.to_delta(manifest)
     finally:
         if installed is not None:

@@ -1,4 +1,5 @@
-"""The trainable sets of a decode-only delta (`router`, `norm`, `lora`): one object per set, registered by name.
+"""The trainable sets of a decode-only delta (`router`, `norm`, `lora`): one
+object per set, registered by name.
 
 A set owns what differs between sets, for every consumer of a delta:
   `validate`        refuse distillation settings the set cannot train with (before any work)
@@ -13,10 +14,10 @@ Code that handles a delta loops over `TRAINABLE_SETS` instead of branching on se
 registered subclass here (plus its vLLM hook in `routing.py`, where the vLLM module names live).
 
 Invariants:
-- Registry order is the order everywhere (tensors, parameters, optimizer groups, gradient clipping): it is part
-  of what makes a resumed run repeat its losses bit for bit, so new sets go after the existing ones.
-- Every set acts on the delta's tensors of its own kind only, and an absent kind is a no-op: a delta is applied
-  by what it holds, whatever its manifest's `params` says.
+- Registry order is the order everywhere (tensors, parameters, optimizer groups, gradient clipping): it is
+  part of what makes a resumed run repeat its losses bit for bit, so new sets go after the existing ones.
+- Every set acts on the delta's tensors of its own kind only, and an absent kind is a no-op: a delta is
+  applied by what it holds, whatever its manifest's `params` says.
 - vLLM workers import this module (through `slimwise.serving.routing`), so it imports neither the trainer
   (`slimwise.distill`, torch optimizers) nor vLLM; and `slimwise.delta` imports it, so it imports nothing from
   there either (the objects it acts on are passed in).
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
 #: where decoder layers keep the norm whose output feeds the MoE block, by family naming
 NORM_ATTRS = ("post_attention_layernorm", "ffn_norm", "pre_feedforward_layernorm")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-DENSE_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # routed experts are fused 3-D weights: never matched
+# routed experts are fused 3-D weights: never matched
+DENSE_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 #: transformers' projection -> (vLLM module name, block of its fused output): q/k/v are fused in vLLM's
 #: QKVParallelLinear (output blocks q, k, v), o_proj is one RowParallelLinear; a dense MLP's -- the shared
 #: expert's (Qwen2-MoE, Qwen3-Next) or a dense layer's -- gate/up are fused in MergedColumnParallelLinear
@@ -66,8 +68,8 @@ def moe_norm(model: nn.Module, layer_index: int, adapter: MoEAdapter | None = No
         module = getattr(layer, name, None)
         if isinstance(module, nn.Module) and isinstance(getattr(module, "weight", None), torch.Tensor):
             return module
-    raise SlimWiseError(f"decoder layer {layer_index} has none of {NORM_ATTRS}: the `norm` set does not support "
-                        f"{type(layer).__name__}; use --params router or lora")
+    raise SlimWiseError(f"decoder layer {layer_index} has none of {NORM_ATTRS}: the `norm` set does not "
+                        f"support {type(layer).__name__}; use --params router or lora")
 
 
 def resolve_lora_targets(model: nn.Module, targets: Sequence[str]) -> tuple[str, ...]:
@@ -79,7 +81,8 @@ def resolve_lora_targets(model: nn.Module, targets: Sequence[str]) -> tuple[str,
     """
     if tuple(targets) != ("auto",):
         return tuple(targets)
-    shared = any(isinstance(m, nn.Linear) and ".shared_expert" in name and name.rsplit(".", 1)[-1] in DENSE_MLP_TARGETS
+    shared = any(isinstance(m, nn.Linear) and ".shared_expert" in name
+                 and name.rsplit(".", 1)[-1] in DENSE_MLP_TARGETS
                  for name, m in model.named_modules())
     return DENSE_MLP_TARGETS if shared else ATTENTION_TARGETS
 
@@ -90,8 +93,8 @@ def lora_modules(model: nn.Module, targets: Sequence[str]) -> dict[str, nn.Linea
     found = {name: m for name, m in model.named_modules()
              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in set(targets)}
     if not found:
-        raise SlimWiseError(f"no Linear module named {', '.join(targets)} in the model: pass --lora-targets with "
-                            "module names it has (e.g. q_proj,v_proj,o_proj)")
+        raise SlimWiseError(f"no Linear module named {', '.join(targets)} in the model: pass --lora-targets "
+                            "with module names it has (e.g. q_proj,v_proj,o_proj)")
     return found
 
 
@@ -133,7 +136,8 @@ class TrainableSet:
     """Base class of the sets: the operations every consumer of a delta calls, one per consumer."""
 
     name: ClassVar[str] = ""
-    #: the optimizer group its parameters join: "dense" (lr, no weight decay) or "lora" (lora_lr, weight decay)
+    #: the optimizer group its parameters join: "dense" (lr, no weight decay) or
+    #: "lora" (lora_lr, weight decay)
     group: ClassVar[str] = "dense"
 
     def validate(self, config: InitOptions) -> None:
@@ -162,7 +166,8 @@ TRAINABLE_SETS: dict[str, TrainableSet] = {}
 
 
 def register_set(cls: type[TrainableSet]) -> type[TrainableSet]:
-    """Register one instance of `cls` under `cls.name`; a name already taken is refused (no silent replacement)."""
+    """Register one instance of `cls` under `cls.name`; a name already taken is
+    refused (no silent replacement)."""
     if cls.name in TRAINABLE_SETS and type(TRAINABLE_SETS[cls.name]) is not cls:
         raise SlimWiseError(f"trainable set {cls.name!r} is already registered "
                             f"({type(TRAINABLE_SETS[cls.name]).__name__}); choose another name")
@@ -174,7 +179,8 @@ def trainable_sets(names: Sequence[str]) -> list[TrainableSet]:
     """The sets named, in registry order; none, or an unknown name, is refused in one line."""
     bad = [n for n in names if n not in TRAINABLE_SETS]
     if not names or bad:
-        raise SlimWiseError(f"unknown trainable set(s) {bad or '(none)'}; choose among {', '.join(TRAINABLE_SETS)}")
+        raise SlimWiseError(f"unknown trainable set(s) {bad or '(none)'}; choose among "
+                            f"{', '.join(TRAINABLE_SETS)}")
     return [s for n, s in TRAINABLE_SETS.items() if n in names]
 
 
@@ -257,8 +263,9 @@ class NormSet(TrainableSet):
 
 @register_set
 class LoraSet(TrainableSet):
-    """Low-rank adapters W + scale * B @ A on chosen Linear modules (the shared expert's gate/up/down, else the
-    attention projections, by default), used as a merged weight, so a folded export computes the same weights."""
+    """Low-rank adapters W + scale * B @ A on chosen Linear modules (the shared expert's
+    gate/up/down, else the attention projections, by default), used as a merged weight, so a folded
+    export computes the same weights."""
 
     name = "lora"
     group = "lora"
@@ -274,11 +281,12 @@ class LoraSet(TrainableSet):
         tensors = {}
         for name, lin in sorted(modules.items()):
             bound = 1.0 / math.sqrt(lin.in_features)  # PEFT's default A init (kaiming-uniform, a=sqrt(5))
-            tensors[f"lora.{name}.lora_A.weight"] = (torch.rand(config.lora_rank, lin.in_features, generator=gen)
-                                                     * 2 - 1) * bound
+            tensors[f"lora.{name}.lora_A.weight"] = (torch.rand(config.lora_rank, lin.in_features,
+                                                                generator=gen) * 2 - 1) * bound
             tensors[f"lora.{name}.lora_B.weight"] = torch.zeros(lin.out_features, config.lora_rank)
-        lora = {"rank": config.lora_rank, "alpha": config.lora_alpha, "scale": config.lora_alpha / config.lora_rank,
-                "targets": list(targets), "modules": sorted(modules)}
+        lora = {"rank": config.lora_rank, "alpha": config.lora_alpha,
+                "scale": config.lora_alpha / config.lora_rank, "targets": list(targets),
+                "modules": sorted(modules)}
         return tensors, {"lora": lora}
 
     def check(self, delta, model, adapter, layers):
@@ -316,9 +324,10 @@ class LoraSet(TrainableSet):
         for name, (a, b) in sorted(delta.lora_pairs().items()):
             prefix, _, leaf = name.rpartition(".")
             if leaf not in VLLM_LORA_TARGETS:
-                raise SlimWiseError(f"LoRA on {name} is not served colocated (only {', '.join(VLLM_LORA_TARGETS)}): "
-                                    "export the folded checkpoint with `slimwise prune --distilled` and serve it as "
-                                    "the --disaggregated decode model")
+                raise SlimWiseError(f"LoRA on {name} is not served colocated (only "
+                                    f"{', '.join(VLLM_LORA_TARGETS)}): export the folded checkpoint with "
+                                    "`slimwise prune --distilled` and serve it as the "
+                                    "--disaggregated decode model")
             target, block = VLLM_LORA_TARGETS[leaf]
             routing.lora_blocks.setdefault(f"{prefix}.{target}", []).append((block, a, b))
 

@@ -1,9 +1,9 @@
 """The bad-input corpus: every subcommand, fed what a careless or hostile user would give it, refuses with
-exit 2 and one line on stderr (`slimwise...: error: ...`), writes nothing (no output, no hidden temporary sibling)
-and leaves the source model byte for byte as it was.
+exit 2 and one line on stderr (`slimwise...: error: ...`), writes nothing (no output, no hidden temporary
+sibling) and leaves the source model byte for byte as it was.
 
-The CLI runs in-process (`slimwise.cli.main`), so the whole corpus shares one tiny model and takes seconds. `serve` and
-`bench` must refuse before any vLLM engine starts: starting one fails the test instead.
+The CLI runs in-process (`slimwise.cli.main`), so the whole corpus shares one tiny model and takes seconds.
+`serve` and `bench` must refuse before any vLLM engine starts: starting one fails the test instead.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def env(tmp_path_factory):
     model_dir = save_tiny_model("qwen3_moe", root / "model", initializer_range=0.15)
     build_tokenizer(model_dir)
     model = load_model(model_dir)
-    stats = calibrate(model, [[5, 6, 7, 8], [9, 10, 11]], config=CalibrationConfig(max_new_tokens=3), progress=False)
+    stats = calibrate(model, [[5, 6, 7, 8], [9, 10, 11]],
+                      config=CalibrationConfig(max_new_tokens=3), progress=False)
     stats.save(root / "stats.safetensors")
     plan = plan_from_stats(stats, "reap", 0.5)
     plan.save(root / "plan.json")
@@ -64,7 +65,8 @@ def env(tmp_path_factory):
         edit(root / name)
 
     weights = "model.safetensors"
-    broken("truncated", lambda d: (d / weights).write_bytes((d / weights).read_bytes()[: (d / weights).stat().st_size // 2]))
+    broken("truncated", lambda d: (d / weights).write_bytes(
+        (d / weights).read_bytes()[: (d / weights).stat().st_size // 2]))
     broken("corrupt", lambda d: (d / weights).write_bytes(GARBAGE))
     broken("empty-weights", lambda d: (d / weights).write_bytes(b""))
     broken("header-only", lambda d: (d / weights).write_bytes((d / weights).read_bytes()[:4000]))
@@ -125,9 +127,12 @@ def env(tmp_path_factory):
         "no-top-k": {k: v for k, v in good.items() if k != "top_k"},
         "no-kept": {k: v for k, v in good.items() if k != "kept_experts"},
         "no-family": {k: v for k, v in good.items() if k != "family"},
-        "layer-x": good | {"kept_experts": {"x" if k == first else k: v for k, v in good["kept_experts"].items()}},
-        "layer-negative": good | {"kept_experts": {"-1" if k == first else k: v for k, v in good["kept_experts"].items()}},
-        "layer-missing": good | {"kept_experts": {k: v for k, v in good["kept_experts"].items() if k != first}},
+        "layer-x": good | {"kept_experts": {"x" if k == first else k: v
+                                            for k, v in good["kept_experts"].items()}},
+        "layer-negative": good | {"kept_experts": {"-1" if k == first else k: v
+                                                   for k, v in good["kept_experts"].items()}},
+        "layer-missing": good | {"kept_experts": {k: v
+                                                  for k, v in good["kept_experts"].items() if k != first}},
         "layer-extra": good | {"kept_experts": good["kept_experts"] | {"99": kept}},
         "extra-key": good | {"surprise": 1},
         "duplicate-ids": with_layer([kept[0], *kept[:-1]]),
@@ -201,19 +206,19 @@ IN_FILE = "{root}/afile/result"  # under a regular file: unwritable even for roo
 IN_PROC = "/proc/slimwise-bad-input/result"  # procfs: no new files, even for root
 
 BROKEN_MODELS = ["truncated", "corrupt", "empty-weights", "header-only", "no-weights", "config-malformed",
-                 "config-binary", "config-list", "config-empty", "config-no-type", "config-dense", "config-unknown",
-                 "config-experts-str", "config-experts-wrong", "config-topk-zero", "config-topk-huge",
-                 "config-hidden-wrong", "emptydir", "afile", "missing"]
-BAD_PROMPTS = ["garbage.jsonl", "garbage.txt", "garbage", "utf16.jsonl", "empty.jsonl", "blank.jsonl", "array.jsonl",
-               "no-prompt.jsonl", "prompt-number.jsonl", "prompt-empty.jsonl", "prompt-nan.jsonl", "half-line.jsonl",
-               "garbage-dir", "nul.jsonl", "missing.jsonl"]
+                 "config-binary", "config-list", "config-empty", "config-no-type", "config-dense",
+                 "config-unknown", "config-experts-str", "config-experts-wrong", "config-topk-zero",
+                 "config-topk-huge", "config-hidden-wrong", "emptydir", "afile", "missing"]
+BAD_PROMPTS = ["garbage.jsonl", "garbage.txt", "garbage", "utf16.jsonl", "empty.jsonl", "blank.jsonl",
+               "array.jsonl", "no-prompt.jsonl", "prompt-number.jsonl", "prompt-empty.jsonl",
+               "prompt-nan.jsonl", "half-line.jsonl", "garbage-dir", "nul.jsonl", "missing.jsonl"]
 BAD_PLANS = ["kept-list", "id-abc", "num-experts-str", "num-experts-bool", "no-top-k", "no-kept", "no-family",
-             "layer-x", "layer-negative", "layer-missing", "layer-extra", "extra-key", "duplicate-ids", "fractional-id",
-             "id-out-of-range", "id-negative", "id-bool", "ids-null", "ids-nested", "fewer-than-top-k", "kept-empty",
-             "top-k-zero", "top-k-above-experts", "ratio-one", "ratio-negative", "ratio-str", "ratio-nan", "ratio-inf",
-             "scope-bogus", "groups-not-dividing", "fingerprint-number", "wrong-format", "other-family",
-             "other-expert-count", "other-top-k", "other-weights", "not-json", "array", "empty", "binary",
-             "a-stats-file", "missing"]
+             "layer-x", "layer-negative", "layer-missing", "layer-extra", "extra-key", "duplicate-ids",
+             "fractional-id", "id-out-of-range", "id-negative", "id-bool", "ids-null", "ids-nested",
+             "fewer-than-top-k", "kept-empty", "top-k-zero", "top-k-above-experts", "ratio-one",
+             "ratio-negative", "ratio-str", "ratio-nan", "ratio-inf", "scope-bogus", "groups-not-dividing",
+             "fingerprint-number", "wrong-format", "other-family", "other-expert-count", "other-top-k",
+             "other-weights", "not-json", "array", "empty", "binary", "a-stats-file", "missing"]
 
 
 def _plan(name: str) -> str:
@@ -228,15 +233,15 @@ def case(name: str, argv: list[str], out: str | None = OUT) -> None:
     CASES[name] = (argv, out)
 
 
-# ----- calibrate -------------------------------------------------------------------------------------------------
+# ----- calibrate --------------------------------------------------------------------------------------------
 CAL = ["calibrate", M, "--data", D, "--max-new-tokens", "2"]
 for m in BROKEN_MODELS:
     case(f"calibrate-model-{m}", ["calibrate", f"{{root}}/{m}", "--data", D, "--out", OUT])
 for f in BAD_PROMPTS:
     case(f"calibrate-prompts-{f}", ["calibrate", M, "--data", f"{{root}}/data/{f}", "--out", OUT])
-for opt, value in [("--batch-size", "0"), ("--batch-size", "-3"), ("--batch-size", "two"), ("--max-new-tokens", "0"),
-                   ("--max-new-tokens", "-1"), ("--max-samples", "0"), ("--seed", "-1"), ("--phase", "both"),
-                   ("--dtype", "int8")]:
+for opt, value in [("--batch-size", "0"), ("--batch-size", "-3"), ("--batch-size", "two"),
+                   ("--max-new-tokens", "0"), ("--max-new-tokens", "-1"), ("--max-samples", "0"),
+                   ("--seed", "-1"), ("--phase", "both"), ("--dtype", "int8")]:
     case(f"calibrate-{opt[2:]}-{value}", [*CAL, opt, value, "--out", OUT])
 case("calibrate-out-under-file", [*CAL, "--out", IN_FILE], IN_FILE)
 case("calibrate-out-on-proc", [*CAL, "--out", IN_PROC], IN_PROC)
@@ -244,7 +249,7 @@ case("calibrate-out-is-dir", [*CAL, "--out", "{root}/emptydir"], "{root}/emptydi
 case("calibrate-no-out", [*CAL], None)
 case("calibrate-unknown-option", [*CAL, "--out", OUT, "--frobnicate"])
 
-# ----- plan ------------------------------------------------------------------------------------------------------
+# ----- plan -------------------------------------------------------------------------------------------------
 PLAN = ["plan", "--stats", "{root}/stats.safetensors"]
 for ratio in ("1", "1.5", "-0.1", "nan", "inf", "half"):
     case(f"plan-ratio-{ratio}", [*PLAN, "--ratio", ratio, "--out", OUT])
@@ -260,26 +265,29 @@ case("plan-out-is-dir", [*PLAN, "--out", "{root}/emptydir"], "{root}/emptydir")
 case("plan-out-under-file", [*PLAN, "--out", IN_FILE], IN_FILE)
 case("plan-out-on-proc", [*PLAN, "--out", IN_PROC], IN_PROC)
 
-# ----- prune -----------------------------------------------------------------------------------------------------
+# ----- prune ------------------------------------------------------------------------------------------------
 for p in BAD_PLANS:
     case(f"prune-plan-{p}", ["prune", M, "--plan", _plan(p), "--out", OUT])
 for m in ("truncated", "corrupt", "config-malformed", "config-dense", "missing", "emptydir"):
     case(f"prune-model-{m}", ["prune", f"{{root}}/{m}", "--plan", P, "--out", OUT])
 case("prune-out-under-file", ["prune", M, "--plan", P, "--out", IN_FILE], IN_FILE)
 case("prune-out-on-proc", ["prune", M, "--plan", P, "--out", IN_PROC], IN_PROC)
-case("prune-out-inside-source", ["prune", M, "--plan", P, "--out", "{root}/model/pruned"], "{root}/model/pruned")
+case("prune-out-inside-source", ["prune", M, "--plan", P, "--out", "{root}/model/pruned"],
+     "{root}/model/pruned")
 case("prune-out-is-file", ["prune", M, "--plan", P, "--out", "{root}/afile"], "{root}/afile")
 case("prune-ratio-nan", ["prune", M, "--stats", "{root}/stats.safetensors", "--ratio", "nan", "--out", OUT])
 case("prune-distilled-missing", ["prune", M, "--plan", P, "--distilled", "{root}/nope", "--out", OUT])
 case("prune-distilled-not-a-delta", ["prune", M, "--plan", P, "--distilled", "{root}/emptydir", "--out", OUT])
 
-# ----- generate --------------------------------------------------------------------------------------------------
+# ----- generate ---------------------------------------------------------------------------------------------
 GEN = ["generate", M, "--prompts", "{root}/prompts.txt", "--max-new-tokens", "2"]
-for p in ("id-abc", "duplicate-ids", "fractional-id", "fewer-than-top-k", "layer-missing", "layer-extra", "ratio-nan",
-          "other-weights", "other-top-k", "kept-list", "no-top-k", "binary", "missing"):
+for p in ("id-abc", "duplicate-ids", "fractional-id", "fewer-than-top-k", "layer-missing", "layer-extra",
+          "ratio-nan", "other-weights", "other-top-k", "kept-list", "no-top-k", "binary", "missing"):
     case(f"generate-plan-{p}", [*GEN, "--plan", _plan(p), "--out", OUT])
-for f in ("garbage.jsonl", "garbage.txt", "garbage", "utf16.jsonl", "empty.jsonl", "no-prompt.jsonl", "missing.jsonl"):
-    case(f"generate-prompts-{f}", ["generate", M, "--plan", P, "--prompts", f"{{root}}/data/{f}", "--out", OUT])
+for f in ("garbage.jsonl", "garbage.txt", "garbage", "utf16.jsonl", "empty.jsonl",
+          "no-prompt.jsonl", "missing.jsonl"):
+    case(f"generate-prompts-{f}",
+         ["generate", M, "--plan", P, "--prompts", f"{{root}}/data/{f}", "--out", OUT])
 for m in ("truncated", "corrupt", "config-malformed", "config-experts-wrong", "missing", "afile"):
     case(f"generate-model-{m}", ["generate", f"{{root}}/{m}", "--plan", P, "--prompts", "{root}/prompts.txt",
                                  "--out", OUT])
@@ -298,7 +306,7 @@ case("generate-out-under-file", [*GEN, "--plan", P, "--out", IN_FILE], IN_FILE)
 case("generate-out-on-proc", [*GEN, "--plan", P, "--out", IN_PROC], IN_PROC)
 case("generate-out-is-dir", [*GEN, "--plan", P, "--out", "{root}/emptydir"], "{root}/emptydir")
 
-# ----- eval (its output is a directory: nothing may be left there) -----------------------------------------------
+# ----- eval (its output is a directory: nothing may be left there) ------------------------------------------
 EVAL = ["eval", M, "--max-samples", "2", "--max-new-tokens", "2", "--no-plots", "--no-kl", "--no-traffic"]
 case("eval-model-missing", ["eval", "{root}/nope", "--out", OUT])
 case("eval-model-truncated", ["eval", "{root}/truncated", "--plan", P, "--out", OUT])
@@ -317,28 +325,31 @@ case("eval-stats-garbage", [*EVAL, "--stats", "{root}/stats-garbage.safetensors"
 case("eval-out-under-file", [*EVAL, "--plan", P, "--out", IN_FILE], IN_FILE)
 # a traffic mix (--route): refused before any engine starts
 case("eval-route-without-vllm", [*EVAL, "--plan", "m=" + P, "--route", "arithmetic=m", "--out", OUT])
-case("eval-route-unnamed-plan", [*EVAL, "--engine", "vllm", "--plan", P, "--route", "arithmetic=m", "--out", OUT])
+case("eval-route-unnamed-plan",
+     [*EVAL, "--engine", "vllm", "--plan", P, "--route", "arithmetic=m", "--out", OUT])
 case("eval-route-unknown-plan", [*EVAL, "--engine", "vllm", "--plan", "m=" + P, "--route", "arithmetic=x",
                                  "--out", OUT])
-case("eval-route-malformed", [*EVAL, "--engine", "vllm", "--plan", "m=" + P, "--route", "arithmetic", "--out", OUT])
+case("eval-route-malformed",
+     [*EVAL, "--engine", "vllm", "--plan", "m=" + P, "--route", "arithmetic", "--out", OUT])
 case("eval-route-plan-for-other-model", [*EVAL, "--engine", "vllm", "--plan", "m=" + _plan("layer-extra"),
                                          "--route", "arithmetic=m", "--out", OUT])
 
-# ----- distill ---------------------------------------------------------------------------------------------------
+# ----- distill ----------------------------------------------------------------------------------------------
 DIS = ["distill", M, "--data", D, "--steps", "1"]
 for p in ("duplicate-ids", "fractional-id", "other-weights", "layer-missing", "binary", "missing"):
     case(f"distill-plan-{p}", [*DIS, "--plan", _plan(p), "--out", OUT])
 for f in ("garbage.jsonl", "empty.jsonl", "missing.jsonl"):
     case(f"distill-data-{f}", ["distill", M, "--plan", P, "--data", f"{{root}}/data/{f}", "--out", OUT])
 case("distill-model-truncated", ["distill", "{root}/truncated", "--plan", P, "--data", D, "--out", OUT])
-for opt, value in [("--steps", "0"), ("--lr", "0"), ("--lr", "nan"), ("--batch-size", "0"), ("--on-policy", "2"),
-                   ("--loss", "mse"), ("--params", "router,everything"), ("--lora-rank", "0")]:
+for opt, value in [("--steps", "0"), ("--lr", "0"), ("--lr", "nan"), ("--batch-size", "0"),
+                   ("--on-policy", "2"), ("--loss", "mse"), ("--params", "router,everything"),
+                   ("--lora-rank", "0")]:
     case(f"distill-{opt[2:]}-{value}", [*DIS, "--plan", P, opt, value, "--out", OUT])
 case("distill-teacher-garbage", [*DIS, "--plan", P, "--teacher", "{root}/bench-garbage.json", "--out", OUT])
 case("distill-out-under-file", [*DIS, "--plan", P, "--out", IN_FILE], IN_FILE)
 case("distill-out-inside-source", [*DIS, "--plan", P, "--out", "{root}/model/delta"], "{root}/model/delta")
 
-# ----- serve: refused in the preflight, before any engine ----------------------------------------------------------
+# ----- serve: refused in the preflight, before any engine ---------------------------------------------------
 for m in ("missing", "emptydir", "afile", "config-malformed", "config-dense"):
     case(f"serve-model-{m}", ["serve", f"{{root}}/{m}", "--plan", P], None)
 case("serve-embedded-with-bad-plan", ["serve", "testbed-a", "--plan", _plan("duplicate-ids")], None)
@@ -352,7 +363,8 @@ for opt, value in [("--port", "99999"), ("--port", "0"), ("--port", "http"), ("-
 case("serve-disaggregated-no-plan", ["serve", M, "--disaggregated"], None)
 case("serve-decode-model-other-weights", ["serve", M, "--plan", P, "--disaggregated",
                                           "--decode-model", "{root}/pruned-other"], None)
-case("serve-kv-dir-max-gb-negative", ["serve", M, "--plan", P, "--disaggregated", "--kv-dir-max-gb", "-1"], None)
+case("serve-kv-dir-max-gb-negative",
+     ["serve", M, "--plan", P, "--disaggregated", "--kv-dir-max-gb", "-1"], None)
 # several plans in one engine (--plan NAME=PLAN)
 case("serve-plans-unnamed-twice", ["serve", M, "--plan", P, "--plan", P], None)
 case("serve-plans-named-and-unnamed", ["serve", M, "--plan", "a=" + P, "--plan", P], None)
@@ -361,13 +373,15 @@ case("serve-plans-name-full", ["serve", M, "--plan", "full=" + P], None)
 case("serve-plans-name-with-colon", ["serve", M, "--plan", "a:b=" + P], None)
 case("serve-plans-default-unknown", ["serve", M, "--plan", "a=" + P, "--default-plan", "b"], None)
 case("serve-plans-default-without-names", ["serve", M, "--plan", P, "--default-plan", "full"], None)
-case("serve-plans-disaggregated", ["serve", M, "--plan", "a=" + P, "--plan", "b=" + P, "--disaggregated"], None)
-case("serve-plans-one-for-other-weights", ["serve", M, "--plan", "a=" + P, "--plan", "b=" + _plan("other-weights")],
-     None)
+case("serve-plans-disaggregated",
+     ["serve", M, "--plan", "a=" + P, "--plan", "b=" + P, "--disaggregated"], None)
+case("serve-plans-one-for-other-weights",
+     ["serve", M, "--plan", "a=" + P, "--plan", "b=" + _plan("other-weights")], None)
 
-# ----- roofline --------------------------------------------------------------------------------------------------
-for opt, value in [("--ratio", "1"), ("--ratio", "nan"), ("--batch", "0"), ("--context", "0"), ("--layers", "0"),
-                   ("--overhead-us", "-1"), ("--reference", "0"), ("--hardware", "abacus"), ("--preset", "gpt-9")]:
+# ----- roofline ---------------------------------------------------------------------------------------------
+for opt, value in [("--ratio", "1"), ("--ratio", "nan"), ("--batch", "0"), ("--context", "0"),
+                   ("--layers", "0"), ("--overhead-us", "-1"), ("--reference", "0"), ("--hardware", "abacus"),
+                   ("--preset", "gpt-9")]:
     case(f"roofline-{opt[2:]}-{value}", ["roofline", "--preset", "cpu", opt, value] if opt != "--preset"
          else ["roofline", opt, value], None)
 case("roofline-config-garbage", ["roofline", "--config", "{root}/bench-garbage.json"], None)
@@ -379,7 +393,7 @@ case("roofline-stats-garbage", ["roofline", "--preset", "cpu", "--stats", "{root
                                 "--out", OUT])
 case("roofline-out-under-file", ["roofline", "--preset", "cpu", "--out", IN_FILE], IN_FILE)
 
-# ----- bench (never reaches vLLM) ----------------------------------------------------------------------------------
+# ----- bench (never reaches vLLM) ---------------------------------------------------------------------------
 BENCH = ["bench", M, "--out", OUT]
 for opt, value in [("--batch", "0"), ("--ratio", "1"), ("--output-len", "1"), ("--repetitions", "0"),
                    ("--kv-cache-gb", "0"), ("--synthetic", "gpt-9")]:
@@ -396,8 +410,9 @@ case("bench-from-json-garbage", ["bench", "--from-json", "{root}/bench-garbage.j
 case("bench-from-json-list", ["bench", "--from-json", "{root}/bench-list.json"], None)
 case("bench-from-json-missing", ["bench", "--from-json", "{root}/nope.json"], None)
 
-# ----- calib-cost, demo, the top level ------------------------------------------------------------------------------
-for opt, value in [("--batch-size", "0"), ("--num-prompts", "0"), ("--repetitions", "0"), ("--phase", "later")]:
+# ----- calib-cost, demo, the top level ----------------------------------------------------------------------
+for opt, value in [("--batch-size", "0"), ("--num-prompts", "0"), ("--repetitions", "0"),
+                   ("--phase", "later")]:
     case(f"calib-cost-{opt[2:]}-{value}", ["calib-cost", M, opt, value, "--out", OUT])
 for m in ("missing", "truncated", "config-dense"):
     case(f"calib-cost-model-{m}", ["calib-cost", f"{{root}}/{m}", "--out", OUT])
@@ -405,8 +420,10 @@ case("calib-cost-no-model", ["calib-cost", "--out", OUT])
 for opt, value in [("--samples", "0"), ("--samples", "-1"), ("--seed", "x")]:
     case(f"demo-{opt[2:]}-{value}", ["demo", opt, value, "--out", OUT])
 case("demo-out-under-file", ["demo", "--out", IN_FILE], IN_FILE)
-for opt, value in [("--threshold", "0"), ("--concurrency", "0"), ("--ratio", "nan"), ("--n-per-family", "-1")]:
-    case(f"policy-quality-{opt[2:]}-{value}", ["policy-quality", M, "--threshold", "4", opt, value, "--out", OUT])
+for opt, value in [("--threshold", "0"), ("--concurrency", "0"), ("--ratio", "nan"),
+                   ("--n-per-family", "-1")]:
+    case(f"policy-quality-{opt[2:]}-{value}",
+         ["policy-quality", M, "--threshold", "4", opt, value, "--out", OUT])
 case("no-command", [], None)
 case("unknown-command", ["frobnicate"], None)
 
@@ -427,7 +444,8 @@ def test_bad_input_refused(env, name, capsys):
     model_before = snapshot(env / "model")
     existed = out is not None and out.exists()
     out_before = (snapshot(out) if out.is_dir() else out.read_bytes()) if existed else None
-    parent_before = sorted(p.name for p in out.parent.iterdir()) if out is not None and out.parent.is_dir() else None
+    parent_before = sorted(p.name for p in out.parent.iterdir()) \
+        if out is not None and out.parent.is_dir() else None
     capsys.readouterr()
     try:
         code = main(argv)
@@ -462,8 +480,9 @@ def test_the_corpus_is_large_and_covers_every_subcommand():
 
 
 def test_a_refusal_after_the_weights_load_is_one_line_in_a_real_process(env):
-    """The one subprocess of the corpus: stderr piped as in logs and CI (transformers' loading bar and import-time
-    warnings would show here, not under capsys), with a refusal that comes only once the weights are loaded."""
+    """The one subprocess of the corpus: stderr piped as in logs and CI (transformers' loading bar
+    and import-time warnings would show here, not under capsys), with a refusal that comes only
+    once the weights are loaded."""
     import subprocess
     import sys
 
@@ -472,14 +491,16 @@ def test_a_refusal_after_the_weights_load_is_one_line_in_a_real_process(env):
                            str(env / "plan-other-weights.json"), "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("slimwise: error: plan fingerprint"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("slimwise: error: plan fingerprint"), \
+        proc.stderr
     assert not out.parent.exists()
 
 
 def test_kill_9_of_prune_mid_write_leaves_no_target_and_the_next_run_cleans_up(env):
-    """kill -9 of a real `slimwise prune` while it writes: no partial target, and the next run removes the dead
-    process's temporary. The kill lands when the temporary directory appears (polled every millisecond); a run
-    that finishes first is retried with a new output, and at least one of ten must be killed mid-write."""
+    """kill -9 of a real `slimwise prune` while it writes: no partial target, and the next run
+    removes the dead process's temporary. The kill lands when the temporary directory appears (polled
+    every millisecond); a run that finishes first is retried with a new output, and at least one of
+    ten must be killed mid-write."""
     import os
     import signal
     import subprocess
@@ -504,9 +525,11 @@ def test_kill_9_of_prune_mid_write_leaves_no_target_and_the_next_run_cleans_up(e
         proc.wait()
     else:
         pytest.fail("prune finished before its temporary directory was seen in 10 runs")
-    assert not out.exists() and tmp.exists()  # killed mid-write: nothing under the real name, a stale temporary
+    # killed mid-write: nothing under the real name, a stale temporary
+    assert not out.exists() and tmp.exists()
     again = subprocess.run([sys.executable, "-m", "slimwise.cli", "prune", str(env / "model"), "--plan",
-                            str(env / "plan.json"), "--out", str(out)], capture_output=True, text=True, timeout=300)
+                            str(env / "plan.json"), "--out", str(out)], capture_output=True,
+                           text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert (out / "config.json").is_file() and not tmp.exists()
     assert not [p.name for p in root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]

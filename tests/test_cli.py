@@ -113,3 +113,118 @@ def test_prune_ratio_refused(workdir, capsys):
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (workdir / "r").exists()
     shutil.rmtree(workdir / "r", ignore_errors=True)
+
+
+
+# ----- options generated from the config dataclasses (slimwise.options) ------------------------------------
+
+def _subparser(name: str):
+    from slimwise.cli import build_parser
+
+    return build_parser()._subparsers._group_actions[0].choices[name]
+
+
+def _config_class(command: str):
+    from slimwise.distill import DistillConfig
+    from slimwise.evaluation.config import EvalConfig
+    from slimwise.perf.bench_config import BenchConfig
+    from slimwise.serving.config import ServeConfig
+
+    return {"eval": EvalConfig, "bench": BenchConfig, "serve": ServeConfig, "distill": DistillConfig}[command]
+
+
+#: where a command line's default differs from its config's on purpose: `slimwise serve` logs routing counters
+CLI_DEFAULTS = {("serve", "log_every"): 100}
+
+
+@pytest.mark.parametrize("command", ["eval", "bench", "serve", "distill"])
+def test_every_option_field_is_an_option_with_the_fields_default(command):
+    """A field whose metadata makes it an option is on its command line, defaulting to the field's default
+    (the one declaration)."""
+    from slimwise.options import dest_of, option_fields
+
+    config_cls = _config_class(command)
+    defaults = config_cls(**({"model": "m"} if command == "serve" else {}))
+    actions = {a.dest: a for a in _subparser(command)._actions}
+    fields = option_fields(config_cls)
+    assert fields and {dest_of(f) for f in fields.values()} <= set(actions)
+    for name, f in fields.items():
+        action = actions[dest_of(f)]
+        if f.type != "bool" and action.default is not None:
+            assert action.default == CLI_DEFAULTS.get((command, name), getattr(defaults, name)), name
+
+
+def test_options_helper_flags_conversions_and_explicit_values():
+    import argparse
+    from dataclasses import dataclass, field
+
+    from slimwise.argtypes import integer
+    from slimwise.options import add_dataclass_options, config_from_args
+
+    @dataclass
+    class Toy:
+        size: int = field(default=3, metadata={"type": integer(1), "help": "size (default %(default)s)"})
+        kl: bool = field(default=True, metadata={"help": "skip KL"})
+        resume: bool = field(default=False, metadata={"help": None})
+        names: tuple[str, ...] = field(default=("a",), metadata={
+            "flag": "--name", "action": "append", "convert": tuple, "help": None})
+        out_dir: str = field(default="out", metadata={"flag": "--out", "help": None})
+        internal: int = 7
+
+    p = argparse.ArgumentParser()
+    add_dataclass_options(p, Toy)
+    flags = [a.option_strings for a in p._actions[1:]]
+    assert flags == [["--size"], ["--no-kl"], ["--resume"], ["--name"], ["--out"]]
+    assert "--out OUT" in p.format_help() and "size (default 3)" in p.format_help()
+    assert config_from_args(Toy, p.parse_args([])) == Toy()
+    argv = ["--size", "5", "--no-kl", "--resume", "--name", "x", "--name", "y", "--out", "o"]
+    got = config_from_args(Toy, p.parse_args(argv), internal=8)
+    assert got == Toy(size=5, kl=False, resume=True, names=("x", "y"), out_dir="o", internal=8)
+    with pytest.raises(ValueError, match="internal is not a command-line option"):
+        add_dataclass_options(argparse.ArgumentParser(), Toy, ["internal"])
+
+
+def test_kv_dir_cap_is_one_serve_option(capsys, monkeypatch):
+    """`--kv-dir-max-gb` is parsed once, by `slimwise serve`'s parser (never taken out of the vLLM arguments):
+    GB in, bytes in ServeConfig, the other unknown options passed to vLLM; a bad value is one line, exit 2."""
+    import slimwise.serving.server as server
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda cfg: seen.append(cfg) or 0)
+    call(capsys, "serve", "m", "--dtype", "float32", "--kv-dir-max-gb", "0.5", "--max-num-seqs=4")
+    assert seen[0].kv_dir_max_bytes == 2**29
+    assert seen[0].vllm_args == ["--dtype", "float32", "--max-num-seqs=4"]
+    call(capsys, "serve", "m")
+    assert seen[1].kv_dir_max_bytes is None and seen[1].log_every == 100
+    for bad in (["--kv-dir-max-gb"], ["--kv-dir-max-gb=0"], ["--kv-dir-max-gb", "nan"],
+                ["--kv-dir-max-gb", "x"]):
+        proc = call(capsys, "serve", "m", *bad, check=False)
+        assert proc.returncode == 2 and len(seen) == 2
+        assert proc.stderr.startswith("slimwise serve: error: argument --kv-dir-max-gb: ")
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_testbed_entry_points_run_as_modules(tmp_path):
+    """`python -m slimwise.testbed.train` and `python -m slimwise.testbed.evaluate` (the commands model cards
+    print) run as real processes: a tiny run without evaluation, then its evaluation, then its card."""
+    tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    run_dir = tmp_path / "run"
+
+    def module(name, *args):
+        proc = subprocess.run([sys.executable, "-m", name, *map(str, args)], capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    overrides = [x for k, v in tiny.items() for x in ("--override", f"{k}={v}")]
+    out = module("slimwise.testbed.train", "--backbone", "a", "--out", run_dir, "--max-steps", "2",
+                 "--samples-per-family", "1", "--family-weights", "add=1", "--threads", "1", "--eval-n", "1",
+                 "--heldout-n", "1", "--no-progress", "--no-eval", *overrides)
+    assert out.strip().endswith(str(run_dir)) and not (run_dir / "eval.json").exists()
+    config = json.loads((run_dir / "train_config.json").read_text())
+    assert config["model_overrides"] == tiny and config["family_weights"] == {"add": 1.0}
+    assert not config["progress"] and config["max_steps"] == 2
+    out = module("slimwise.testbed.evaluate", "evaluate", run_dir, "--dtype", "float32")
+    assert out.startswith("test: ") and (run_dir / "eval.json").is_file()
+    assert module("slimwise.testbed.evaluate", "card", run_dir).strip() == str(run_dir / "README.md")

@@ -34,8 +34,8 @@ def tokens(engine, prompts, mode):
 
 
 def make_plan(model, ratio=0.5):
-    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8, batch_size=4),
-                      progress=False)
+    stats = calibrate(model, random_prompts(8, seed=1),
+                      config=CalibrationConfig(max_new_tokens=8, batch_size=4), progress=False)
     return plan_from_stats(stats, "reap", ratio)
 
 
@@ -69,7 +69,8 @@ def test_loss_decreases_and_only_the_delta_trains(setup):
     prompts = random_prompts(8, seed=2)
     delta = distill(model, plan, prompts, config=DistillConfig(params=("router", "norm", "lora"), **FAST))
     history = delta.manifest["loss_history"]
-    assert len(history) == 6 and history[-1] < 0.8 * history[0], history  # one full batch: the same data each step
+    # one full batch: the same data each step
+    assert len(history) == 6 and history[-1] < 0.8 * history[0], history
     # the model itself is untouched (weights bit-identical, flags restored); only the delta moved
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
@@ -77,9 +78,11 @@ def test_loss_decreases_and_only_the_delta_trains(setup):
     assert set(delta.tensors) == set(start.tensors)
     for i, w in delta.routers().items():
         pruned = plan.pruned_mask(i)
-        assert torch.equal(w[pruned], start.tensors[f"layers.{i}.router.weight"][pruned])  # pruned rows never train
+        # pruned rows never train
+        assert torch.equal(w[pruned], start.tensors[f"layers.{i}.router.weight"][pruned])
         assert not torch.equal(w[~pruned], start.tensors[f"layers.{i}.router.weight"][~pruned])
-    assert all(not torch.equal(w, start.tensors[f"layers.{i}.moe_norm.weight"]) for i, w in delta.norms().items())
+    assert all(not torch.equal(w, start.tensors[f"layers.{i}.moe_norm.weight"])
+               for i, w in delta.norms().items())
     assert all(b.abs().sum() > 0 for _, b in delta.lora_pairs().values())
 
 
@@ -94,7 +97,8 @@ def test_only_the_chosen_set_is_in_the_delta(setup, params):
 
 def test_trainable_share_reported(setup):
     model, plan = setup()
-    cfg = DistillConfig(params=("router", "norm", "lora"), lora_targets=("q_proj", "o_proj"), lora_rank=4, **FAST)
+    cfg = DistillConfig(params=("router", "norm", "lora"),
+                        lora_targets=("q_proj", "o_proj"), lora_rank=4, **FAST)
     delta = distill(model, plan, random_prompts(8, seed=2), config=cfg)
     hidden = model.config.hidden_size
     layers = list(plan.kept_experts)
@@ -105,19 +109,22 @@ def test_trainable_share_reported(setup):
     total = sum(p.numel() for p in model.parameters())
     m = delta.manifest
     assert m["trainable_params"] == routers + norms + lora
-    assert m["model_params"] == total and m["trainable_share"] == pytest.approx((routers + norms + lora) / total)
+    assert m["model_params"] == total \
+        and m["trainable_share"] == pytest.approx((routers + norms + lora) / total)
     assert m["steps"] == 6 and m["seconds"] > 0 and m["peak_memory_mb"] > 0
 
 
-@pytest.mark.parametrize(("family", "want"), [("qwen2_moe", DENSE_MLP_TARGETS), ("deepseek_v3", DENSE_MLP_TARGETS),
-                                              ("qwen3_moe", ATTENTION_TARGETS)])
+@pytest.mark.parametrize(("family", "want"),
+                         [("qwen2_moe", DENSE_MLP_TARGETS), ("deepseek_v3", DENSE_MLP_TARGETS),
+                          ("qwen3_moe", ATTENTION_TARGETS)])
 def test_auto_lora_targets_pick_the_shared_expert_where_there_is_one(setup, family, want):
-    """The default LoRA goes on the shared expert's gate/up/down (every decode token runs it) where the model has
-    one, else on q/k/v/o; the manifest records what "auto" became; explicit targets pass through."""
+    """The default LoRA goes on the shared expert's gate/up/down (every decode token runs it) where the model
+    has one, else on q/k/v/o; the manifest records what "auto" became; explicit targets pass through."""
     model, plan = setup(family)
     delta = init_delta(model, plan, DistillConfig())
     names = list(delta.lora_pairs())
-    assert {n.rpartition(".")[2] for n in names} == set(want) and delta.manifest["lora"]["targets"] == list(want)
+    assert {n.rpartition(".")[2] for n in names} == set(want) \
+        and delta.manifest["lora"]["targets"] == list(want)
     if want == DENSE_MLP_TARGETS:  # the shared expert's, and a dense layer's MLP where the model has one
         assert any(".shared_expert" in n for n in names)
         assert all(".shared_expert" in n or ".mlp." in n for n in names)
@@ -186,13 +193,15 @@ def test_uniform_delta_acts_in_both_phases(setup):
     assert not torch.equal(uni_logits, dist_logits)
     engine.close()
     trained = distill(model, plan, random_prompts(8, seed=2), config=DistillConfig(mode="uniform", **FAST))
-    assert trained.mode == "uniform" and trained.manifest["loss_history"][-1] < trained.manifest["loss_history"][0]
+    assert trained.mode == "uniform" \
+        and trained.manifest["loss_history"][-1] < trained.manifest["loss_history"][0]
 
 
 def test_engines_on_one_model_close_in_reverse_order(setup):
-    """Masks and deltas stack their wrappers on the shared model. Closing a SlimWise engine while a distilled one
-    built after it is alive used to drop the distilled engine's wrappers silently (a script measured the wrong
-    decoder that way); now it is refused, nothing is unwrapped, and closing in reverse order restores the model."""
+    """Masks and deltas stack their wrappers on the shared model. Closing a SlimWise engine while a
+    distilled one built after it is alive used to drop the distilled engine's wrappers silently (a
+    script measured the wrong decoder that way); now it is refused, nothing is unwrapped, and closing in
+    reverse order restores the model."""
     model, plan = setup()
     prompts = random_prompts(4, seed=5)
     full = tokens(PhaseSplitEngine(model), prompts, "full")
@@ -279,13 +288,14 @@ def test_resume_gives_the_uninterrupted_delta(setup, tmp_path):
     assert resumed.manifest["loss_history"] == straight.manifest["loss_history"]
     assert all(torch.equal(resumed.tensors[k], straight.tensors[k]) for k in straight.tensors)
     with pytest.raises(SlimWiseError, match="another run"):
-        distill(model, plan, prompts, config=DistillConfig(**(cfg | {"lr": 0.5}), checkpoint=str(ckpt), resume=True))
+        distill(model, plan, prompts,
+                config=DistillConfig(**(cfg | {"lr": 0.5}), checkpoint=str(ckpt), resume=True))
 
 
 def test_export_with_delta_equals_masked_view_with_delta(setup, tmp_path):
     model, plan = setup()
-    delta = distill(model, plan, random_prompts(8, seed=2), config=DistillConfig(params=("router", "norm", "lora"),
-                                                                                 **FAST))
+    delta = distill(model, plan, random_prompts(8, seed=2),
+                    config=DistillConfig(params=("router", "norm", "lora"), **FAST))
     out = export_pruned(load_model(model.slimwise_source_dir), plan, tmp_path / "distilled", delta=delta)
     pruned, saved_plan = load_pruned(out)  # stock transformers loads it
     manifest = json.loads((out / "slimwise_manifest.json").read_text())
@@ -316,11 +326,14 @@ def test_cli_distill(setup, tmp_path, capsys):
     assert "trainable parameters" in printed and "% of the model" in printed and "peak memory" in printed
     delta = Delta.load(out)
     assert delta.params == ["router", "norm"] and delta.manifest["steps"] == 3
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "delta", "model", "plan.json"]  # no ckpt
+    # no ckpt
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl", "delta", "model", "plan.json"]
     pruned = tmp_path / "pruned"
-    assert cli_main(["prune", str(model_dir), "--plan", str(plan_path), "--distilled", str(out), "--out", str(pruned)]) == 0
+    assert cli_main(["prune", str(model_dir), "--plan", str(plan_path), "--distilled", str(out),
+                     "--out", str(pruned)]) == 0
     assert "folded in" in capsys.readouterr().out
-    assert json.loads((pruned / "slimwise_manifest.json").read_text())["delta"]["plan_hash"] == plan_hash(plan)
+    assert json.loads((pruned / "slimwise_manifest.json").read_text())["delta"]["plan_hash"] \
+        == plan_hash(plan)
     shutil.rmtree(pruned)
     assert cli_main(args) == 2
     assert "exists and is not empty" in capsys.readouterr().err
@@ -334,7 +347,8 @@ def test_cli_distill(setup, tmp_path, capsys):
     shared = [*args[:-2], "--params", "router", "--teacher", str(teacher), "--force"]
     assert cli_main(shared) == 0 and "wrote teacher data" in capsys.readouterr().out
     first = Delta.load(out)
-    assert cli_main([*shared, "--mode", "uniform"]) == 0 and "wrote teacher data" not in capsys.readouterr().out
+    assert cli_main([*shared, "--mode", "uniform"]) == 0 \
+        and "wrote teacher data" not in capsys.readouterr().out
     assert Delta.load(out).manifest["teacher_shared"] and first.manifest["teacher_shared"]
     assert cli_main([*shared[:-1], "--max-new-tokens", "9", "--force"]) == 2
     assert "teacher data was built for a different --max-new-tokens" in capsys.readouterr().err
@@ -343,21 +357,23 @@ def test_cli_distill(setup, tmp_path, capsys):
 
 
 def test_teacher_on_the_fly_equals_cached_and_losses_run(setup):
-    """The per-step teacher (full model on a copy of the prefill cache) equals the cached one; other losses and
-    on-policy mixing train too."""
+    """The per-step teacher (full model on a copy of the prefill cache) equals the cached one; other losses
+    and on-policy mixing train too."""
     model, plan = setup()
     prompts = random_prompts(8, seed=2)
     cached = distill(model, plan, prompts, config=DistillConfig(**FAST))
     fly = distill(model, plan, prompts, config=DistillConfig(teacher_cache_mb=0, **FAST))
     assert fly.manifest["loss_history"] == pytest.approx(cached.manifest["loss_history"], rel=1e-4)
     for extra in (dict(loss="rkl"), dict(loss="jsd", ce_weight=0.5), dict(on_policy=0.5)):
-        history = distill(model, plan, prompts, config=DistillConfig(**(FAST | extra))).manifest["loss_history"]
+        history = distill(model, plan, prompts,
+                          config=DistillConfig(**(FAST | extra))).manifest["loss_history"]
         assert history[-1] < history[0], (extra, history)
 
 
 def test_bars_check_and_report_rerender(tmp_path):
     """The bars arithmetic on a hand-made report (gap, recovery, the stricter length bar, never worse) and the
-    per-problem length drift; `python -m experiments.distill_bars report` rewrites report.md and the bars from report.json."""
+    per-problem length drift; `python -m experiments.distill_bars report` rewrites report.md
+    and the bars from report.json."""
     from experiments.distill_bars import bars_check, length_drift
     from experiments.distill_bars import main as distill_main
 
@@ -371,9 +387,10 @@ def test_bars_check_and_report_rerender(tmp_path):
     report["ratios"]["0.5"] = {m: {"test": r, "heldout": r} for m, r in [("uniform", sw), ("slimwise", sw),
                                                                           ("distilled", good),
                                                                           ("uniform_distilled", good)]}
-    report["ratios"]["0.5"]["distilled"]["distill"] = report["ratios"]["0.5"]["uniform_distilled"]["distill"] = {
-        "seconds": 12.0, "trainable_params": 10, "trainable_share": 0.001, "peak_memory_mb": 1.0,
-        "loss_first_last": [1.0, 0.1]}
+    report["ratios"]["0.5"]["distilled"]["distill"] = \
+        report["ratios"]["0.5"]["uniform_distilled"]["distill"] = {
+            "seconds": 12.0, "trainable_params": 10, "trainable_share": 0.001, "peak_memory_mb": 1.0,
+            "loss_first_last": [1.0, 0.1]}
     bars = bars_check(report)["0.5"]
     # gap 10, recovered 6 >= 5; length +4 tokens (4.0%) -> +1 (1.0%) <= min(5%, 2%); never worse
     assert bars["gap"] == 10 and bars["recovered"] == 6 and bars["recovery_bar"] and bars["length_bar"]
@@ -393,8 +410,8 @@ def test_bars_check_and_report_rerender(tmp_path):
 
 
 def test_family_length_check():
-    """Per-family drift: drifts of opposite sign that cancel in the mean are found, halving is judged only where
-    SlimWise drifts beyond noise, and a drift distillation creates is reported."""
+    """Per-family drift: drifts of opposite sign that cancel in the mean are found, halving is judged only
+    where SlimWise drifts beyond noise, and a drift distillation creates is reported."""
     from experiments.distill_bars import family_drift, family_length_check, length_drift
 
     fams = ["x"] * 4 + ["y"] * 4
@@ -411,19 +428,22 @@ def test_family_length_check():
     bad = {"lengths": [11, 11, 12, 11, 23, 22, 23, 22]}  # x +1.25 (not halved), y +2.5 (new)
     check = family_length_check(sw_x_only, bad, full)
     assert check["drifting"] == ["x"] and not check["halved"] and check["new_drift"] == ["y"]
-    assert family_length_check(sw, good, {"lengths": full["lengths"]})["halved"] is None  # no labels: no verdict
+    # no labels: no verdict
+    assert family_length_check(sw, good, {"lengths": full["lengths"]})["halved"] is None
 
 
 def test_replicate_on_fresh_samples(tmp_path, monkeypatch):
-    """`python -m experiments.distill_bars replicate` re-tests a bars run's plan and delta on another seed's test problems:
-    the rows are the engine's own greedy results on those problems, written atomically beside the report."""
+    """`python -m experiments.distill_bars replicate` re-tests a bars run's plan and delta on another
+    seed's test problems: the rows are the engine's own greedy results on those problems, written
+    atomically beside the report."""
     from tiny import save_tiny_model
 
     import experiments.distill_bars as bars
     from experiments.distill_bars import BarsConfig, evaluate_run, replicate_bars
     from slimwise.testbed import check_disjoint
 
-    evaluated: list[list[str]] = []  # the prompts each seed's full-model run was actually given, in seed order
+    # the prompts each seed's full-model run was actually given, in seed order
+    evaluated: list[list[str]] = []
 
     def recording(engine, samples, mode, config, *args, **kwargs):
         if mode == "full":
@@ -436,9 +456,10 @@ def test_replicate_on_fresh_samples(tmp_path, monkeypatch):
     save_tiny_model("qwen3_moe", tmp_path / "model", initializer_range=0.15, vocab_size=len(tok),
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = load_model(tmp_path / "model")
-    calib = [tok.encode(s.prompt, add_special_tokens=False) for s in make_split("calib", 2, domain="arithmetic")]
-    plan = plan_from_stats(calibrate(model, calib, config=CalibrationConfig(max_new_tokens=8), progress=False),
-                           "reap", 0.5)
+    calib = [tok.encode(s.prompt, add_special_tokens=False)
+             for s in make_split("calib", 2, domain="arithmetic")]
+    plan = plan_from_stats(calibrate(model, calib, config=CalibrationConfig(max_new_tokens=8),
+                                     progress=False), "reap", 0.5)
     run = tmp_path / "run"
     run.mkdir()
     plan.save(run / "plan-0.5.json")
@@ -452,16 +473,16 @@ def test_replicate_on_fresh_samples(tmp_path, monkeypatch):
                         allow_fewer=True)
     assert own.isdisjoint(s.prompt for s in fresh) and own.isdisjoint(s.prompt for s in second)
     assert {s.prompt for s in fresh}.isdisjoint(s.prompt for s in second)
-    # from the data, not the report's own flag: the samples the run evaluated share no prompt with the run's own
-    # sample or with each other, and the report's claim agrees
+    # from the data, not the report's own flag: the samples the run evaluated share no prompt with the run's
+    # own sample or with each other, and the report's claim agrees
     assert len(evaluated) == 2 and all(evaluated) and check_disjoint(own, *evaluated)
     assert out["disjoint"] == check_disjoint(own, *evaluated)
     assert out["sizes"]["2"] == {f: 1 for f in ("add", "sub", "mul", "gcd", "base")}
     assert out["seeds"]["2"]["0.5"]["slimwise"]["lengths"] == evaluate_run(
         PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), second, "slimwise",
         BarsConfig())["lengths"]
-    want = evaluate_run(PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), fresh, "slimwise",
-                     BarsConfig())
+    want = evaluate_run(PhaseSplitEngine(model, load_tokenizer(tmp_path / "model"), plan=plan), fresh,
+                        "slimwise", BarsConfig())
     got = out["seeds"]["1"]["0.5"]["slimwise"]
     assert got["lengths"] == want["lengths"] and got["correct"] == want["correct"]
     assert out["seeds"]["1"]["0.5"]["distilled"]["lengths"] != got["lengths"]  # the delta was applied
@@ -480,10 +501,12 @@ def test_shared_teacher_gives_the_same_delta(setup, tmp_path):
     cfg = DistillConfig(**FAST)
     teacher = build_teacher(model, prompts, config=cfg)
     assert len(teacher.continuations) == 8 and teacher.logprobs is not None
-    teacher = TeacherData.load(teacher.save(tmp_path / "teacher.pt"))  # through the file, as the CLI shares it
+    # through the file, as the CLI shares it
+    teacher = TeacherData.load(teacher.save(tmp_path / "teacher.pt"))
     for p, mode in ((plan, "slimwise"), (make_plan(model, 0.25), "slimwise"), (plan, "uniform")):
         c = DistillConfig(**(FAST | {"mode": mode}))
-        own, shared = distill(model, p, prompts, config=c), distill(model, p, prompts, config=c, teacher=teacher)
+        own, shared = (distill(model, p, prompts, config=c),
+                       distill(model, p, prompts, config=c, teacher=teacher))
         # same data, same trajectory; float32 reductions may round differently with another allocation history
         # (uniform mode here: 1.5e-5 of a tensor's scale after 6 Adam steps), so this is not bitwise
         assert shared.manifest["loss_history"] == pytest.approx(own.manifest["loss_history"], rel=1e-4)
@@ -494,12 +517,14 @@ def test_shared_teacher_gives_the_same_delta(setup, tmp_path):
         distill(model, plan, random_prompts(8, seed=3), config=cfg, teacher=teacher)
     with pytest.raises(SlimWiseError, match="different --max-new-tokens"):
         distill(model, plan, prompts, config=DistillConfig(**(FAST | {"max_new_tokens": 9})), teacher=teacher)
-    # a file written before the teacher had a batch of its own (key "batch_size") still serves the same settings
+    # a file written before the teacher had a batch of its own (key "batch_size")
+    # still serves the same settings
     old = TeacherData({k: v for k, v in teacher.key.items() if k != "teacher_batch_size"}
                       | {"batch_size": cfg.teacher_batch_size}, teacher.continuations, teacher.logprobs, 0.0)
     TeacherData.load(old.save(tmp_path / "old.pt")).check(teacher.key)
     with pytest.raises(SlimWiseError, match="different --teacher-batch-size"):
-        distill(model, plan, prompts, config=DistillConfig(**(FAST | {"teacher_batch_size": 3})), teacher=teacher)
+        distill(model, plan, prompts,
+                config=DistillConfig(**(FAST | {"teacher_batch_size": 3})), teacher=teacher)
     (tmp_path / "bad.pt").write_bytes(b"not a teacher")
     with pytest.raises(SlimWiseError, match="unreadable"):
         TeacherData.load(tmp_path / "bad.pt")
@@ -507,16 +532,17 @@ def test_shared_teacher_gives_the_same_delta(setup, tmp_path):
 
 @pytest.mark.parametrize(("family", "mode"), [("qwen3_next", "uniform"), ("qwen3_5_moe", "slimwise")])
 def test_distill_trains_through_a_hybrid_cache(setup, family, mode):
-    """Hybrid models keep a Gated DeltaNet recurrent state in the cache, which transformers overwrites in place after
-    using it as the layer's initial state; distillation trains through it (`trainable_cache`; before, backward failed
-    with "modified by an inplace operation"), the loss falls and the teacher-forced continuation on the trainable
-    cache equals the stock one."""
+    """Hybrid models keep a Gated DeltaNet recurrent state in the cache, which transformers overwrites in
+    place after using it as the layer's initial state; distillation trains through it (`trainable_cache`;
+    before, backward failed with "modified by an inplace operation"), the loss falls and the teacher-forced
+    continuation on the trainable cache equals the stock one."""
     from slimwise.distill import trainable_cache
     from slimwise.scoring import continue_on_cache
 
     model, plan = setup(family)
     losses = []
-    delta = distill(model, plan, random_prompts(8, seed=9), config=DistillConfig(mode=mode, **(FAST | {"steps": 4})),
+    delta = distill(model, plan, random_prompts(8, seed=9),
+                    config=DistillConfig(mode=mode, **(FAST | {"steps": 4})),
                     callback=lambda step, loss: losses.append(loss))
     assert delta.lora_pairs() and losses[-1] < losses[0]
     engine = PhaseSplitEngine(model, plan=plan)
@@ -531,7 +557,8 @@ def test_distill_trains_through_a_hybrid_cache(setup, family, mode):
 
 
 class _Payload:
-    """A pickle that would write a marker file when unpickled (what a crafted teacher/checkpoint file can carry)."""
+    """A pickle that would write a marker file when unpickled (what a crafted
+    teacher/checkpoint file can carry)."""
 
     def __init__(self, marker):
         self.marker = str(marker)

@@ -105,7 +105,8 @@ def test_accuracy_and_bootstrap():
     m = accuracy_metrics([True] * 30 + [False] * 70)
     assert m["accuracy"] == pytest.approx(0.3) and m["n"] == 100
     assert m["accuracy_ci_low"] < 0.3 < m["accuracy_ci_high"]
-    assert m["accuracy_ci_high"] - m["accuracy_ci_low"] == pytest.approx(2 * 1.96 * math.sqrt(0.21 / 100), abs=0.04)
+    assert m["accuracy_ci_high"] - m["accuracy_ci_low"] \
+        == pytest.approx(2 * 1.96 * math.sqrt(0.21 / 100), abs=0.04)
     d = paired_difference([1, 1, 1, 0], [0, 1, 1, 0])
     assert d["diff"] == pytest.approx(0.25) and d["ci_low"] <= 0.25 <= d["ci_high"]
     same = paired_difference([1, 0, 1], [1, 0, 1])
@@ -223,12 +224,13 @@ def test_evaluate_modes_with_one_engine(tiny):
     model, plan, _ = tiny
     engine = PhaseSplitEngine(model, plan=plan)
     samples = [GradedSample(p, "x", f"f{i % 2}") for i, p in enumerate(random_prompts(4))]
-    report = evaluate_modes(engine, samples, ["full", "slimwise"], GenerationConfig(max_new_tokens=4, batch_size=4),
-                            grader=lambda s, g: False)
+    report = evaluate_modes(engine, samples, ["full", "slimwise"],
+                            GenerationConfig(max_new_tokens=4, batch_size=4), grader=lambda s, g: False)
     engine.close()
     assert report["full"]["exact_match"] == 1.0 and report["full"]["kl_mean"] == 0.0
     assert report["slimwise"]["first_token_agree"] == 1.0 and report["slimwise"]["kl_mean"] > 0
-    assert report["slimwise"]["traffic"]["active_experts"] == 8 and set(report["slimwise"]["by_family"]) == {"f0", "f1"}
+    assert report["slimwise"]["traffic"]["active_experts"] == 8 \
+        and set(report["slimwise"]["by_family"]) == {"f0", "f1"}
 
 
 def test_decode_traffic_meter(tiny):
@@ -252,10 +254,12 @@ def test_decode_traffic_meter(tiny):
     meter.remove()
     s = meter.summary()
     assert all(4 <= x <= 8 for x in s["per_layer"]) and s["active_experts"] == 8
-    assert s["distinct_experts_per_layer_step_full_batch"] == pytest.approx(s["distinct_experts_per_layer_step"])
+    assert s["distinct_experts_per_layer_step_full_batch"] \
+        == pytest.approx(s["distinct_experts_per_layer_step"])
     assert s["uniform_expectation"] == pytest.approx(expected_union(8, 4, 6))
     full = DecodeTrafficMeter(model, batch_size=6)
-    engine.generate(prompts, "full", GenerationConfig(max_new_tokens=5, batch_size=6, eos_token_id=-1), observer=full)
+    engine.generate(prompts, "full",
+                    GenerationConfig(max_new_tokens=5, batch_size=6, eos_token_id=-1), observer=full)
     full.remove()
     assert full.summary()["distinct_experts_per_layer_step"] > 4
     assert not any(layer.router._forward_hooks for layer in meter.layers)  # hooks removed
@@ -274,15 +278,16 @@ def model_dir(tmp_path_factory):
 
 
 SMALL = dict(criteria=("reap",), ratios=(0.5,), phases=("prompt", "decode"), n_per_family=1, max_new_tokens=8,
-             batch_size=8, calib_per_family=1, calib_max_new_tokens=4, n_boot=200, progress=False, calib_mixes=(),
-             other_domains=False)
+             batch_size=8, calib_per_family=1, calib_max_new_tokens=4, n_boot=200, progress=False,
+             calib_mixes=(), other_domains=False)
 # the default sweep's extras, small: every plan also scored on the other domains, and two mixed calibrations
 CROSS = dict(calib_mixes=("all", "arithmetic:3,lists:1,text:1"), other_domains=True, other_per_family=1,
              calib_per_family=3)
 
-RUN_METRICS = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "length_mean", "length_median", "length_p90",
-               "eos_share", "truncated_share", "length_ratio_mean", "length_ratio_p10", "length_ratio_p90",
-               "exact_match", "first_diff_mean", "kl_mean", "traffic", "by_family", "lengths", "length_ratios")
+RUN_METRICS = ("accuracy", "accuracy_ci_low", "accuracy_ci_high", "length_mean", "length_median",
+               "length_p90", "eos_share", "truncated_share", "length_ratio_mean", "length_ratio_p10",
+               "length_ratio_p90", "exact_match", "first_diff_mean", "kl_mean", "traffic", "by_family",
+               "lengths", "length_ratios")
 TRAFFIC = ("distinct_experts_per_layer_step", "uniform_expectation", "expert_bytes_per_layer_step",
            "expert_bytes_per_step", "batch_size")
 
@@ -338,12 +343,14 @@ def test_end_to_end_eval(model_dir, tmp_path):
                                                          "decode@arithmetic3-lists1-text1"]
     assert set(report["calibration"]) == {"prompt", "decode", "decode@all", "decode@arithmetic3-lists1-text1"}
     mix = report["calibration"]["decode@arithmetic3-lists1-text1"]
-    assert "arithmetic 3/family, lists 1/family, text 1/family" in mix["source"] and mix["prompts"] == 5 * 3 + 8
+    assert "arithmetic 3/family, lists 1/family, text 1/family" in mix["source"] \
+        and mix["prompts"] == 5 * 3 + 8
     assert report["calibration"]["decode@all"]["prompts"] == 13 * 3  # 3 per family of every domain
     od = report["other_domains"]
     assert od["domains"] == ["lists", "text"] and od["n"] == 8 and od["full"]["exact_match"] == 1.0
     for r in report["runs"]:  # every plan scored on the other domains too, with per-domain accuracy
-        assert set(r["other_metrics"]["by_domain"]) == {"lists", "text"} and len(r["other_metrics"]["correct"]) == 8
+        assert set(r["other_metrics"]["by_domain"]) == {"lists", "text"} \
+            and len(r["other_metrics"]["correct"]) == 8
     assert {c["label"] for c in od["comparisons"]} == {r["label"] for r in report["runs"]}
     assert all("slimwise_minus_uniform" in c for c in od["comparisons"])
     full = report["full"]
@@ -379,14 +386,16 @@ def test_end_to_end_eval(model_dir, tmp_path):
     # rerun: everything from the cache, same numbers
     sweep = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS))
     again = sweep.run()
-    # the dtype that ran is in the report and in every cache key: a bf16 sweep never reads float32 runs or stats
+    # the dtype that ran is in the report and in every cache key: a bf16 sweep
+    # never reads float32 runs or stats
     assert report["generation"]["dtype"] == sweep.dtype == "float32"
     bf16 = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS | {"dtype": "bfloat16"}))
     assert bf16.dtype == "bfloat16" and bf16.run_cache.key("full", None) != sweep.run_cache.key("full", None)
     assert all(r["metrics"]["cached"] and r["other_metrics"]["cached"] for r in again["runs"])
     assert [r["other_metrics"]["correct"] for r in again["runs"]] == [r["other_metrics"]["correct"]
                                                                        for r in report["runs"]]
-    assert [r["metrics"]["correct"] for r in again["runs"]] == [r["metrics"]["correct"] for r in report["runs"]]
+    assert [r["metrics"]["correct"] for r in again["runs"]] == [r["metrics"]["correct"]
+                                                                for r in report["runs"]]
     assert [r["metrics"]["kl"] for r in again["runs"]] == [r["metrics"]["kl"] for r in report["runs"]]
 
 
@@ -408,7 +417,8 @@ def test_plans_from_file_and_shared_runs(model_dir, tmp_path, capsys):
     # given stats replace calibration: their phase is the only one
     stats.save(tmp_path / "stats.safetensors")
     cfg = EvalConfig(**{**SMALL, "stats": (str(tmp_path / "stats.safetensors"),), "criteria": ("frequency",),
-                        "modes": ("full", "slimwise"), "kl": False, "plots": False}, out_dir=str(tmp_path / "s"))
+                        "modes": ("full", "slimwise"), "kl": False, "plots": False},
+                     out_dir=str(tmp_path / "s"))
     report = run_eval([model_dir], cfg)
     assert [r["label"] for r in report[0]["runs"]] == ["frequency-prompt-0.5"]
 
@@ -417,18 +427,21 @@ def test_cli_eval(model_dir, tmp_path):
     out = tmp_path / "cli"
     other = tmp_path / "other"
     other.symlink_to(model_dir, target_is_directory=True)
-    rc = cli_main(["eval", str(model_dir), str(other), "--out", str(out), "--criteria", "soft", "--ratios", "0.25",
-                   "--phases", "decode", "--per-family", "1", "--max-new-tokens", "6", "--calib-per-family", "1",
-                   "--calib-max-new-tokens", "4", "--no-kl", "--no-plots", "--domain", "text", "--max-samples", "2",
-                   "--modes", "full,slimwise", "--other-per-family", "1"])
+    rc = cli_main(["eval", str(model_dir), str(other), "--out", str(out), "--criteria", "soft",
+                   "--ratios", "0.25", "--phases", "decode", "--per-family", "1", "--max-new-tokens", "6",
+                   "--calib-per-family", "1", "--calib-max-new-tokens", "4", "--no-kl", "--no-plots",
+                   "--domain", "text", "--max-samples", "2", "--modes", "full,slimwise",
+                   "--other-per-family", "1"])
     assert rc == 0
     name = model_dir.name
     assert (out / name / "report.json").is_file() and (out / "other" / "report.md").is_file()
     assert (out / "index.md").is_file()
     rep = json.loads((out / name / "report.json").read_text())
     assert rep["tasks"]["domain"] == "text" and rep["runs"][0]["metrics"]["kl_mean"] is None
-    assert rep["other_domains"]["n"] == 2 and "text" not in rep["other_domains"]["domains"]  # capped, never the target
-    rc = cli_main(["eval", str(model_dir), "--modes", "full,distilled", "--distilled", "d.pt", "--out", str(out)])
+    # capped, never the target
+    assert rep["other_domains"]["n"] == 2 and "text" not in rep["other_domains"]["domains"]
+    rc = cli_main(["eval", str(model_dir), "--modes", "full,distilled",
+                   "--distilled", "d.pt", "--out", str(out)])
     assert rc == 2
 
 
@@ -451,7 +464,8 @@ def test_distilled_mode_on_its_plan(model_dir, tmp_path):
     from slimwise.distill import DistillConfig, distill
 
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
-    stats = calibrate(model, random_prompts(6, vocab=150), tok, CalibrationConfig(max_new_tokens=6), progress=False)
+    stats = calibrate(model, random_prompts(6, vocab=150), tok,
+                      CalibrationConfig(max_new_tokens=6), progress=False)
     plan = plan_from_stats(stats, "reap", 0.5)
     plan_path = plan.save(tmp_path / "plan.json")
     other = plan_from_stats(stats, "frequency", 0.25).save(tmp_path / "other.json")

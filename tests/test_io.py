@@ -60,7 +60,8 @@ def test_atomic_dir_replaces_whole_and_cleans_after_a_killed_run(tmp_path):
 def test_cli_expected_failures_are_one_line(tmp_path, capsys, monkeypatch):
     """An OS-level failure (here: a directory procfs will not create) is one line and exit 2, not a traceback;
     SLIMWISE_DEBUG=1 gives the traceback instead. An output path under a regular file is refused by name."""
-    from slimwise.cli import DEBUG_ENV, main
+    from slimwise.cli import main
+    from slimwise.errors import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     blocker = tmp_path / "file"

@@ -1,7 +1,7 @@
-"""Several plans in one engine, without an engine: DecodeRouting's per-token plan rows on a stand-in model (the
-same hooks vLLM's gates get), the plan settings' refusals, the CLI's --plan parsing and the OpenAI server's
-model-name -> plan middleware on a real ASGI app. Real vLLM engines: tests/test_vllm_plugin.py (token equality)
-and tests/test_vllm_serve.py (the OpenAI server)."""
+"""Several plans in one engine, without an engine: DecodeRouting's per-token plan rows on a stand-in model
+(the same hooks vLLM's gates get), the plan settings' refusals, the CLI's --plan parsing and the OpenAI
+server's model-name -> plan middleware on a real ASGI app. Real vLLM engines: tests/test_vllm_plugin.py (token
+equality) and tests/test_vllm_serve.py (the OpenAI server)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_one_plan_is_the_single_plan_case():
     routing = DecodeRouting(model, PretrainedConfig(num_experts=8, num_experts_per_tok=2,
                                                     **{PLAN_KEY: _plan(A_KEPT)}), 16)
     assert routing.plans.keys() == {"default"}
-    # one plan still leaves requests a choice: "full" (MODEL:full beside one named plan was once served pruned)
+    # one plan still leaves requests a choice: "full" (MODEL:full beside one named
+    # plan was once served pruned)
     assert routing.multi_plan
     params = [SimpleNamespace(extra_args={"slimwise_plan": "full"}), SimpleNamespace(extra_args=None)]
     assert routing.request_plans(["r1", "r2"], params).tolist() == [0, 1]
@@ -142,7 +143,8 @@ def _post_raw(app, raw: bytes, path="/v1/completions") -> tuple[int, dict]:
     async def send(message):
         messages.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-type", b"application/json")]}
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-type", b"application/json")]}
     asyncio.run(app(scope, receive, send))
     start = next(m for m in messages if m["type"] == "http.response.start")
     data = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
@@ -179,9 +181,9 @@ def test_the_middleware_maps_model_names_to_plans(monkeypatch):
 
 @pytest.mark.parametrize("plans", [False, True], ids=["no-plan", "plans"])
 def test_the_middleware_answers_400_for_every_body_it_cannot_parse_and_over_max_n(plans, monkeypatch):
-    """Every colocated server runs the middleware: a deeply nested body (RecursionError in Python's json, once a 500),
-    malformed JSON, a non-object, bytes that are not UTF-8 and n above --max-n get an OpenAI-style 400 before vLLM
-    sees them; a request within the limit passes through."""
+    """Every colocated server runs the middleware: a deeply nested body (RecursionError in Python's json, once
+    a 500), malformed JSON, a non-object, bytes that are not UTF-8 and n above --max-n get an OpenAI-style 400
+    before vLLM sees them; a request within the limit passes through."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
@@ -197,8 +199,10 @@ def test_the_middleware_answers_400_for_every_body_it_cannot_parse_and_over_max_
         monkeypatch.setenv(PLAN_MODELS_ENV, json.dumps(served_names("m", ["math"])))
     monkeypatch.setenv(MAX_N_ENV, "4")
     app = PlanSelectMiddleware(Starlette(routes=[Route("/v1/chat/completions", echo, methods=["POST"])]))
-    for raw, words in ((b"[" * 100_000, "not valid JSON"), (b'{"model": "m", "messages": [' * 50_000, "not valid JSON"),
-                       (b'{"model": ', "not valid JSON"), (b"[1]", "must be a JSON object"), (b"\xff", "not UTF-8"),
+    for raw, words in ((b"[" * 100_000, "not valid JSON"),
+                       (b'{"model": "m", "messages": [' * 50_000, "not valid JSON"),
+                       (b'{"model": ', "not valid JSON"), (b"[1]", "must be a JSON object"),
+                       (b"\xff", "not UTF-8"),
                        (b'{"model": "m", "n": 5}', "limit of 4 completions"),
                        (b'{"model": "m", "best_of": 100}', "limit of 4 completions")):
         status, body = _post_raw(app, raw, "/v1/chat/completions")

@@ -1,11 +1,12 @@
 """The disaggregated proxy and the serve supervisor without engines: real localhost listeners stand in for the
 vLLM instances, small Python processes for their process groups.
 
-The end-to-end checks (real vLLM instances, one killed, the load test) live in test_vllm_serve.py; these pin the
-proxy's own behaviour: the race that made them slow (a request already waiting on the surviving instance when the
-other one dies), malformed input refused with a 400 JSON error before anything is forwarded, instances' 4xx
-answers passed through unchanged, the KV folder deleted on every path, connection retries and back-pressure; and
-the supervisor's: killed with kill -9, it leaves no instance process and no KV directory behind.
+The end-to-end checks (real vLLM instances, one killed, the load test) live in test_vllm_serve.py; these
+pin the proxy's own behaviour: the race that made them slow (a request already waiting on the surviving
+instance when the other one dies), malformed input refused with a 400 JSON error before anything is
+forwarded, instances' 4xx answers passed through unchanged, the KV folder deleted on every path,
+connection retries and back-pressure; and the supervisor's: killed with kill -9, it leaves no instance
+process and no KV directory behind.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from slimwise.serving.proxy import upstream as proxy_upstream
 
 
 def test_proxy_fails_fast_when_an_instance_exits_mid_request():
-    """A request caught while the supervisor stops the surviving instance answers 503 naming the dead one at once.
+    """A request caught while the supervisor stops the surviving instance answers
+    503 naming the dead one at once.
 
     Regression: CI once waited 30.4 s for this 503, the stopped prefill instance's grace period.
     """
@@ -41,7 +43,8 @@ def test_proxy_fails_fast_when_an_instance_exits_mid_request():
         async def request_while_an_instance_dies() -> httpx.Response:
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
-                call = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4}))
+                call = asyncio.create_task(client.post("/v1/completions",
+                                                       json={"prompt": "x", "max_tokens": 4}))
                 await asyncio.sleep(1.0)
                 assert not call.done()  # still waiting on the silent instance
                 state["down"] = "decode instance exited with code -9"  # what Supervisor.wait_any records
@@ -65,7 +68,8 @@ async def _http_server(respond) -> tuple[asyncio.AbstractServer, str]:
 
 
 async def _prefill_answer(writer: asyncio.StreamWriter) -> None:
-    """The prefill instance's answer: prompt ids and the full model's first token (vLLM's return_token_ids)."""
+    """The prefill instance's answer: prompt ids and the full model's first
+    token (vLLM's return_token_ids)."""
     payload = json.dumps({"model": "m", "prompt_token_ids": [5, 6],
                           "choices": [{"text": "A", "token_ids": [7], "finish_reason": "length"}]}).encode()
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -83,7 +87,8 @@ async def _decode_then_silence(writer: asyncio.StreamWriter) -> None:
 
 
 def test_proxy_stream_ends_when_an_instance_exits_mid_stream():
-    """A stream waiting on the decode instance ends with an error event naming the exited instance, at once."""
+    """A stream waiting on the decode instance ends with an error event naming
+    the exited instance, at once."""
 
     async def stream_while_an_instance_dies() -> str:
         prefill, prefill_url = await _http_server(_prefill_answer)
@@ -105,24 +110,26 @@ def test_proxy_stream_ends_when_an_instance_exits_mid_stream():
 
     events = [json.loads(line[6:]) for line in asyncio.run(stream_while_an_instance_dies()).splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
-    assert [e["choices"][0]["text"] for e in events[:2]] == ["A", "B"]  # the full model's token, then the decoder's
+    # the full model's token, then the decoder's
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["A", "B"]
     assert events[2] == {"error": {"message": "prefill instance exited with code -9; restart slimwise serve"}}
 
 
-# ----- fake instances that record what the proxy forwards --------------------------------------------------------
+# ----- fake instances that record what the proxy forwards ---------------------------------------------------
 PROMPT_IDS = [5, 6]
 MAX_MODEL_LEN = 128
 PREFILL_OK = {"model": "m", "prompt_token_ids": PROMPT_IDS,
               "choices": [{"text": "A", "token_ids": [7], "finish_reason": "length"}]}
 DECODE_OK = {"model": "m", "choices": [{"text": "BC", "token_ids": [8, 9], "finish_reason": "length"}],
              "usage": {"completion_tokens": 2}}
-DECODE_EVENTS = [{"choices": [{"text": "B", "finish_reason": None}]}, {"choices": [{"text": "C", "finish_reason": "length"}]}]
+DECODE_EVENTS = [{"choices": [{"text": "B", "finish_reason": None}]},
+                 {"choices": [{"text": "C", "finish_reason": "length"}]}]
 
 
 class Instance:
-    """A real HTTP/1.1 listener on localhost for one vLLM instance: records (path, JSON body) of every request and
-    answers `await respond(path, body)` -> (status, payload): a dict is sent as JSON, a list as SSE events, bytes
-    as they are. One request per connection (`connection: close`)."""
+    """A real HTTP/1.1 listener on localhost for one vLLM instance: records (path, JSON body) of every request
+    and answers `await respond(path, body)` -> (status, payload): a dict is sent as JSON, a list as SSE
+    events, bytes as they are. One request per connection (`connection: close`)."""
 
     def __init__(self, respond=None) -> None:
         self.respond = respond or (lambda path, body: None)
@@ -136,7 +143,8 @@ class Instance:
         self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes = b"") -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     head: bytes = b"") -> None:
         try:
             head = head or await reader.readuntil(b"\r\n\r\n")
             auth = m[1].decode() if (m := re.search(rb"(?i)\r\nauthorization: ([^\r]*)", head)) else None
@@ -151,7 +159,8 @@ class Instance:
                              b"connection: close\r\n\r\n%s" % (len(data), data))
                 await writer.drain()
                 return
-            body = json.loads(await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1))))
+            body = json.loads(
+                await reader.readexactly(int(re.search(rb"(?i)content-length: (\d+)", head).group(1))))
             path = head.split(b" ")[1].decode()
             self.requests.append((path, body))
             self.auth.append(auth)
@@ -162,20 +171,22 @@ class Instance:
             finally:
                 self.active -= 1
             if isinstance(payload, list):
-                kind, data = b"text/event-stream", b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in payload)
+                kind, data = b"text/event-stream", \
+                    b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in payload)
                 data += b"data: [DONE]\n\n"
             else:
-                kind, data = b"application/json", payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-            writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
-                         % (status, kind, len(data), data))
+                kind, data = b"application/json", \
+                    payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+                         b"connection: close\r\n\r\n%s" % (status, kind, len(data), data))
             await writer.drain()
         finally:
             writer.close()
 
 
 def prefill_storing(kv_dir: Path | None, payload: dict = PREFILL_OK, status: int = 200, store_from: int = 1):
-    """A prefill instance that answers `payload`; from its `store_from`-th request on, its 'connector' writes the
-    prompt's KV folder as SlimWiseConnector does."""
+    """A prefill instance that answers `payload`; from its `store_from`-th request on, its 'connector' writes
+    the prompt's KV folder as SlimWiseConnector does."""
     calls = []
 
     async def respond(path, body):
@@ -223,7 +234,7 @@ def sse(text: str) -> list:
     return [json.loads(line) for line in lines[:-1]]
 
 
-# ----- malformed input: 400 with a JSON error, nothing forwarded ----------------------------------------------------
+# ----- malformed input: 400 with a JSON error, nothing forwarded --------------------------------------------
 MALFORMED = [
     ("/v1/completions", b"{not json"),
     ("/v1/completions", b"[1, 2]"),
@@ -249,18 +260,21 @@ MALFORMED = [
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}'),
     ("/v1/completions", b'{"prompt": ["a", "b"]}'),
     ("/v1/completions", b'{"prompt": [1, -2]}'),
-    ("/v1/completions", b'{"prompt": ""}'),  # vLLM's own validator raises VLLMValidationError, not a ValueError
+    # vLLM's own validator raises VLLMValidationError, not a ValueError
+    ("/v1/completions", b'{"prompt": ""}'),
     ("/v1/completions", b'{"prompt": []}'),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 9' + b"9" * 5000 + b"}"),
     ("/v1/completions", b"[" * 100_000),
     ("/v1/chat/completions", b'{"messages": "hi"}'),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"max_completion_tokens": 0}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "abc"}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
 ]
 
 
-@pytest.mark.parametrize(("path", "raw"), MALFORMED, ids=[f"{i}-{raw[:40]!r}" for i, (_, raw) in enumerate(MALFORMED)])
+@pytest.mark.parametrize(("path", "raw"), MALFORMED,
+                         ids=[f"{i}-{raw[:40]!r}" for i, (_, raw) in enumerate(MALFORMED)])
 def test_malformed_input_gets_400_json_and_is_not_forwarded(path, raw):
     async def calls(client, prefill, decode):
         r = await client.post(path, content=raw, headers={"content-type": "application/json"})
@@ -276,7 +290,8 @@ def test_malformed_input_gets_400_json_and_is_not_forwarded(path, raw):
 
 
 def test_max_tokens_semantics_follow_vllm():
-    """vLLM's server: max_tokens must be an integer >= 1 (messages name the field); "5" is an integer to it."""
+    """vLLM's server: max_tokens must be an integer >= 1 (messages name the
+    field); "5" is an integer to it."""
 
     async def calls(client, prefill, decode):
         out = {}
@@ -289,7 +304,8 @@ def test_max_tokens_semantics_follow_vllm():
     assert out["0"].json()["error"]["message"] == "max_tokens must be at least 1, got 0."
     assert out["2.5"].status_code == 400 and "max_tokens" in out["2.5"].json()["error"]["message"]
     assert out["'5'"].status_code == 200 and out["3"].status_code == 200
-    assert out[repr(MAX_MODEL_LEN + 1)].json()["error"]["message"] == (  # the decode instance, asked for 128, would not
+    # the decode instance, asked for 128, would not
+    assert out[repr(MAX_MODEL_LEN + 1)].json()["error"]["message"] == (
         "max_tokens=129 cannot be greater than max_model_len=128. Please request fewer output tokens.")
     assert [body["max_tokens"] for _, body in decoded] == [4, 2]  # t1 came from the prefill instance
 
@@ -315,8 +331,8 @@ def test_stream_ending_at_the_first_token_is_still_sse(chat):
                   if chat else ("/v1/completions", {"prompt": "x", "max_tokens": 1}))
     payload = PREFILL_OK
     if chat:
-        payload = {**PREFILL_OK, "choices": [{"message": {"role": "assistant", "content": "A"}, "token_ids": [7],
-                                              "finish_reason": "length"}]}
+        payload = {**PREFILL_OK, "choices": [{"message": {"role": "assistant", "content": "A"},
+                                              "token_ids": [7], "finish_reason": "length"}]}
 
     async def calls(client, prefill, decode):
         return await client.post(path, json={**body, "stream": True}), decode.requests
@@ -331,17 +347,18 @@ def test_stream_ending_at_the_first_token_is_still_sse(chat):
     assert events[-1]["choices"][0]["finish_reason"] == "length" and decoded == []
 
 
-# ----- upstream answers and the KV folder -----------------------------------------------------------------------------
-VLLM_400 = {"error": {"message": "This model's maximum context length is 128 tokens.", "type": "BadRequestError",
-                      "param": "max_tokens", "code": 400}}
-VLLM_404 = {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError", "param": "model",
-                      "code": 404}}
+# ----- upstream answers and the KV folder -------------------------------------------------------------------
+VLLM_400 = {"error": {"message": "This model's maximum context length is 128 tokens.",
+                      "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+VLLM_404 = {"error": {"message": "The model `nope` does not exist.", "type": "NotFoundError",
+                      "param": "model", "code": 404}}
 
 
 @pytest.mark.parametrize("status,answer", [(400, VLLM_400), (404, VLLM_404)])
 def test_prefill_4xx_passes_through_unchanged(status, answer):
     async def calls(client, prefill, decode):
-        return await client.post("/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 4}), decode.requests
+        return await client.post("/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 4}), \
+            decode.requests
 
     r, decoded = run_proxy(prefill_storing(None, answer, status), decode_answering(), calls)
     assert (r.status_code, r.json()) == (status, answer) and decoded == []
@@ -349,8 +366,8 @@ def test_prefill_4xx_passes_through_unchanged(status, answer):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_decode_4xx_passes_through_and_the_kv_folder_goes(tmp_path, stream):
-    """Prefill stored the prompt's KV, then the decode instance refused the request: the client gets the decode
-    instance's answer unchanged and the folder is deleted (it leaked 908 KB a request)."""
+    """Prefill stored the prompt's KV, then the decode instance refused the request: the client gets the
+    decode instance's answer unchanged and the folder is deleted (it leaked 908 KB a request)."""
 
     async def calls(client, prefill, decode):
         return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": stream})
@@ -372,31 +389,38 @@ def test_kv_folder_goes_after_success_and_when_decode_is_unreachable(tmp_path, m
         ok = await client.post("/v1/completions", json=body)
         left_after_ok = os.listdir(tmp_path)
         app = build_app(prefill.url, dead, str(tmp_path))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as other:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://proxy") as other:
             failed = await other.post("/v1/completions", json=body)
         return ok, left_after_ok, failed
 
-    ok, left_after_ok, failed = run_proxy(prefill_storing(tmp_path), decode_answering(), calls, kv_dir=tmp_path)
+    ok, left_after_ok, failed = run_proxy(prefill_storing(tmp_path), decode_answering(),
+                                          calls, kv_dir=tmp_path)
     assert ok.status_code == 200 and left_after_ok == []
-    text = "".join(e["choices"][0]["text"] for e in sse(ok.text)) if stream else ok.json()["choices"][0]["text"]
+    text = "".join(e["choices"][0]["text"] for e in sse(ok.text)) if stream \
+        else ok.json()["choices"][0]["text"]
     assert text == "ABC"
     assert failed.status_code == 503 and "decode instance" in failed.json()["error"]["message"]
     assert os.listdir(tmp_path) == []  # the request never reached the decode instance: deleted at once
 
 
 def test_prefill_again_when_the_folder_was_deleted_under_it(tmp_path):
-    """Same prompt in flight twice: a prefill that found the folder stored wrote nothing, and the other request
-    deleted it before this one held it. The proxy sees it missing and prefills again (which stores it)."""
+    """Same prompt in flight twice: a prefill that found the folder stored wrote nothing, and
+    the other request deleted it before this one held it. The proxy sees it missing and
+    prefills again (which stores it)."""
 
     async def calls(client, prefill, decode):
-        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}), len(prefill.requests)
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}), \
+            len(prefill.requests)
 
-    r, prefills = run_proxy(prefill_storing(tmp_path, store_from=2), decode_answering(), calls, kv_dir=tmp_path)
+    r, prefills = run_proxy(prefill_storing(tmp_path, store_from=2), decode_answering(),
+                            calls, kv_dir=tmp_path)
     assert r.status_code == 200 and prefills == 2 and os.listdir(tmp_path) == []
 
 
 def test_a_prefill_instance_that_stores_nothing_is_an_error(tmp_path):
-    """Decoding without the stored KV would silently prefill with the pruned model: 503 instead, after 3 tries."""
+    """Decoding without the stored KV would silently prefill with the pruned model:
+    503 instead, after 3 tries."""
 
     async def calls(client, prefill, decode):
         r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
@@ -424,10 +448,10 @@ def test_client_cannot_steer_the_connector():
     assert forwarded[0][1]["vllm_xargs"] == {"mine": 1}
 
 
-# ----- load: retries and back-pressure ------------------------------------------------------------------------------
+# ----- load: retries and back-pressure ----------------------------------------------------------------------
 def test_connection_refused_at_first_is_retried(monkeypatch):
-    """An instance that cannot take the connection yet (here: not listening for 0.5 s) gets the request on a retry;
-    a connection never made carries no request, so the retry cannot run it twice."""
+    """An instance that cannot take the connection yet (here: not listening for 0.5 s) gets the request on a
+    retry; a connection never made carries no request, so the retry cannot run it twice."""
     # retries until 7.5 s: 15x the 0.5 s the listener needs
     monkeypatch.setattr(proxy_upstream, "RETRY_BACKOFF_S", 0.5)
     with socket.socket() as s:
@@ -444,7 +468,8 @@ def test_connection_refused_at_first_is_retried(monkeypatch):
             await late.start(port)
 
         try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                         base_url="http://proxy") as client:
                 _, r = await asyncio.gather(listen_late(), client.post("/v1/completions",
                                                                        json={"prompt": "x", "max_tokens": 3}))
                 return r, len(late.requests)
@@ -458,9 +483,10 @@ def test_connection_refused_at_first_is_retried(monkeypatch):
 
 
 class Dropping(Instance):
-    """An instance that reads each of its first `drop` requests and closes the connection without an answer, as a
-    server does when its keep-alive timer fires while the request is on the way (the race CI hit once in 64
-    requests: ReadError). `abort`: a reset (ReadError in the proxy), else an orderly close (RemoteProtocolError)."""
+    """An instance that reads each of its first `drop` requests and closes the connection without an
+    answer, as a server does when its keep-alive timer fires while the request is on the way (the race
+    CI hit once in 64 requests: ReadError). `abort`: a reset (ReadError in the proxy), else an orderly
+    close (RemoteProtocolError)."""
 
     def __init__(self, respond, drop: int, abort: bool) -> None:
         super().__init__(respond)
@@ -490,8 +516,9 @@ def test_a_connection_closed_before_the_answer_is_sent_once_more(stream, abort):
         flaky = await Dropping(decode_answering(), 3, abort).start()
         try:
             body = {"prompt": "x", "max_tokens": 3, "stream": stream}
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(prefill.url, decode.url)),
-                                         base_url="http://proxy", timeout=60) as client:
+            async with httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=build_app(prefill.url, decode.url)),
+                    base_url="http://proxy", timeout=60) as client:
                 ok = await client.post("/v1/completions", json=body)
                 health = (await client.get("/health")).json()
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(prefill.url, flaky.url)),
@@ -504,18 +531,20 @@ def test_a_connection_closed_before_the_answer_is_sent_once_more(stream, abort):
 
     ok, health, failed, prefill, decode, flaky = asyncio.run(main())
     assert ok.status_code == 200, ok.text
-    text = "".join(e["choices"][0]["text"] for e in sse(ok.text)) if stream else ok.json()["choices"][0]["text"]
+    text = "".join(e["choices"][0]["text"] for e in sse(ok.text)) if stream \
+        else ok.json()["choices"][0]["text"]
     assert text == "ABC"
     assert prefill.dropped == decode.dropped == 1 and len(prefill.requests) == 2 and len(decode.requests) == 1
     assert health["reset_retries"] == 2 and health["connect_retries"] == 0
-    assert failed.status_code == 503 and f"decode instance at {flaky.url} is unreachable" in failed.json()["error"]["message"]
+    assert failed.status_code == 503 \
+        and f"decode instance at {flaky.url} is unreachable" in failed.json()["error"]["message"]
     assert flaky.dropped == 2 and flaky.requests == []  # one retry, not more
 
 
 def test_servers_keep_idle_connections_far_longer_than_their_clients():
-    """The vLLM servers `slimwise serve` starts keep an idle connection 75 s; the proxy reuses one for at most 3 s,
-    httpx and the openai SDK 5 s: a loaded client whose clock lags the server's by seconds still never reuses a
-    connection the server is closing."""
+    """The vLLM servers `slimwise serve` starts keep an idle connection 75 s; the proxy reuses one for at most
+    3 s, httpx and the openai SDK 5 s: a loaded client whose clock lags the server's by seconds still never
+    reuses a connection the server is closing."""
     from slimwise.serving.server import server_env
 
     assert (max(proxy_upstream.KEEPALIVE_S, httpx.Limits().keepalive_expiry) * 10
@@ -541,14 +570,14 @@ def test_requests_beyond_the_upstream_limit_wait_in_the_proxy(tmp_path):
         await asyncio.sleep(0.02)
         return await store(path, body)
 
-    rs, prefill_peak, decode_peak = run_proxy(slow_prefill, decode_answering(delay=0.05), calls, kv_dir=tmp_path,
-                                              upstream_concurrency=4)
+    rs, prefill_peak, decode_peak = run_proxy(slow_prefill, decode_answering(delay=0.05), calls,
+                                              kv_dir=tmp_path, upstream_concurrency=4)
     assert [r.status_code for r in rs] == [200] * 64
     assert 1 < prefill_peak <= 4 and 1 < decode_peak <= 4
     assert os.listdir(tmp_path) == []
 
 
-# ----- the KV directory's bookkeeping ---------------------------------------------------------------------------------
+# ----- the KV directory's bookkeeping -----------------------------------------------------------------------
 def _store(kv_dir: Path, ids: list[int], size: int = 1000) -> Path:
     folder = kv_folder(kv_dir, ids)
     folder.mkdir(parents=True, exist_ok=True)
@@ -601,12 +630,13 @@ def test_kv_directory_over_its_cap_refuses_new_requests(tmp_path):
     async def calls(client, prefill, decode):
         return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}), prefill.requests
 
-    r, forwarded = run_proxy(prefill_storing(tmp_path), decode_answering(), calls, kv_dir=tmp_path, kv_dir_max_bytes=4096)
+    r, forwarded = run_proxy(prefill_storing(tmp_path), decode_answering(), calls, kv_dir=tmp_path,
+                             kv_dir_max_bytes=4096)
     assert r.status_code == 503 and r.headers["retry-after"] == "1" and forwarded == []
     assert "over its cap" in r.json()["error"]["message"]
 
 
-# ----- the supervisor killed: no orphan, no KV directory ------------------------------------------------------------
+# ----- the supervisor killed: no orphan, no KV directory ----------------------------------------------------
 SUPERVISOR = """
 import sys, time
 from slimwise.serving.server import Supervisor
@@ -614,15 +644,16 @@ sup = Supervisor()
 kv_dir = sup.make_kv_dir("0" * 12)
 # an instance: an API server whose engine process (its child, same process group) gets no parent-death signal
 child = sup.start("fake", [sys.executable, "-c", "import subprocess, sys, time; "
-                   "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"])
+                   "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); \
+time.sleep(600)"])
 print(kv_dir, child.pid, sup.watchdog.pid, flush=True)
 time.sleep(600)
 """
 
 
 def _live(pgid: int | None = None, pid: int | None = None) -> bool:
-    """A process of group `pgid` (or process `pid`) that is running: zombies, dead but not yet reaped by whoever
-    inherited them, do not count."""
+    """A process of group `pgid` (or process `pid`) that is running: zombies, dead but not yet reaped by
+    whoever inherited them, do not count."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             state, _, group = stat.read_text().rsplit(") ", 1)[1].split()[:3]
@@ -639,16 +670,16 @@ def _group_alive(pgid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def supervisors(tmp_path_factory):
-    """Two supervisors, each with a fake instance and a KV directory, started at once (their imports take seconds):
-    name -> (process, KV directory, the instance's pid = process group, the watchdog's pid)."""
+    """Two supervisors, each with a fake instance and a KV directory, started at once (their imports take
+    seconds): name -> (process, KV directory, the instance's pid = process group, the watchdog's pid)."""
     import subprocess
     import sys
 
     started = {}
     for name in ("plain", "no-watchdog"):
         tmp = tmp_path_factory.mktemp(name)  # the KV directory goes here: TMPDIR for this child only
-        started[name] = tmp, subprocess.Popen([sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE, text=True,
-                                              env={**os.environ, "TMPDIR": str(tmp)})
+        started[name] = tmp, subprocess.Popen([sys.executable, "-c", SUPERVISOR], stdout=subprocess.PIPE,
+                                              text=True, env={**os.environ, "TMPDIR": str(tmp)})
     out = {}
     try:
         for name, (tmp, proc) in started.items():
@@ -675,13 +706,14 @@ def test_kill_9_of_the_supervisor_leaves_no_process_and_no_kv_directory(supervis
     proc.wait()
     deadline = time.monotonic() + 60  # measured: under 2 s (SIGTERM; the watchdog waits up to 15 s each)
     while _group_alive(child) or kv_dir.exists():
-        assert time.monotonic() < deadline, "the instance's process group or the KV directory outlived kill -9"
+        assert time.monotonic() < deadline, \
+            "the instance's process group or the KV directory outlived kill -9"
         time.sleep(0.2)
 
 
 def test_parent_death_signal_and_the_next_start_clean_up_without_the_watchdog(supervisors):
-    """Watchdog killed too (e.g. with the supervisor's whole session): the instance's API server still dies of its
-    parent-death signal, and the next start removes the dead supervisor's KV directory."""
+    """Watchdog killed too (e.g. with the supervisor's whole session): the instance's API server still dies of
+    its parent-death signal, and the next start removes the dead supervisor's KV directory."""
     from slimwise.serving.server import remove_stale_kv_dirs
 
     proc, kv_dir, child, watchdog = supervisors["no-watchdog"]
@@ -689,30 +721,21 @@ def test_parent_death_signal_and_the_next_start_clean_up_without_the_watchdog(su
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 60
-    while _live(pid=child):  # the group leader (the API server) goes; its engine process is the watchdog's job
+    # the group leader (the API server) goes; its engine process is the watchdog's job
+    while _live(pid=child):
         assert time.monotonic() < deadline, "the instance outlived its supervisor"
         time.sleep(0.2)
     assert kv_dir.is_dir()
-    other = kv_dir.parent / "slimwise-kv-0123456789ab-1-abc"  # a name from a running supervisor (pid 1) is kept
+    # a name from a running supervisor (pid 1) is kept
+    other = kv_dir.parent / "slimwise-kv-0123456789ab-1-abc"
     other.mkdir()
     assert remove_stale_kv_dirs(str(kv_dir.parent)) == [str(kv_dir)] and other.is_dir()
     # the engine process of the instance (no parent-death signal, no watchdog) is left to the fixture to stop
 
 
-def test_kv_dir_cap_option_is_taken_from_the_vllm_arguments():
-    from slimwise.errors import SlimWiseError
-    from slimwise.serving.server import ServeConfig, _take_kv_cap
-
-    cfg = ServeConfig(model="m", vllm_args=["--dtype", "float32", "--kv-dir-max-gb", "0.5", "--max-num-seqs=4"])
-    _take_kv_cap(cfg)
-    assert cfg.vllm_args == ["--dtype", "float32", "--max-num-seqs=4"] and cfg.kv_dir_max_bytes == 2**29
-    for bad in (["--kv-dir-max-gb"], ["--kv-dir-max-gb=0"], ["--kv-dir-max-gb", "nan"], ["--kv-dir-max-gb", "x"]):
-        with pytest.raises(SlimWiseError, match="--kv-dir-max-gb takes a size in GB above 0"):
-            _take_kv_cap(ServeConfig(model="m", vllm_args=bad))
-
-
 def test_the_clients_api_key_goes_to_the_instances():
-    """vLLM's --api-key is checked by the instances: the proxy forwards each client's own Authorization header."""
+    """vLLM's --api-key is checked by the instances: the proxy forwards each
+    client's own Authorization header."""
 
     async def calls(client, prefill, decode):
         keyed = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True},
@@ -724,23 +747,26 @@ def test_the_clients_api_key_goes_to_the_instances():
     keyed, bare, models, prefill, decode = run_proxy(prefill_storing(None), decode_answering(), calls)
     assert keyed.status_code == bare.status_code == models.status_code == 200
     assert prefill.auth == decode.auth == ["Bearer k1", None]
-    assert decode.models_auth == ["Bearer k1", "Bearer k2"]  # max_model_len's look-up, the client's /v1/models
+    # max_model_len's look-up, the client's /v1/models
+    assert decode.models_auth == ["Bearer k1", "Bearer k2"]
 
 
 def test_cpu_kv_budget_is_sized_from_the_model_and_the_users_choice_wins(monkeypatch):
-    """On CPU, `slimwise serve` sizes vLLM's KV cache from max_model_len x max_num_seqs (vLLM's CPU backend would
-    reserve 92% of the memory and refuse to start on a busy machine); an explicit vLLM memory option, or
+    """On CPU, `slimwise serve` sizes vLLM's KV cache from max_model_len x max_num_seqs (vLLM's CPU backend
+    would reserve 92% of the memory and refuse to start on a busy machine); an explicit vLLM memory option, or
     VLLM_CPU_KVCACHE_SPACE, wins; nothing is chosen on a GPU."""
     from slimwise.models import resolve_model_dir
     from slimwise.serving.server import cpu_kv_budget
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    model = str(resolve_model_dir("testbed-a"))  # 4 attention layers x 2 KV heads x 32 dims x 2 (K, V) x 2 bytes
+    # 4 attention layers x 2 KV heads x 32 dims x 2 (K, V) x 2 bytes
+    model = str(resolve_model_dir("testbed-a"))
     chosen, why = cpu_kv_budget(model, [], available=16 << 30, on_cpu=True)
     assert chosen == int(1.25 * 128 * 512 * 1024) + (64 << 20)  # max_position_embeddings 512, 128 sequences
     assert "max_model_len 512 x max_num_seqs 128 x 1024 B/token" in why and "--kv-cache-memory-bytes" in why
     args = ["--max-model-len", "256", "--max-num-seqs=8", "--dtype", "float32"]
-    assert cpu_kv_budget(model, args, on_cpu=True, available=16 << 30)[0] == int(1.25 * 8 * 256 * 2048) + (64 << 20)
+    assert cpu_kv_budget(model, args, on_cpu=True, available=16 << 30)[0] \
+        == int(1.25 * 8 * 256 * 2048) + (64 << 20)
     capped, why = cpu_kv_budget(model, ["--max-model-len", "4096", "--max-num-seqs", "256"], instances=2,
                                 available=1 << 30, on_cpu=True)
     assert capped == int(0.4 * (1 << 30) / 2) and "capped" in why  # two instances share 40% of what is free
@@ -752,8 +778,8 @@ def test_cpu_kv_budget_is_sized_from_the_model_and_the_users_choice_wins(monkeyp
 
 
 def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, tmp_path):
-    """`slimwise serve` on CPU without --dtype (or with auto): the checkpoint's dtype where the CPU has bf16 matrix
-    instructions, float32 for a bf16 checkpoint where it has none (measured 1.5x faster there), bf16
+    """`slimwise serve` on CPU without --dtype (or with auto): the checkpoint's dtype where the CPU has bf16
+    matrix instructions, float32 for a bf16 checkpoint where it has none (measured 1.5x faster there), bf16
     always for the hybrids (vLLM's CPU Gated DeltaNet kernel is bf16 only); the user's dtype wins."""
     import json
 
@@ -765,7 +791,8 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
     assert hardware.cpu_info()["flags"]  # the real /proc/cpuinfo was read
     here = cpu_dtype(model, [], on_cpu=True)
     assert here[0] == ("bfloat16" if hardware.bf16_support() else "float32")
-    assert cpu_dtype(model, ["--dtype", "float16"], on_cpu=True) is None and cpu_dtype(model, [], on_cpu=False) is None
+    assert cpu_dtype(model, ["--dtype", "float16"], on_cpu=True) is None \
+        and cpu_dtype(model, [], on_cpu=False) is None
     avx2_only = {**hardware.cpu_info(), "flags": {"avx2", "fma"}}  # an AVX2-only AMD EPYC
     monkeypatch.setattr(hardware, "cpu_info", lambda: avx2_only)
     dtype, why = cpu_dtype(model, ["--dtype=auto"], on_cpu=True)
@@ -775,7 +802,8 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
     (hybrid / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {
         "model_type": "qwen3_5_moe_text", "dtype": "bfloat16"}}))
     assert cpu_dtype(str(hybrid), [], on_cpu=True)[0] == "bfloat16"
-    # the transformers reference (slimwise eval --engine hf) has no bf16-only kernel: the hybrid runs float32 too
+    # the transformers reference (slimwise eval --engine hf) has no bf16-only
+    # kernel: the hybrid runs float32 too
     assert hardware.resolve_dtype("auto", str(hybrid), engine="hf")[0] == "float32"
     assert hardware.resolve_dtype("auto", model, engine="hf")[0] == "float32"
     assert hardware.resolve_dtype("bfloat16", model, engine="hf") == ("bfloat16", "as requested")
@@ -787,11 +815,12 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
 
 
 def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu_fixes(tiny_dirs, tmp_path):
-    """What `slimwise serve` hands vLLM, engine-free: the name the user typed (an embedded name as is, a directory by
-    its name, never an absolute path), the checkpoint's own tokenizer (tokenizer mode slimwise) unless the user
-    chose a mode, the middleware on every colocated server, and SlimWise's class without a plan where it fixes vLLM
-    on CPU (DeepSeek-V3's MLA rotary; disaggregated instances and plan-less colocated servers once ran stock vLLM
-    there and gave other tokens than transformers) unless the user passes --hf-overrides."""
+    """What `slimwise serve` hands vLLM, engine-free: the name the user typed (an embedded name as is, a
+    directory by its name, never an absolute path), the checkpoint's own tokenizer (tokenizer mode
+    slimwise) unless the user chose a mode, the middleware on every colocated server, and SlimWise's class
+    without a plan where it fixes vLLM on CPU (DeepSeek-V3's MLA rotary; disaggregated instances and
+    plan-less colocated servers once ran stock vLLM there and gave other tokens than transformers) unless
+    the user passes --hf-overrides."""
     from slimwise.argtypes import option_value
     from slimwise.serving.server import (
         ServeConfig,
@@ -803,12 +832,14 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
 
     assert default_served_name("testbed-c") == "testbed-c"
     deepseek, qwen = str(tiny_dirs("deepseek_v3")), str(tiny_dirs("qwen3_moe"))
-    assert default_served_name(deepseek) == "deepseek_v3" and default_served_name(deepseek + "/") == "deepseek_v3"
+    assert default_served_name(deepseek) == "deepseek_v3" \
+        and default_served_name(deepseek + "/") == "deepseek_v3"
     cmd = colocated_command(ServeConfig(model=deepseek))
     assert option_value(cmd, "--served-model-name") == "deepseek_v3"
     assert option_value(cmd, "--tokenizer-mode") == "slimwise"
     assert option_value(cmd, "--middleware") == "slimwise.serving.plan_select.PlanSelectMiddleware"
-    assert json.loads(option_value(cmd, "--hf-overrides")) == {"architectures": ["SlimWiseDeepseekV3ForCausalLM"]}
+    assert json.loads(option_value(cmd, "--hf-overrides")) \
+        == {"architectures": ["SlimWiseDeepseekV3ForCausalLM"]}
     assert cpu_fix_args(qwen, []) == [] and cpu_fix_args(deepseek, ["--hf-overrides", "{}"]) == []
     mine = colocated_command(ServeConfig(model=qwen, vllm_args=["--tokenizer-mode", "hf"]))
     assert mine.count("--tokenizer-mode") == 1 and option_value(mine, "--tokenizer-mode") == "hf"

@@ -1,4 +1,5 @@
-"""Training of the embedded testbed backbones: fast experts, losses, packing, resume, and the shipped models."""
+"""Training of the embedded testbed backbones: fast experts, losses, packing,
+resume, and the shipped models."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ TINY = {
     "a": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
               moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
     "b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2),
+              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+              num_experts_per_tok=2),
     "c": dict(hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
               num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=1,
               linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32,
-              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2),
+              moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+              num_experts_per_tok=2),
 }
 
 
@@ -57,7 +60,8 @@ def tiny_config(tmp_path, backbone="a", **kw) -> TrainConfig:
 
 def test_backbone_presets_meet_the_issue(tok):
     a = backbone_config("a", tok)
-    assert a.model_type == "qwen3_moe" and a.num_experts >= 64 and a.num_experts_per_tok == 8 and a.norm_topk_prob
+    assert a.model_type == "qwen3_moe" and a.num_experts >= 64 \
+        and a.num_experts_per_tok == 8 and a.norm_topk_prob
     b = backbone_config("b", tok)
     assert b.model_type == "qwen2_moe" and b.num_experts >= 32 and b.shared_expert_intermediate_size > 0
     c = backbone_config("c", tok)  # Qwen3.6-35B-A3B's design at small scale
@@ -67,7 +71,8 @@ def test_backbone_presets_meet_the_issue(tok):
     assert c.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * (c.num_hidden_layers // 4)
     assert c.linear_key_head_dim == c.linear_value_head_dim == 64  # vLLM's CPU GDN kernel rejects 32
     assert c.linear_num_value_heads == 2 * c.linear_num_key_heads  # the reference's 32 : 16
-    assert c.rope_parameters["partial_rotary_factor"] == 0.25  # transformers' default for the family, as published
+    # transformers' default for the family, as published
+    assert c.rope_parameters["partial_rotary_factor"] == 0.25
     for cfg in (a, b, c):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         assert cfg.vocab_size == len(tok) and cfg.max_position_embeddings == 512
@@ -123,7 +128,8 @@ def test_pair_init_starts_spaced_and_bare_names_equal(tmp_path, tok):
         assert torch.equal(emb[bare], emb[spaced]) and torch.equal(head[bare], head[spaced])
     plain = build_model(tiny_config(tmp_path, pair_init=False), tok)
     bare, spaced = pairs[0]
-    assert not torch.equal(plain.get_input_embeddings().weight[bare], plain.get_input_embeddings().weight[spaced])
+    assert not torch.equal(plain.get_input_embeddings().weight[bare],
+                           plain.get_input_embeddings().weight[spaced])
 
 
 def test_training_losses_capture_every_moe_layer(tmp_path, tok):
@@ -153,7 +159,8 @@ def test_packing_masks_prompts_and_isolates_samples(tmp_path, tok):
     # the packed forward equals each sample's own forward: no attention across samples
     model = build_model(cfg, tok).eval()
     with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
         starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
         for (p, t), start in zip(sorted(enc, key=lambda x: -(len(x[0]) + len(x[1]))), starts, strict=False):
             ids = torch.tensor([p + t])
@@ -162,10 +169,10 @@ def test_packing_masks_prompts_and_isolates_samples(tmp_path, tok):
 
 
 def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path, tok):
-    """transformers' CPU Gated-DeltaNet path (torch chunked kernel, causal conv) ignores packed-sample boundaries:
-    the second sample of a packed row differs from the same sample alone. One sample per row (`pack_rows`, the
-    default for hybrids) is exact, in any number of length-sorted micro-batches (at most `groups`), and the micro-batch losses add
-    up to the one-batch loss."""
+    """transformers' CPU Gated-DeltaNet path (torch chunked kernel, causal conv) ignores packed-sample
+    boundaries: the second sample of a packed row differs from the same sample alone. One sample per row
+    (`pack_rows`, the default for hybrids) is exact, in any number of length-sorted micro-batches (at most
+    `groups`), and the micro-batch losses add up to the one-batch loss."""
     from slimwise.testbed.tokenizer import encode_sample
     from slimwise.testbed.train import is_hybrid, packing_of
 
@@ -173,13 +180,15 @@ def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path,
     model = build_model(cfg, tok).eval()
     assert is_hybrid(model.config) and packing_of(cfg, model.config) == "rows"
     assert packing_of(tiny_config(tmp_path), build_model(tiny_config(tmp_path), tok).config) == "packed"
-    enc = [encode_sample(tok, s) for s in make_split("train", 1, seed=3, families=["add", "sort", "qa", "upper"])]
+    enc = [encode_sample(tok, s)
+           for s in make_split("train", 1, seed=3, families=["add", "sort", "qa", "upper"])]
     alone = {}
     with torch.no_grad():
         for p, t in enc:
             alone[len(p) + len(t), p[0]] = model(input_ids=torch.tensor([p + t]), use_cache=False).logits[0]
         batch = pack(enc, 256, tok.pad_token_id)
-        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
         starts = (batch["position_ids"][0] == 0).nonzero().flatten().tolist()
         order = sorted(enc, key=lambda x: -(len(x[0]) + len(x[1])))
         second = order[1]
@@ -188,7 +197,8 @@ def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path,
         assert leak > 1e-3, leak  # the state of sample 1 reaches sample 2
         for groups in (1, 2, 4):
             for b in pack_rows(enc, tok.pad_token_id, groups=groups):
-                logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False).logits
+                logits = model(input_ids=b["input_ids"], position_ids=b["position_ids"],
+                               use_cache=False).logits
                 for row in range(b["input_ids"].shape[0]):
                     n = int(b["valid"][row].sum())
                     key = (n, int(b["input_ids"][row, 0]))
@@ -206,13 +216,15 @@ def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path,
     assert math.isclose(loss.item(), ce.item() + 0.02 * aux.item(), rel_tol=1e-5) and 0.9 < aux.item() < 2.0
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n)
     steps = make_batches(cfg, tok, 0, "rows")
-    assert len(steps) == cfg.row_groups and all(int(b["valid"][:, 0].sum()) == b["valid"].shape[0] for b in steps)
+    assert len(steps) == cfg.row_groups \
+        and all(int(b["valid"][:, 0].sum()) == b["valid"].shape[0] for b in steps)
     capture.remove()
 
 
 def test_segmented_linear_attention_equals_each_sample_alone():
-    """The segment-aware causal conv and chunked gated delta rule equal transformers' stock functions run on each
-    sample alone: samples that straddle a chunk boundary, several starts in one chunk, one sample over 2 chunks."""
+    """The segment-aware causal conv and chunked gated delta rule equal transformers' stock
+    functions run on each sample alone: samples that straddle a chunk boundary, several starts in
+    one chunk, one sample over 2 chunks."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock
 
     from slimwise.testbed.packed_linear_attention import (
@@ -237,18 +249,21 @@ def test_segmented_linear_attention_equals_each_sample_alone():
         start = 0
         for n in row:
             s = slice(start, start + n)
-            ref, _ = stock.torch_chunk_gated_delta_rule(q[r:r + 1, s], k[r:r + 1, s], v[r:r + 1, s], g=g[r:r + 1, s],
-                                                        beta=beta[r:r + 1, s], use_qk_l2norm_in_kernel=True)
+            ref, _ = stock.torch_chunk_gated_delta_rule(q[r:r + 1, s], k[r:r + 1, s], v[r:r + 1, s],
+                                                        g=g[r:r + 1, s], beta=beta[r:r + 1, s],
+                                                        use_qk_l2norm_in_kernel=True)
             torch.testing.assert_close(out[r, s], ref[0], rtol=0, atol=1e-5)  # both compute in float32
-            torch.testing.assert_close(conv[r, :, s], stock.causal_conv1d_fn(x[r:r + 1, :, s], w, None, "silu")[0])
+            torch.testing.assert_close(conv[r, :, s],
+                                       stock.causal_conv1d_fn(x[r:r + 1, :, s], w, None, "silu")[0])
             start += n
-    assert (whole[0, 40:110] - out[0, 40:110]).abs().max() > 1e-2  # unsegmented, sample 2 reads sample 1's state
+    # unsegmented, sample 2 reads sample 1's state
+    assert (whole[0, 40:110] - out[0, 40:110]).abs().max() > 1e-2
 
 
 def test_packed_hybrid_rows_train_exactly_what_one_sample_per_row_trains(tmp_path, tok):
-    """`--packing packed` on a hybrid: several samples per row, with the segment-aware Gated-DeltaNet swapped in,
-    gives the loss and gradients of the same samples one per row (stock kernels); without the swap the packed
-    loss differs (the state leaks). Outside the swap the stock functions are back."""
+    """`--packing packed` on a hybrid: several samples per row, with the segment-aware Gated-DeltaNet swapped
+    in, gives the loss and gradients of the same samples one per row (stock kernels); without the swap the
+    packed loss differs (the state leaks). Outside the swap the stock functions are back."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock
 
     from slimwise.testbed.packed_linear_attention import segment_aware_linear_attention
@@ -265,7 +280,8 @@ def test_packed_hybrid_rows_train_exactly_what_one_sample_per_row_trains(tmp_pat
         loss = step_losses(model, capture, batches, 0.02)[0]
         return loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    # one micro-batch of rows: the aux loss (a product of batch means) is then over the same tokens as the packed one
+    # one micro-batch of rows: the aux loss (a product of batch means) is then over the
+    # same tokens as the packed one
     ref_loss, ref_grads = run(pack_rows(enc, tok.pad_token_id, groups=1))
     leaky_loss, leaky_grads = run([packed])
     functions = (stock.causal_conv1d_fn, stock.torch_chunk_gated_delta_rule)
@@ -293,7 +309,8 @@ def test_batches_cover_all_families_and_are_deterministic(tmp_path, tok):
     assert {s.family for s in s0} == set(FAMILIES) and len(s0) == 2 * len(FAMILIES)
     assert [s.prompt for s in s0] == [s.prompt for s in step_samples(cfg, 0)]
     assert [s.prompt for s in s0] != [s.prompt for s in step_samples(cfg, 1)]
-    weighted = step_samples(tiny_config(tmp_path, samples_per_family=2, family_weights={"gcd": 2.0, "qa": 0.5}), 0)
+    weighted = step_samples(tiny_config(tmp_path, samples_per_family=2,
+                                        family_weights={"gcd": 2.0, "qa": 0.5}), 0)
     per = {f: sum(s.family == f for s in weighted) for f in FAMILIES}
     assert per["gcd"] == 4 and per["qa"] == 1 and per["add"] == 2
     b0, b0_again = make_batch(cfg, tok, 0), make_batch(cfg, tok, 0)
@@ -356,14 +373,15 @@ def test_a_few_steps_lower_the_loss(tmp_path, tok):
 def test_hybrid_backbone_trains_unpacked_and_exports_a_stock_checkpoint(tmp_path, tok):
     out = train(tiny_config(tmp_path, "c", max_steps=3))
     summary = json.loads((out / "train_summary.json").read_text())
-    assert summary["packing"] == "rows" and summary["steps"] == 3 and 0 < summary["tokens"] < summary["positions"]
+    assert summary["packing"] == "rows" and summary["steps"] == 3 \
+        and 0 < summary["tokens"] < summary["positions"]
     from transformers import AutoModelForCausalLM
 
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert type(loaded).__name__ == "Qwen3_5MoeForCausalLM" and loaded.config.model_type == "qwen3_5_moe_text"
     assert json.loads((out / "config.json").read_text())["num_experts"] == TINY["c"]["num_experts"]
-    # next to a qwen3_5_moe_text config AutoTokenizer swaps in Qwen3.5's tokenizer class, which spells the template
-    # words out; SlimWise's loaders read the tokenizer as saved
+    # next to a qwen3_5_moe_text config AutoTokenizer swaps in Qwen3.5's tokenizer class, which spells the
+    # template words out; SlimWise's loaders read the tokenizer as saved
     from transformers import AutoTokenizer
 
     from slimwise.models import load_tokenizer as model_tokenizer
@@ -431,11 +449,13 @@ def test_rank_shares_balance_the_padded_positions(tmp_path, tok):
 
 @pytest.mark.parametrize("backbone", ["a", "c"])
 def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
-    """Each data-parallel rank's share of a step (packed rows or row micro-batches), normalised by the whole step's
-    totals, gives gradients that add up to the one-process step's, and losses that add up to its losses.
+    """Each data-parallel rank's share of a step (packed rows or row micro-batches), normalised
+    by the whole step's totals, gives gradients that add up to the one-process step's, and
+    losses that add up to its losses.
 
-    Row micro-batches (hybrids) are the same with one rank or two. A packed batch split by rows changes one thing, as
-    gradient accumulation does: the load-balancing loss is taken per share (token-weighted), so it is off here."""
+    Row micro-batches (hybrids) are the same with one rank or two. A packed batch split by rows changes
+    one thing, as gradient accumulation does: the load-balancing loss is taken per share
+    (token-weighted), so it is off here."""
     from slimwise.testbed.cpu_parallel import rank_batches
 
     aux = 0.0 if backbone == "a" else TrainConfig.aux_loss_coef
@@ -450,7 +470,8 @@ def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
     for rank in range(2):
         model.zero_grad(set_to_none=True)
         mine = rank_batches(batches, rank, 2)
-        assert mine and sum(b["input_ids"].shape[0] for b in mine) < sum(b["input_ids"].shape[0] for b in batches)
+        assert mine and sum(b["input_ids"].shape[0] for b in mine) \
+            < sum(b["input_ids"].shape[0] for b in batches)
         losses += torch.stack(step_losses(model, capture, batches, cfg.aux_loss_coef, rank, 2))
         for n, p in model.named_parameters():
             got[n] += p.grad
@@ -460,8 +481,8 @@ def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
         torch.testing.assert_close(got[n], g, rtol=1e-4, atol=1e-7, msg=n)
 
 
-# a: packed rows split between ranks, AdamW; c: hybrid micro-batches (a packed hybrid splits rows as a does), Muon,
-# whose Newton-Schulz each rank runs on its share of the matrices and broadcasts
+# a: packed rows split between ranks, AdamW; c: hybrid micro-batches (a packed hybrid splits rows as a does),
+# Muon, whose Newton-Schulz each rank runs on its share of the matrices and broadcasts
 @pytest.mark.parametrize("backbone,optimizer", [("a", "adamw"), ("c", "muon")])
 def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbone, optimizer):
     """2 single-thread processes (gloo over a file store) take turns at a step's micro-batches and sum their
@@ -473,22 +494,24 @@ def test_data_parallel_ranks_train_what_one_process_trains(tmp_path, tok, backbo
     a = torch.load(one / STATE_FILE, weights_only=True)
     b = torch.load(two / STATE_FILE, weights_only=True)
     assert a["step"] == b["step"] == 3 and a["tokens"] == b["tokens"]
-    # steps 2 and 3 run on the weights the first updates wrote, so equal losses mean equal training (the weights
-    # themselves differ where a gradient is rounding noise: AdamW's first steps move such a weight by about lr
-    # whatever its size); the ranks end bit-identical (check_in_sync raises otherwise)
+    # steps 2 and 3 run on the weights the first updates wrote, so equal losses mean equal training (the
+    # weights themselves differ where a gradient is rounding noise: AdamW's first steps move such a weight by
+    # about lr whatever its size); the ranks end bit-identical (check_in_sync raises otherwise)
     assert [r["loss"] for r in b["history"]] == pytest.approx([r["loss"] for r in a["history"]], rel=1e-4)
-    assert len((two / "train_log.jsonl").read_text().splitlines()) == 3 and (two / "model.safetensors").is_file()
+    assert len((two / "train_log.jsonl").read_text().splitlines()) == 3 \
+        and (two / "model.safetensors").is_file()
     assert json.loads((two / "train_config.json").read_text())["ranks"] == 2
 
 
 def test_muon_orthogonalises_each_expert_matrix_and_leaves_the_rest_to_adamw(tmp_path, tok):
     """`--optimizer muon`: hidden matrices and every expert's gate, up and down matrices get a Newton-Schulz
-    orthogonalised momentum, scaled to AdamW's RMS; embeddings, head, routers, few-row gates and the conv stay on
-    AdamW; the optimizer state survives a save and load (resume)."""
+    orthogonalised momentum, scaled to AdamW's RMS; embeddings, head, routers, few-row gates and the conv stay
+    on AdamW; the optimizer state survives a save and load (resume)."""
     from slimwise.testbed.muon import MuonAdamW, muon_parameters, orthogonalize
     from slimwise.testbed.train import make_optimizer
 
-    for shape in ((3, 32, 64), (3, 64, 32)):  # wide and tall: singular values in the quintic's band, not 1 exactly
+    # wide and tall: singular values in the quintic's band, not 1 exactly
+    for shape in ((3, 32, 64), (3, 64, 32)):
         s = torch.linalg.svdvals(orthogonalize(torch.randn(shape, dtype=torch.float64,
                                                            generator=torch.Generator().manual_seed(1))))
         assert s.min() > 0.5 and s.max() < 1.5 and (s - 1).abs().max() > 0.05
@@ -496,14 +519,17 @@ def test_muon_orthogonalises_each_expert_matrix_and_leaves_the_rest_to_adamw(tmp
     model = build_model(cfg, tok)
     chosen = muon_parameters(model)
     names = dict(model.named_parameters())
-    assert chosen["model.layers.0.mlp.experts.gate_up_proj"] == 2 and chosen["model.layers.0.mlp.experts.down_proj"] == 1
-    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in chosen and "model.layers.1.self_attn.q_proj.weight" in chosen
+    assert chosen["model.layers.0.mlp.experts.gate_up_proj"] == 2 \
+        and chosen["model.layers.0.mlp.experts.down_proj"] == 1
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in chosen \
+        and "model.layers.1.self_attn.q_proj.weight" in chosen
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
-                 "model.layers.0.linear_attn.in_proj_a.weight", "model.layers.0.mlp.shared_expert_gate.weight",
-                 "model.layers.0.linear_attn.conv1d.weight"):
+                 "model.layers.0.linear_attn.in_proj_a.weight",
+                 "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.linear_attn.conv1d.weight"):
         assert name in names and name not in chosen, name
     opt = make_optimizer(model, cfg)
-    assert isinstance(opt, MuonAdamW) and len(opt.param_groups) == 4  # Muon by row blocks (1, 2), AdamW (decay, none)
+    # Muon by row blocks (1, 2), AdamW (decay, none)
+    assert isinstance(opt, MuonAdamW) and len(opt.param_groups) == 4
     gen = torch.Generator().manual_seed(0)
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in names.items()}
     before = {n: p.detach().clone() for n, p in names.items()}
@@ -518,9 +544,11 @@ def test_muon_orthogonalises_each_expert_matrix_and_leaves_the_rest_to_adamw(tmp
             # first step: momentum buffer = 0.05 g, Nesterov update = g.lerp(buf, 0.95)
             g = grads["model.layers.0.mlp.experts.gate_up_proj"][e, half]
             want = orthogonalize(g.lerp(0.05 * g, 0.95)) * 0.2 * max(g.shape) ** 0.5 * lr
-            torch.testing.assert_close(before["model.layers.0.mlp.experts.gate_up_proj"][e, half] - gate_up[e, half],
-                                       want, rtol=1e-4, atol=1e-7)
-    fused = grads["model.layers.0.mlp.experts.gate_up_proj"][0]  # the control: one matrix for both halves differs
+            torch.testing.assert_close(
+                before["model.layers.0.mlp.experts.gate_up_proj"][e, half] - gate_up[e, half], want,
+                rtol=1e-4, atol=1e-7)
+    # the control: one matrix for both halves differs
+    fused = grads["model.layers.0.mlp.experts.gate_up_proj"][0]
     assert not torch.allclose(orthogonalize(fused)[:rows], orthogonalize(fused[:rows]), atol=1e-2)
     # resume: a fresh optimizer loaded from the state dict steps exactly as the original
     state = copy.deepcopy(opt.state_dict())  # as read back from disk: no tensor shared with `opt`
@@ -560,9 +588,9 @@ def test_train_command_refuses_zero_ranks_before_writing(tmp_path, capsys):
 
 
 def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
-    """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a carded model
-    (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run gets one line and
-    exit 2, and nothing is written."""
+    """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
+    carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run
+    gets one line and exit 2, and nothing is written."""
     from slimwise.testbed.cli import card_main
 
     bad = tmp_path / "empty"
@@ -576,11 +604,14 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     assert json.loads((out / "train_summary.json").read_text())["packing"] == "packed"
     assert card_main(["evaluate", str(out), "--dtype", "float32"]) == 0
     ev = json.loads((out / "eval.json").read_text())
-    assert ev["test"]["dtype"] == "float32" and ev["test"]["n"] == len(FAMILIES) and ev["heldout"]["n"] == len(FAMILIES)
+    assert ev["test"]["dtype"] == "float32" and ev["test"]["n"] == len(FAMILIES) \
+        and ev["heldout"]["n"] == len(FAMILIES)
     card = (out / "README.md").read_text()
-    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003 --optimizer muon" in card and "| qa |" in card
+    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003 --optimizer muon" in card \
+        and "| qa |" in card
     assert "- optimiser: Muon (momentum 0.95" in card
-    assert "segment-aware versions that start every sample from a zero state" in card  # how a hybrid was packed
+    # how a hybrid was packed
+    assert "segment-aware versions that start every sample from a zero state" in card
     assert "arithmetic" in capsys.readouterr().out
 
 
@@ -598,8 +629,9 @@ def test_killing_the_training_command_stops_its_ranks(tmp_path):
 
     overrides = [a for k, v in TINY["c"].items() for a in ("--override", f"{k}={json.dumps(v)}")]
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "slimwise.testbed.train", "--backbone", "c", "--out", str(out),
-                             "--minutes", "20", "--ranks", "2", "--no-eval", "--no-progress", *overrides],
+    proc = subprocess.Popen([sys.executable, "-m", "slimwise.testbed.train", "--backbone", "c",
+                             "--out", str(out), "--minutes", "20", "--ranks", "2",
+                             "--no-eval", "--no-progress", *overrides],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     children: list[psutil.Process] = []

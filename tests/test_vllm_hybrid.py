@@ -1,15 +1,17 @@
-"""Qwen3.5/3.6-MoE (hybrid Gated DeltaNet + gated full attention, routed + shared expert) in real vLLM engines.
+"""Qwen3.5/3.6-MoE (hybrid Gated DeltaNet + gated full attention,
+routed + shared expert) in real vLLM engines.
 
-vLLM's CPU Gated DeltaNet kernel runs in bfloat16 only, so the engines here are bf16 while the reference engine is
-float32: greedy tokens cannot be compared token for token (bf16 rounding flips near-ties of these random models;
-a bf16 reference differs from vLLM's bf16 kernels too). Instead every token vLLM chose is teacher-forced through the
-float32 reference with the routing the mode promises (prompt tokens: every expert; fed-back generated tokens: the
-kept experts; uniform: every token pruned; distilled: the delta on decode rows). Per token, the gap is the
-reference's best log-prob minus that of vLLM's token. Under the promised routing the mean gap must stay below
-MEAN_GAP, under the *other* routing it must exceed WRONG_GAP, so the check tells the routings apart. Measured on
-these models (rerun this file to see them again): promised routing 0.012-0.053 nats (vLLM bf16), other routing
-0.89-0.93; transformers' own bf16 model scores 0.25-0.76 nats at its worst single token against its float32 self,
-so a per-token bound would test bf16 rounding, not routing. Counters are exact in every case.
+vLLM's CPU Gated DeltaNet kernel runs in bfloat16 only, so the engines here are bf16 while the reference
+engine is float32: greedy tokens cannot be compared token for token (bf16 rounding flips near-ties of these
+random models; a bf16 reference differs from vLLM's bf16 kernels too). Instead every token vLLM chose is
+teacher-forced through the float32 reference with the routing the mode promises (prompt tokens: every expert;
+fed-back generated tokens: the kept experts; uniform: every token pruned; distilled: the delta on decode
+rows). Per token, the gap is the reference's best log-prob minus that of vLLM's token. Under the promised
+routing the mean gap must stay below MEAN_GAP, under the *other* routing it must exceed WRONG_GAP, so the
+check tells the routings apart. Measured on these models (rerun this file to see them again): promised routing
+0.012-0.053 nats (vLLM bf16), other routing 0.89-0.93; transformers' own bf16 model scores 0.25-0.76 nats at
+its worst single token against its float32 self, so a per-token bound would test bf16 rounding, not routing.
+Counters are exact in every case.
 """
 
 from __future__ import annotations
@@ -35,28 +37,33 @@ CONFIG = GenerationConfig(max_new_tokens=12, eos_token_id=-1, batch_size=16)
 # a 1-token prompt, short ones, and 33 (= one 32-token chunk + a 1-token last chunk with chunked prefill)
 PROMPTS = random_prompts(8, seed=5, lengths=(5, 9, 1, 14, 3, 7, 33, 2))
 N_PROMPT = sum(len(p) for p in PROMPTS)
-#: mean log-prob gap (nats) allowed between vLLM's bf16 greedy tokens and the float32 reference's best tokens under
-#: the promised routing, and the least mean gap the other routing must show (measured: 0.012-0.053 vs 0.89-0.93)
+#: mean log-prob gap (nats) allowed between vLLM's bf16 greedy tokens and the float32 reference's
+#: best tokens under the promised routing, and the least mean gap the other routing must show
+#: (measured: 0.012-0.053 vs 0.89-0.93)
 MEAN_GAP = 0.15
 WRONG_GAP = 0.5
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    """The same random weights as the published multimodal class and as the text-only class, and a 50% plan."""
+    """The same random weights as the published multimodal class and as the
+    text-only class, and a 50% plan."""
     from transformers import Qwen3_5MoeForConditionalGeneration
 
     root = tmp_path_factory.mktemp("qwen3_5_moe")
     torch.manual_seed(0)
-    config = tiny_config("qwen3_5_moe", initializer_range=TINY_INIT, max_position_embeddings=1024)  # a 700-token prompt
+    # a 700-token prompt
+    config = tiny_config("qwen3_5_moe", initializer_range=TINY_INIT, max_position_embeddings=1024)
     Qwen3_5MoeForConditionalGeneration(config).save_pretrained(
         root / "multimodal")
     model = load_model(root / "multimodal")  # AutoModelForCausalLM: the text-only class, same weights
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
     model.save_pretrained(root / "text")
-    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8), progress=False)
+    stats = calibrate(model, random_prompts(8, seed=1),
+                      config=CalibrationConfig(max_new_tokens=8), progress=False)
     plan = plan_from_stats(stats, "reap", 0.5)
-    return {"multimodal": root / "multimodal", "text": root / "text", "model": model, "plan": plan, "root": root}
+    return {"multimodal": root / "multimodal", "text": root / "text", "model": model,
+            "plan": plan, "root": root}
 
 
 def mean_gap(engine: PhaseSplitEngine, mode: str, outputs: list[list[int]], prompts=PROMPTS) -> float:
@@ -64,22 +71,25 @@ def mean_gap(engine: PhaseSplitEngine, mode: str, outputs: list[list[int]], prom
     return sum(g) / len(g)
 
 
-def check_routing(engine: PhaseSplitEngine, mode: str, other: str, outputs: list[list[int]], prompts=PROMPTS) -> None:
+def check_routing(engine: PhaseSplitEngine, mode: str, other: str, outputs: list[list[int]],
+                  prompts=PROMPTS) -> None:
     right, wrong = mean_gap(engine, mode, outputs, prompts), mean_gap(engine, other, outputs, prompts)
     assert right <= MEAN_GAP, f"{mode}: mean gap {right:.3f} nats under its own routing"
-    assert wrong >= WRONG_GAP, f"{mode}: mean gap {wrong:.3f} under {other}'s routing: the check cannot tell them apart"
+    assert wrong >= WRONG_GAP, \
+        f"{mode}: mean gap {wrong:.3f} under {other}'s routing: the check cannot tell them apart"
 
 
 def gaps(engine: PhaseSplitEngine, mode: str, outputs: list[list[int]], prompts=PROMPTS) -> list[float]:
-    """Per generated token: the reference's best log-prob minus the token's, under `mode`'s routing (prefill with
-    mode's prefill model, generated tokens fed back through its decode model on that cache)."""
+    """Per generated token: the reference's best log-prob minus the token's, under `mode`'s routing (prefill
+    with mode's prefill model, generated tokens fed back through its decode model on that cache)."""
     out = []
     with torch.no_grad():
         for prompt, tokens in zip(prompts, outputs, strict=True):
             cache, first, attention, positions = engine.prefill([prompt], mode)
             logits = [first[:, None, :]]
             if len(tokens) > 1:
-                logits.append(continue_on_cache(engine, mode, cache, attention, positions, [tokens], len(tokens)))
+                logits.append(continue_on_cache(engine, mode, cache, attention, positions,
+                                                [tokens], len(tokens)))
             lp = torch.log_softmax(torch.cat(logits, dim=1)[0], dim=-1)
             out += (lp.max(dim=-1).values - lp[torch.arange(len(tokens)), tokens]).tolist()
     return out
@@ -92,25 +102,29 @@ def totals(engine: VllmEngine) -> tuple[int, int]:
 
 
 def test_text_only_class_three_modes_chunked_prefill_and_prefix_cache(hybrid):
-    """Qwen3_5MoeForCausalLM: full / slimwise / uniform in one engine, chunked prefill (a 1-token last chunk) and
-    prefix-cache hits (vLLM's 'align' Mamba cache mode); exact token classes; only routed-expert gates are hooked."""
+    """Qwen3_5MoeForCausalLM: full / slimwise / uniform in one engine, chunked prefill (a 1-token last
+    chunk) and prefix-cache hits (vLLM's 'align' Mamba cache mode); exact token classes; only
+    routed-expert gates are hooked."""
     reference = PhaseSplitEngine(hybrid["model"], plan=hybrid["plan"])
     engine = VllmEngine(hybrid["text"], hybrid["plan"], dtype="bfloat16", share_engine=True,
-                        engine_kwargs={"max_num_batched_tokens": 32, "max_num_seqs": 8, "enable_prefix_caching": True,
-                                       "max_model_len": 1024})
+                        engine_kwargs={"max_num_batched_tokens": 32, "max_num_seqs": 8,
+                                       "enable_prefix_caching": True, "max_model_len": 1024})
     try:
         sw = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         fed_back = sum(len(t) - 1 for t in sw)
         assert totals(engine) == (fed_back, N_PROMPT)  # every prompt token used every expert
         steps = engine.counters()[0]["recent"]
-        assert max(p + f for _, p, f in steps) <= 32 and any(p and f for _, p, f in steps)  # chunked, mixed batches
+        # chunked, mixed batches
+        assert max(p + f for _, p, f in steps) <= 32 and any(p and f for _, p, f in steps)
         described = engine.llm.collective_rpc("slimwise_describe")[0]
         assert len(described["gates"]) == 4 and all(g.endswith(".mlp.gate") for g in described["gates"])
-        assert not any("shared_expert" in name for kind in ("gates", "norms", "lora") for name in described[kind])
-        # prefix caching for hybrids ("align" Mamba cache mode): the conv/recurrent state is checkpointed at block
-        # boundaries, and vLLM sizes the attention block to the state's page (640 tokens on an AVX512 VM, 384 on an
-        # AVX2-only one: the CPU attention kernel's block alignment differs), so only a prompt longer than a block can
-        # hit. The second run reuses whole blocks; the rest is computed as prompt tokens.
+        assert not any("shared_expert" in name for kind in ("gates", "norms", "lora")
+                       for name in described[kind])
+        # prefix caching for hybrids ("align" Mamba cache mode): the conv/recurrent state is
+        # checkpointed at block boundaries, and vLLM sizes the attention block to the state's page (640
+        # tokens on an AVX512 VM, 384 on an AVX2-only one: the CPU attention kernel's block alignment
+        # differs), so only a prompt longer than a block can hit. The second run reuses whole blocks;
+        # the rest is computed as prompt tokens.
         from vllm import SamplingParams
 
         block = engine.llm.llm_engine.vllm_config.cache_config.block_size
@@ -123,8 +137,10 @@ def test_text_only_class_three_modes_chunked_prefill_and_prefix_cache(hybrid):
             before = totals(engine)
             out = engine.llm.generate([{"prompt_token_ids": long[0]}], params, use_tqdm=False)[0]
             after = totals(engine)
-            runs.append((out.num_cached_tokens, list(out.outputs[0].token_ids), after[0] - before[0], after[1] - before[1]))
-        assert runs[0][0] == 0 and runs[1][0] >= block and runs[1][0] % block == 0, (block, runs)  # whole blocks hit
+            runs.append((out.num_cached_tokens, list(out.outputs[0].token_ids), after[0] - before[0],
+                         after[1] - before[1]))
+        # whole blocks hit
+        assert runs[0][0] == 0 and runs[1][0] >= block and runs[1][0] % block == 0, (block, runs)
         for cached, tokens, pruned, full in runs:
             assert (pruned, full) == (len(tokens) - 1, 700 - cached)  # computed prompt tokens: all experts
         uni = [o.token_ids for o in engine.generate(PROMPTS, "uniform", CONFIG)]
@@ -134,7 +150,8 @@ def test_text_only_class_three_modes_chunked_prefill_and_prefix_cache(hybrid):
     finally:
         engine.close()
     assert sw != full and uni != sw
-    for mode, tokens, other in (("slimwise", sw, "full"), ("uniform", uni, "full"), ("full", full, "slimwise")):
+    for mode, tokens, other in (("slimwise", sw, "full"), ("uniform", uni, "full"),
+                                ("full", full, "slimwise")):
         check_routing(reference, mode, other, tokens)
     for prompts, (_, tokens, _, _) in ((long, runs[0]), (long, runs[1])):
         assert mean_gap(reference, "slimwise", [tokens], prompts) <= MEAN_GAP
@@ -143,9 +160,10 @@ def test_text_only_class_three_modes_chunked_prefill_and_prefix_cache(hybrid):
 
 def test_multimodal_class_compiled(hybrid):
     """The published class (Qwen3_5MoeForConditionalGeneration, text prompts, vision tower skipped), compiled
-    (torch.compile traces the gate hooks once): generated tokens follow the pruned routing, prompt tokens the full
-    one, with exact counters. Not compared token for token with the eager text-only engine: in bf16 a different
-    kernel schedule flips near-ties (measured: 95 of 96 tokens equal, the last token of one prompt differs)."""
+    (torch.compile traces the gate hooks once): generated tokens follow the pruned routing, prompt
+    tokens the full one, with exact counters. Not compared token for token with the eager text-only
+    engine: in bf16 a different kernel schedule flips near-ties (measured: 95 of 96 tokens equal, the
+    last token of one prompt differs)."""
     assert json.loads((hybrid["multimodal"] / "config.json").read_text())["architectures"] == [
         "Qwen3_5MoeForConditionalGeneration"]
     engine = VllmEngine(hybrid["multimodal"], hybrid["plan"], dtype="bfloat16", enforce_eager=False)
@@ -161,17 +179,18 @@ def test_multimodal_class_compiled(hybrid):
 
 
 def test_distilled_delta_on_hybrid(hybrid, tmp_path):
-    """A distilled delta with the default LoRA placement (the shared expert's gate/up/down on Qwen3.5-MoE), router
-    rows and norms, served by the multimodal class: decode rows follow the distilled reference, the first token
-    stays the full model's, and mode full in the same engine is the full model."""
+    """A distilled delta with the default LoRA placement (the shared expert's gate/up/down on Qwen3.5-MoE),
+    router rows and norms, served by the multimodal class: decode rows follow the distilled reference, the
+    first token stays the full model's, and mode full in the same engine is the full model."""
     model, plan = hybrid["model"], hybrid["plan"]
     delta = distill(model, plan, random_prompts(8, seed=9),
-                    config=DistillConfig(params=("router", "norm", "lora"), steps=6, batch_size=4, max_new_tokens=8,
-                                         lr=5e-2, progress=False))
+                    config=DistillConfig(params=("router", "norm", "lora"), steps=6, batch_size=4,
+                                         max_new_tokens=8, lr=5e-2, progress=False))
     assert delta.lora_pairs() and all(".shared_expert." in name for name in delta.lora_pairs())
     delta.save(tmp_path / "delta")
     reference = PhaseSplitEngine(model, plan=plan, delta=tmp_path / "delta")
-    engine = VllmEngine(hybrid["multimodal"], plan, dtype="bfloat16", delta=tmp_path / "delta", share_engine=True)
+    engine = VllmEngine(hybrid["multimodal"], plan, dtype="bfloat16",
+                        delta=tmp_path / "delta", share_engine=True)
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "distilled", CONFIG)]
         assert totals(engine) == (sum(len(t) - 1 for t in got), N_PROMPT)
@@ -190,11 +209,11 @@ def _engine(model_dir, role: str, kv_dir) -> object:
     from vllm.config import KVTransferConfig
 
     return LLM(model=str(model_dir), dtype="bfloat16", enforce_eager=True, skip_tokenizer_init=True, seed=0,
-               kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False, enable_chunked_prefill=role == "kv_consumer",
-               kv_transfer_config=KVTransferConfig(kv_connector="SlimWiseConnector",
-                                                   kv_connector_module_path="slimwise.serving.connector",
-                                                   kv_role=role,
-                                                   kv_connector_extra_config={"shared_storage_path": str(kv_dir)}))
+               kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False,
+               enable_chunked_prefill=role == "kv_consumer",
+               kv_transfer_config=KVTransferConfig(
+                   kv_connector="SlimWiseConnector", kv_connector_module_path="slimwise.serving.connector",
+                   kv_role=role, kv_connector_extra_config={"shared_storage_path": str(kv_dir)}))
 
 
 def _shutdown(llm) -> None:
@@ -202,10 +221,11 @@ def _shutdown(llm) -> None:
 
 
 def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path):
-    """Full-model prefill instance -> pruned-checkpoint decode instance through SlimWiseConnector (what `slimwise
-    serve --disaggregated` starts): the stored conv and recurrent state of every Gated DeltaNet layer is the full
-    model's after the prompt, the decode instance computes no prompt token itself, and its tokens follow pruned
-    decoding from the full model's state. Zeroing the stored linear-attention state breaks the last check."""
+    """Full-model prefill instance -> pruned-checkpoint decode instance through SlimWiseConnector (what
+    `slimwise serve --disaggregated` starts): the stored conv and recurrent state of every Gated DeltaNet
+    layer is the full model's after the prompt, the decode instance computes no prompt token itself, and
+    its tokens follow pruned decoding from the full model's state. Zeroing the stored linear-attention
+    state breaks the last check."""
     import safetensors.torch
     from vllm import SamplingParams
 
@@ -214,17 +234,19 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
     from slimwise.serving.proxy import kv_folder
 
     model, plan = hybrid["model"], hybrid["plan"]
-    decode_dir = export_pruned(load_model(hybrid["text"]), plan, tmp_path / "pruned", source_dir=hybrid["text"])
+    decode_dir = export_pruned(load_model(hybrid["text"]), plan, tmp_path / "pruned",
+                               source_dir=hybrid["text"])
     kv = tmp_path / "kv"
     greedy = dict(temperature=0.0, ignore_eos=True)
     prefill = _engine(hybrid["text"], "kv_producer", kv)
     try:
         firsts = [o.outputs[0].token_ids[0] for o in prefill.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)]
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            SamplingParams(max_tokens=1, **greedy), use_tqdm=False)]
     finally:
         _shutdown(prefill)
-    # the stored state is the full model's after the prompt: nearer the float32 full model's state than bf16 rounding
-    # allows and far from the state the pruned model would have written (uniform prefill)
+    # the stored state is the full model's after the prompt: nearer the float32 full model's state than bf16
+    # rounding allows and far from the state the pruned model would have written (uniform prefill)
     linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
     reference = PhaseSplitEngine(model, plan=plan)
     checked = []  # (bf16 engine vs float32 full model, pruned-prefill state vs full-model state), relative
@@ -232,18 +254,22 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
         with torch.no_grad():
             full, pruned = reference.prefill([prompt], "full")[0], reference.prefill([prompt], "uniform")[0]
         for i in linear:
-            stored = safetensors.torch.load_file(kv_folder(kv, prompt) / state_file_name(f"model.layers.{i}.linear_attn"))
+            stored = safetensors.torch.load_file(
+                kv_folder(kv, prompt) / state_file_name(f"model.layers.{i}.linear_attn"))
             for key in ("state_0", "state_1"):
-                # vLLM keeps the last kernel-1 conv inputs as [state, dim]; the recurrent state is [heads, k, v] as here
+                # vLLM keeps the last kernel-1 conv inputs as [state, dim]; the recurrent
+                # state is [heads, k, v] as here
                 want, other = ((c.layers[i].conv_states[0][0, :, 1:].T if key == "state_0"
                                 else c.layers[i].recurrent_states[0][0]) for c in (full, pruned))
                 checked.append((float((stored[key][0].float() - want).norm() / want.norm()),
                                 float((other - want).norm() / want.norm())))
-    # measured, worst in the deepest layer on the 33-token prompt: 0.11 on an AVX512-BF16 VM, 0.19 on an AVX2-only one
-    # (vLLM's bf16 kernels round differently there), where the pruned-prefill state sits 0.65 away; every stored
-    # state is nearer the full model's than half the pruned model's distance (at worst 0.29 of it when measured)
+    # measured, worst in the deepest layer on the 33-token prompt: 0.11 on an AVX512-BF16 VM, 0.19 on an
+    # AVX2-only one (vLLM's bf16 kernels round differently there), where the pruned-prefill state sits
+    # 0.65 away; every stored state is nearer the full model's than half the pruned model's distance (at
+    # worst 0.29 of it when measured)
     assert max(e for e, _ in checked) < 0.3, checked
-    assert all(e < p / 2 for e, p in checked if p > 0), checked  # the first layer's state precedes any MoE block
+    # the first layer's state precedes any MoE block
+    assert all(e < p / 2 for e, p in checked if p > 0), checked
     decode = _engine(decode_dir, "kv_consumer", kv)
     try:
         requests = [{"prompt_token_ids": p + [t]} for p, t in zip(PROMPTS, firsts, strict=True)]
@@ -256,10 +282,10 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
         for prompt in PROMPTS:
             for i in linear:
                 path = kv_folder(kv, prompt) / state_file_name(f"model.layers.{i}.linear_attn")
-                safetensors.torch.save_file({k: torch.zeros_like(v) for k, v in safetensors.torch.load_file(path).items()},
-                                            path)
-        zeroed = [[t, *o.outputs[0].token_ids] for t, o in zip(firsts, decode.generate(requests, params, use_tqdm=False),
-                                                               strict=True)]
+                safetensors.torch.save_file({k: torch.zeros_like(v)
+                                             for k, v in safetensors.torch.load_file(path).items()}, path)
+        zeroed = [[t, *o.outputs[0].token_ids]
+                  for t, o in zip(firsts, decode.generate(requests, params, use_tqdm=False), strict=True)]
         assert mean_gap(reference, "slimwise", zeroed) >= WRONG_GAP
     finally:
         _shutdown(decode)
@@ -267,12 +293,13 @@ def test_disaggregated_hands_over_kv_and_linear_attention_state(hybrid, tmp_path
 
 
 def test_slimwise_serve_disaggregated_hybrid(tmp_path):
-    """`slimwise serve --disaggregated` on a hybrid checkpoint, over HTTP: the supervisor starts the prefill instance
-    without prefix caching (the connector refuses the 'align' Mamba cache mode), exports the pruned Qwen3.5 decode
-    checkpoint, and the completions follow pruned decoding from the full model's handed-over state. No KV size is
-    given: on CPU SlimWise sizes the cache itself, hybrid state included. The server ends with kill -9 of the
-    supervisor: its instances (API servers, engine and worker processes, the watchdog) and its KV directory go with
-    it (parent-death signal, watchdog; this replaced a test that started a server of its own for it)."""
+    """`slimwise serve --disaggregated` on a hybrid checkpoint, over HTTP: the supervisor starts the prefill
+    instance without prefix caching (the connector refuses the 'align' Mamba cache mode), exports the pruned
+    Qwen3.5 decode checkpoint, and the completions follow pruned decoding from the full model's handed-over
+    state. No KV size is given: on CPU SlimWise sizes the cache itself, hybrid state included. The server
+    ends with kill -9 of the supervisor: its instances (API servers, engine and worker processes, the
+    watchdog) and its KV directory go with it (parent-death signal, watchdog; this replaced a test that
+    started a server of its own for it)."""
     import glob
     import os
     import signal
@@ -289,8 +316,9 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_moe", initializer_range=TINY_INIT, vocab_size=len(tok),
-                                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5_moe", initializer_range=TINY_INIT,
+                                                 vocab_size=len(tok), eos_token_id=tok.eos_token_id,
+                                                 pad_token_id=tok.pad_token_id)
                                      ).save_pretrained(tmp_path / "model")
     model = load_model(tmp_path / "model")
     prompts = [s.prompt for s in make_split("test", 1)][:3]
@@ -300,26 +328,31 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
     plan.save(tmp_path / "plan.json")
     port = free_port()
     log = open(tmp_path / "pd.log", "w")  # noqa: SIM115
-    proc = start([str(tmp_path / "model"), "--plan", str(tmp_path / "plan.json"), "--disaggregated", "--dtype",
-                  "bfloat16"], port, log, vllm_args=["--enforce-eager"])
+    proc = start([str(tmp_path / "model"), "--plan", str(tmp_path / "plan.json"), "--disaggregated",
+                  "--dtype", "bfloat16"], port, log, vllm_args=["--enforce-eager"])
     groups: set[int] = set()
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-        # text prompts, as clients send them: both instances encode them with the checkpoint's own tokenizer (vLLM's
-        # AutoTokenizer would swap in Qwen3_5Tokenizer next to this config: slimwise/serving/tokenizer.py)
+        # text prompts, as clients send them: both instances encode them with the checkpoint's own tokenizer
+        # (vLLM's AutoTokenizer would swap in Qwen3_5Tokenizer next to this config:
+        # slimwise/serving/tokenizer.py)
         got = []
         for prompt, want_ids in zip(prompts, ids, strict=True):
             choice = client.completions.create(model="tiny", prompt=prompt, max_tokens=CONFIG.max_new_tokens,
-                                               temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True}
+                                               temperature=0,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True}
                                                ).choices[0]
-            assert choice.model_extra["prompt_token_ids"] == want_ids  # the text reached the model as these ids
+            # the text reached the model as these ids
+            assert choice.model_extra["prompt_token_ids"] == want_ids
             assert tok.decode(choice.model_extra["token_ids"], skip_special_tokens=True) == choice.text
             got.append(choice.model_extra["token_ids"])
         chat = client.chat.completions.create(model="tiny", max_tokens=CONFIG.max_new_tokens, temperature=0,
                                               messages=[{"role": "user", "content": prompts[0].rstrip("\n")}],
                                               extra_body={"ignore_eos": True})
-        assert chat.choices[0].message.content == tok.decode(got[0], skip_special_tokens=True)  # template: turn + "\n"
-        with pytest.raises(APIStatusError) as err:  # the request-cost limit, as the colocated server answers it
+        # template: turn + "\n"
+        assert chat.choices[0].message.content == tok.decode(got[0], skip_special_tokens=True)
+        # the request-cost limit, as the colocated server answers it
+        with pytest.raises(APIStatusError) as err:
             client.completions.create(model="tiny", prompt=prompts[0], max_tokens=2, n=10_000)
         assert err.value.status_code == 400 and "--max-n" in str(err.value)
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
@@ -339,7 +372,8 @@ def test_slimwise_serve_disaggregated_hybrid(tmp_path):
             if group_alive(g):
                 os.killpg(g, signal.SIGKILL)
     text = (tmp_path / "pd.log").read_text()
-    assert "GiB per instance on CPU" in text and "linear-attention state" in text  # the KV size SlimWise chose
+    # the KV size SlimWise chose
+    assert "GiB per instance on CPU" in text and "linear-attention state" in text
     assert "SlimWise: loading the full model's state" in text
     prefill_cmd = next(line for line in text.splitlines() if line.startswith("starting prefill:"))
     assert "--no-enable-prefix-caching" in prefill_cmd

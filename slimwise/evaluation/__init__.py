@@ -38,8 +38,9 @@ from slimwise.stats import expected_union
 
 __all__ = [
     "DEFAULT_CRITERIA", "DEFAULT_PHASES", "DEFAULT_RATIOS", "ENGINES", "EVAL_MODES", "GRADERS", "SCHEMA",
-    "DecodeTrafficMeter", "EvalConfig", "GenerationEngine", "GradedSample", "PlanSpec", "Sweep", "accuracy_metrics",
-    "bootstrap_ci", "continuation_logprobs", "dumps_compact", "evaluate_modes", "expected_union", "fidelity_metrics",
-    "first_difference", "kl_divergence", "length_metrics", "length_ratios", "load_samples", "make_engine",
-    "make_grader", "paired_difference", "run_eval", "run_metrics", "teacher_forced_kl",
+    "DecodeTrafficMeter", "EvalConfig", "GenerationEngine", "GradedSample", "PlanSpec", "Sweep",
+    "accuracy_metrics", "bootstrap_ci", "continuation_logprobs", "dumps_compact", "evaluate_modes",
+    "expected_union", "fidelity_metrics", "first_difference", "kl_divergence", "length_metrics",
+    "length_ratios", "load_samples", "make_engine", "make_grader", "paired_difference", "run_eval",
+    "run_metrics", "teacher_forced_kl",
 ]

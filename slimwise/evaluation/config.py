@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from slimwise.argtypes import comma_list, integer
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.runs import ENGINES
 from slimwise.evaluation.samples import GRADERS
@@ -25,52 +26,99 @@ KL_REFERENCE_BYTES = 1 << 30  # cache the full model's teacher-forced log-probs 
 
 @dataclass
 class EvalConfig:
-    """Everything `slimwise eval` varies. Defaults are the default sweep (4 criteria x 3 ratios x 2 phases)."""
+    """Everything `slimwise eval` varies. Defaults are the default sweep (4 criteria x 3 ratios x 2 phases).
+    The metadata of a field makes it an option of `slimwise eval` (slimwise.options)."""
 
     # pruning grid (or explicit plans)
-    criteria: tuple[str, ...] = DEFAULT_CRITERIA
-    ratios: tuple[float, ...] = DEFAULT_RATIOS
-    phases: tuple[str, ...] = DEFAULT_PHASES
-    plans: tuple[str, ...] = ()  # plan JSON files: replace the grid
-    stats: tuple[str, ...] = ()  # calibration stats files (phase read from them): skip calibration
-    scope: str = "layer"
-    modes: tuple[str, ...] = ("full", "uniform", "slimwise")
-    distilled: str | None = None  # a `slimwise distill` delta: adds mode `distilled` on the plan it was made for
-    engine: str = "hf"
+    criteria: tuple[str, ...] = field(default=DEFAULT_CRITERIA, metadata={
+        "type": comma_list(str), "help": "comma-separated criteria (default: frequency,soft,ean,reap)"})
+    ratios: tuple[float, ...] = field(default=DEFAULT_RATIOS, metadata={
+        "type": comma_list(float),
+        "help": "comma-separated shares of experts to prune (default: 0.25,0.5,0.75)"})
+    phases: tuple[str, ...] = field(default=DEFAULT_PHASES, metadata={
+        "type": comma_list(str), "help": "comma-separated calibration phases (default: prompt,decode)"})
+    plans: tuple[str, ...] = field(default=(), metadata={  # plan JSON files: replace the grid
+        "flag": "--plan", "action": "append", "convert": tuple,
+        "help": "evaluate this plan JSON (repeatable) instead of the grid"})
+    stats: tuple[str, ...] = field(default=(), metadata={  # calibration stats files (phase read from them)
+        "action": "append", "convert": tuple,
+        "help": "calibration stats to plan from (repeatable) instead of calibrating"})
+    scope: str = field(default="layer", metadata={
+        "flag": "--global", "action": "store_const", "const": "global",
+        "help": "one pruning budget across layers"})
+    modes: tuple[str, ...] = field(default=("full", "uniform", "slimwise"), metadata={
+        "type": comma_list(str),
+        "help": "comma-separated among full,uniform,slimwise,distilled (default: full,uniform,slimwise)"})
+    distilled: str | None = field(default=None, metadata={
+        "help": "a `slimwise distill` delta: adds mode distilled on the plan it was made for"})
+    engine: str = field(default="hf", metadata={
+        "choices": ENGINES, "help": "hf (reference) or vllm (if installed)"})
     # tasks
-    data: str | None = None  # JSONL with prompt/answer[/family]; default: the testbed
-    grader: str = "testbed"
-    domain: str | None = None  # testbed domain (default: the target domain); "all" = every domain
-    families: tuple[str, ...] = ()
-    split: str = "test"
-    n_per_family: int = 48  # 240 target-domain problems: about ±6 pp at 50% accuracy, default sweep < 20 min
-    max_samples: int | None = None
+    data: str | None = field(default=None, metadata={  # default: the testbed
+        "help": "JSONL with prompt and answer (optional family) instead of the testbed"})
+    grader: str = field(default="testbed", metadata={"help": "testbed | exact | contains | module:function"})
+    domain: str | None = field(default=None, metadata={  # "all" = every domain
+        "help": "testbed domain: arithmetic (default, the target), lists, text, or all"})
+    families: tuple[str, ...] = field(default=(), metadata={
+        "type": comma_list(str), "help": "comma-separated testbed families"})
+    split: str = field(default="test", metadata={
+        "choices": ["test", "edge", "heldout", "calib"],
+        "help": "testbed split: test; edge (the hardest trained sizes, e.g. 4-digit operands, never a test "
+                "problem); heldout (beyond training: 5-6 digits, which the testbeds cannot solve); calib"})
+    # 240 target-domain problems: about ±6 pp at 50% accuracy, default sweep < 20 min
+    n_per_family: int = field(default=48, metadata={
+        "flag": "--per-family", "type": integer(1),
+        "help": "testbed problems per family (default: %(default)s)"})
+    max_samples: int | None = field(default=None, metadata={
+        "type": integer(1), "help": "cap on problems (round-robin over families)"})
     # calibration
-    calib_data: str | None = None
-    calib_domain: str | None = None  # default: the target domain (also when other domains are evaluated)
-    calib_per_family: int = 16
-    calib_max_new_tokens: int = 128
-    calib_seed: int = 0  # the calibration split and sampling; apart from `seed` so a new test sample keeps the plan
-    calib_mixes: tuple[str, ...] = DEFAULT_CALIB_MIXES  # extra calibrations: "all" or "domain:weight,..." (testbed)
+    calib_data: str | None = field(default=None, metadata={
+        "help": "calibration prompts (JSONL) instead of the testbed calib split"})
+    calib_domain: str | None = field(default=None, metadata={  # also when other domains are evaluated
+        "help": "testbed domain to calibrate on (default: arithmetic, the target; evaluating other domains "
+                "then measures transfer)"})
+    calib_per_family: int = field(default=16, metadata={"type": integer(1), "help": None})
+    calib_max_new_tokens: int = field(default=128, metadata={"type": integer(1), "help": None})
+    # the calibration split and sampling; apart from `seed` so a new test sample keeps the plan
+    calib_seed: int = field(default=0, metadata={
+        "type": integer(0),
+        "help": "seed of the calibration split and sampling (apart from --seed, so the plans stay fixed)"})
+    # extra calibrations: "all" or "domain:weight,..." (testbed)
+    calib_mixes: tuple[str, ...] = field(default=DEFAULT_CALIB_MIXES, metadata={
+        "flag": "--calib-mix", "action": "append", "metavar": "MIX", "convert": tuple,
+        "help": "a mixed-domain calibration of the headline criterion and phase, at every ratio: 'all' or "
+                "domain:weight,... (repeatable; default: all and arithmetic:3,lists:1,text:1)"})
     # transfer: every plan also scored on the testbed's other domains (the ones not evaluated as the target)
-    other_domains: bool = True
-    other_per_family: int = 24  # 192 problems over the 8 other families: about ±7 pp at 50% accuracy
+    other_domains: bool = field(default=True, metadata={
+        "help": "do not also score every plan on the testbed's other domains"})
+    # 192 problems over the 8 other families: about ±7 pp at 50% accuracy
+    other_per_family: int = field(default=24, metadata={
+        "type": integer(1), "help": "other-domain problems per family (default: %(default)s)"})
     # generation
-    max_new_tokens: int = 160
-    batch_size: int = 32
-    seed: int = 0  # the test sample (and bootstrap); never the calibration (`calib_seed`)
-    dtype: str = "auto"
-    threads: int | None = None  # torch CPU threads (default: torch's); 1 is fastest for tiny models on a busy box
+    max_new_tokens: int = field(default=160, metadata={"type": integer(1), "help": None})
+    batch_size: int = field(default=32, metadata={
+        "type": integer(1), "help": "decode batch size (traffic is measured at it)"})
+    seed: int = field(default=0, metadata={  # never the calibration (`calib_seed`)
+        "type": integer(0), "help": "seed of the test sample and the bootstrap intervals"})
+    dtype: str = field(default="auto", metadata={
+        "choices": ["auto", "float32", "bfloat16", "float16"],
+        "help": "auto: the checkpoint's dtype, float32 for bf16 on a CPU without bf16 matrix units"})
+    # 1 is fastest for tiny models on a busy box
+    threads: int | None = field(default=None, metadata={
+        "type": integer(1), "help": "torch CPU threads (default: torch's choice)"})
     # metrics
-    kl: bool = True
+    kl: bool = field(default=True, metadata={"help": "skip the teacher-forced KL"})
     kl_batch_size: int = 16
-    traffic: bool = True
+    traffic: bool = field(default=True, metadata={"help": "skip decode-traffic counting"})
     n_boot: int = 2000
     # output
-    out_dir: str = "runs/eval"
-    plots: bool = True
-    cache: bool = True
-    cache_dir: str | None = None  # default: <out>/cache (generations, stats); keep it out of committed reports
+    out_dir: str = field(default="runs/eval", metadata={
+        "flag": "--out", "help": "report directory (one subdirectory per model if several)"})
+    plots: bool = field(default=True, metadata={"help": None})
+    cache: bool = field(default=True, metadata={"help": "recompute calibration and runs cached in --out"})
+    # keep it out of committed reports
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "where cached stats and generations go (default: OUT/cache)"})
     progress: bool = True
     headline: tuple[str, float, str] = ("reap", 0.5, "decode")  # plan the length plot and summary show
 

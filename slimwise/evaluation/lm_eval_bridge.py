@@ -13,7 +13,8 @@ Modes `full` and `uniform` give the baselines with the same code path; `distille
 Use (the model must be registered before lm-eval looks it up, so run lm-eval through this module):
     python -m slimwise.evaluation.lm_eval_bridge --model slimwise \\
         --model_args pretrained=testbed-a,plan=plan.json,mode=slimwise --tasks TASK [--include_path DIR]
-or in Python: `import slimwise.evaluation.lm_eval_bridge` then `lm_eval.simple_evaluate(model="slimwise", ...)`.
+or in Python: `import slimwise.evaluation.lm_eval_bridge` then
+`lm_eval.simple_evaluate(model="slimwise", ...)`.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ def _register(cls: type[LM]) -> type[LM]:
 
 @_register
 class SlimWiseLM(LM):
-    """An `LM` over `PhaseSplitEngine`; the pruned decoder is a plan's masked view or an exported checkpoint."""
+    """An `LM` over `PhaseSplitEngine`; the pruned decoder is a plan's masked
+    view or an exported checkpoint."""
 
     def __init__(self, pretrained: str, plan: str | None = None, decode_model: str | None = None,
-                 delta: str | None = None, mode: str = "slimwise", batch_size: int | str = 8, max_gen_toks: int = 256,
-                 max_length: int | None = None, dtype: str = "auto", device: str = "cpu", **kwargs: Any):
+                 delta: str | None = None, mode: str = "slimwise", batch_size: int | str = 8,
+                 max_gen_toks: int = 256, max_length: int | None = None, dtype: str = "auto",
+                 device: str = "cpu", **kwargs: Any):
         super().__init__()
         from slimwise.export import load_pruned
         from slimwise.models import load_model, load_tokenizer
@@ -68,7 +71,8 @@ class SlimWiseLM(LM):
         if mode != "full" and loaded_plan is None and decoder is None:
             raise SlimWiseError(f"mode {mode} needs plan=PLAN.json or decode_model=DIR in --model_args")
         if mode == "distilled" and not delta:
-            raise SlimWiseError("mode distilled needs delta=DIR (the output of `slimwise distill`) in --model_args")
+            raise SlimWiseError("mode distilled needs delta=DIR (the output of "
+                                "`slimwise distill`) in --model_args")
         extra = {"delta": delta} if delta else {}  # only engines with distillation take it
         self.engine = PhaseSplitEngine(model, tokenizer, plan=loaded_plan, decode_model=decoder, **extra)
         self.tokenizer = tokenizer
@@ -94,7 +98,8 @@ class SlimWiseLM(LM):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Tokens of context and continuation as lm-eval's HF model splits them (trailing spaces move over)."""
+        """Tokens of context and continuation as lm-eval's HF model splits them
+        (trailing spaces move over)."""
         if not context:
             return [self.prefix_token_id], self.tok_encode(continuation)
         n_spaces = len(context) - len(context.rstrip())
@@ -153,7 +158,8 @@ class SlimWiseLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from lm_eval.models.utils import handle_stop_sequences
 
-        eos_text = self.tokenizer.decode([self.tokenizer.eos_token_id]) if self.tokenizer.eos_token_id is not None \
+        eos_text = self.tokenizer.decode([self.tokenizer.eos_token_id]) \
+            if self.tokenizer.eos_token_id is not None \
             else None
         groups: dict[tuple, list[int]] = {}
         settings: dict[tuple, GenerationConfig] = {}
@@ -162,7 +168,8 @@ class SlimWiseLM(LM):
             kwargs = dict(kwargs or {})
             until = tuple(handle_stop_sequences(kwargs.pop("until", None), eos=eos_text))
             max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
-            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if kwargs.pop("do_sample", False) else 0.0
+            temperature = float(kwargs.pop("temperature", 0.0) or 0.0) \
+                if kwargs.pop("do_sample", False) else 0.0
             key = (until, max_new, temperature, float(kwargs.pop("top_p", 1.0) or 1.0))
             settings[key] = GenerationConfig(max_new_tokens=max_new, temperature=temperature, top_p=key[3],
                                              stop=until, batch_size=self.batch_size)
@@ -171,7 +178,8 @@ class SlimWiseLM(LM):
         for key, idx in groups.items():
             config = settings[key]
             budget = max(1, self.max_length - config.max_new_tokens)
-            prompts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-budget:] for i in idx]
+            prompts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-budget:]
+                       for i in idx]
             gens = self.engine.generate(prompts, mode=self.mode, config=config)
             for i, g in zip(idx, gens, strict=True):
                 text = g.text or ""
@@ -184,7 +192,8 @@ class SlimWiseLM(LM):
 
 
 def main() -> None:
-    """`python -m slimwise.evaluation.lm_eval_bridge ...`: lm-eval's own CLI with the `slimwise` model registered."""
+    """`python -m slimwise.evaluation.lm_eval_bridge ...`: lm-eval's own CLI with the
+    `slimwise` model registered."""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

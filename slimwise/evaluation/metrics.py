@@ -1,5 +1,5 @@
-"""Pure, hand-checkable metric functions: accuracy with bootstrap intervals, lengths, fidelity to the full model,
-and teacher-forced KL(full || mode) over the full model's own continuations."""
+"""Pure, hand-checkable metric functions: accuracy with bootstrap intervals, lengths, fidelity to the full
+model, and teacher-forced KL(full || mode) over the full model's own continuations."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def accuracy_metrics(correct: Sequence[bool], seed: int = 0, n_boot: int = 2000)
             "n": len(correct)}
 
 
-def paired_difference(a: Sequence[bool], b: Sequence[bool], n_boot: int = 2000, seed: int = 0) -> dict[str, float]:
+def paired_difference(a: Sequence[bool], b: Sequence[bool], n_boot: int = 2000,
+                      seed: int = 0) -> dict[str, float]:
     """Mean of a - b over the same samples with a paired bootstrap interval (resamples samples, not runs)."""
     diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
@@ -54,7 +55,8 @@ def length_metrics(generations: Sequence[Generation], max_new_tokens: int) -> di
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (a length difference counts at the shorter length); None if equal."""
+    """Index of the first differing token (a length difference counts at the
+    shorter length); None if equal."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
@@ -66,7 +68,8 @@ def length_ratios(outputs: Sequence[Generation], reference: Sequence[Generation]
     return [len(o.token_ids) / max(len(r.token_ids), 1) for o, r in zip(outputs, reference, strict=True)]
 
 
-def fidelity_metrics(outputs: Sequence[Generation], reference: Sequence[Generation]) -> dict[str, float | None]:
+def fidelity_metrics(outputs: Sequence[Generation],
+                     reference: Sequence[Generation]) -> dict[str, float | None]:
     """Agreement with the full model's generations for the same prompts.
 
     `first_diff_mean` averages over the outputs that differ (None when all are identical)."""

@@ -1,7 +1,9 @@
-"""PNG plots of an evaluation (`slimwise.evaluation` report dict -> files): accuracy, lengths, fidelity and decode
-traffic against the pruning ratio, and the transfer trade-off (target-domain against other-domain accuracy).
+"""PNG plots of an evaluation (`slimwise.evaluation` report dict -> files): accuracy, lengths,
+fidelity and decode traffic against the pruning ratio, and the transfer trade-off (target-domain
+against other-domain accuracy).
 
-Every number is read back from the report JSON, as in the Markdown (`report`). matplotlib's Agg backend: no display.
+Every number is read back from the report JSON, as in the Markdown (`report`).
+matplotlib's Agg backend: no display.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from slimwise.io import save_figure
 
 MODE_COLORS = {"full": "black", "uniform": "tab:red", "slimwise": "tab:blue", "distilled": "tab:green"}
 PHASE_STYLES = {"decode": ("-", "o"), "prompt": ("--", "s"), "all": (":", "^"), None: ("-.", "D")}
-MIX_STYLES = ((":", "^"), ("-.", "v"), ((0, (1, 3)), "P"))  # calibrations "<phase>@<mix>", in order of appearance
-PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png", "traffic_vs_ratio.png", "transfer.png")
+# calibrations "<phase>@<mix>", in order of appearance
+MIX_STYLES = ((":", "^"), ("-.", "v"), ((0, (1, 3)), "P"))
+PLOTS = ("accuracy_vs_ratio.png", "lengths.png", "fidelity_vs_ratio.png",
+         "traffic_vs_ratio.png", "transfer.png")
 
 
 def _phase_style(report: dict, phase) -> tuple:
@@ -52,11 +56,13 @@ def plot_accuracy(report: dict, path: Path) -> None:
     plt = _plt()
     crits, phases, modes = run_criteria(report), run_phases(report), run_modes(report)
     full = report["full"]
-    fig, axes = plt.subplots(1, len(crits), figsize=(max(4.2 * len(crits), 9.0), 4.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(crits), figsize=(max(4.2 * len(crits), 9.0), 4.8),
+                             sharey=True, squeeze=False)
     ratios = sorted({r["ratio"] for r in report["runs"]})
     for ax, crit in zip(axes[0], crits, strict=True):
         ax.axhline(full["accuracy"], color="black", lw=1.2, label="full")
-        ax.axhspan(full["accuracy_ci_low"], full["accuracy_ci_high"], color="gray", alpha=0.15, label="full 95% CI")
+        ax.axhspan(full["accuracy_ci_low"], full["accuracy_ci_high"], color="gray",
+                   alpha=0.15, label="full 95% CI")
         for mode in modes:
             for phase in phases:
                 runs = _series(report, crit, mode, phase)
@@ -67,15 +73,16 @@ def plot_accuracy(report: dict, path: Path) -> None:
                 y = [r["metrics"]["accuracy"] for r in runs]
                 err = [[yy - r["metrics"]["accuracy_ci_low"] for yy, r in zip(y, runs, strict=True)],
                        [r["metrics"]["accuracy_ci_high"] - yy for yy, r in zip(y, runs, strict=True)]]
-                ax.errorbar(x, y, yerr=err, color=MODE_COLORS.get(mode), ls=ls, marker=marker, capsize=3, ms=5,
-                            label=f"{mode} ({phase} calib)")
+                ax.errorbar(x, y, yerr=err, color=MODE_COLORS.get(mode), ls=ls, marker=marker, capsize=3,
+                            ms=5, label=f"{mode} ({phase} calib)")
         ax.set_title(f"criterion: {crit}")
         ax.set_xlabel("share of experts pruned")
         ax.set_xticks(ratios)
         ax.grid(alpha=0.3)
     lows = [full["accuracy_ci_low"]] + [r["metrics"]["accuracy_ci_low"] for r in report["runs"]]
     highs = [full["accuracy_ci_high"]] + [r["metrics"]["accuracy_ci_high"] for r in report["runs"]]
-    axes[0][0].set_ylim(max(0.0, min(lows) - 0.05), min(1.0, max(highs) + 0.05))  # zoom on the data, within [0, 1]
+    # zoom on the data, within [0, 1]
+    axes[0][0].set_ylim(max(0.0, min(lows) - 0.05), min(1.0, max(highs) + 0.05))
     axes[0][0].set_ylabel("accuracy (95% bootstrap CI)")
     fig.suptitle(f"{report['model']['name']}: accuracy vs pruning ratio ({report['tasks']['n']} problems)")
     _legend_below(fig, axes[0])
@@ -131,9 +138,11 @@ def plot_fidelity(report: dict, path: Path) -> None:
     plt = _plt()
     crits, phases = run_criteria(report), run_phases(report)
     modes = [m for m in run_modes(report) if m != "full"]
-    metrics = [("exact_match", "exact match with full"), ("first_diff_mean", "first differing token (mean pos.)"),
+    metrics = [("exact_match", "exact match with full"),
+               ("first_diff_mean", "first differing token (mean pos.)"),
                ("kl_mean", "KL(full ‖ mode) per token")]
-    fig, axes = plt.subplots(len(metrics), len(crits), figsize=(max(4.2 * len(crits), 9.0), 3.0 * len(metrics)),
+    fig, axes = plt.subplots(len(metrics), len(crits),
+                             figsize=(max(4.2 * len(crits), 9.0), 3.0 * len(metrics)),
                              sharey="row", squeeze=False)
     ratios = sorted({r["ratio"] for r in report["runs"]})
     for j, crit in enumerate(crits):
@@ -141,12 +150,13 @@ def plot_fidelity(report: dict, path: Path) -> None:
             ax = axes[i][j]
             for mode in modes:
                 for phase in phases:
-                    runs = [r for r in _series(report, crit, mode, phase) if r["metrics"].get(key) is not None]
+                    runs = [r for r in _series(report, crit, mode, phase)
+                            if r["metrics"].get(key) is not None]
                     if not runs:
                         continue
                     ls, marker = PHASE_STYLES.get(phase, ("-", "o"))
-                    ax.plot([r["ratio"] for r in runs], [r["metrics"][key] for r in runs], ls=ls, marker=marker,
-                            color=MODE_COLORS.get(mode), label=f"{mode} ({phase} calib)")
+                    ax.plot([r["ratio"] for r in runs], [r["metrics"][key] for r in runs], ls=ls,
+                            marker=marker, color=MODE_COLORS.get(mode), label=f"{mode} ({phase} calib)")
             if i == 0:
                 ax.set_title(f"criterion: {crit}")
             if j == 0:
@@ -184,10 +194,12 @@ def plot_traffic(report: dict, path: Path) -> None:
                 expect[r["ratio"]] = r["metrics"]["traffic"]["uniform_expectation"]
     if expect:
         xs = sorted(expect)
-        ax.plot(xs, [expect[x] for x in xs], color="gray", ls=":", marker="x", label="pruned (uniform-routing exp.)")
+        ax.plot(xs, [expect[x] for x in xs], color="gray", ls=":", marker="x",
+                label="pruned (uniform-routing exp.)")
     ax.set_xlabel("share of experts pruned")
     ax.set_ylabel("distinct experts per MoE layer per decode step")
-    ax.set_title(f"{report['model']['name']}: decode expert traffic (batch size {report['generation']['batch_size']})")
+    ax.set_title(f"{report['model']['name']}: decode expert traffic (batch size "
+                 f"{report['generation']['batch_size']})")
     ax.set_ylim(bottom=0)
     ax.set_xticks(sorted({r["ratio"] for r in report["runs"]}))
     ax.grid(alpha=0.3)
@@ -203,8 +215,9 @@ def plot_transfer(report: dict, path: Path) -> None:
     crit = headline_runs(report)[0]
     fig, ax = plt.subplots(figsize=(7.4, 5.6))
     ax.plot([od["full"]["accuracy"]], [report["full"]["accuracy"]], "*", color="black", ms=14, label="full")
-    phases = [p for p in run_phases(report) if any(r["criterion"] == crit and r["phase"] == p and "other_metrics" in r
-                                                for r in report["runs"])]
+    phases = [p for p in run_phases(report)
+              if any(r["criterion"] == crit and r["phase"] == p and "other_metrics" in r
+                     for r in report["runs"])]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, phase in enumerate(phases):
         marker = _phase_style(report, phase)[1]  # color and marker: the calibration; line: the mode
@@ -219,14 +232,16 @@ def plot_transfer(report: dict, path: Path) -> None:
                     markerfacecolor=color if fill else "none", label=f"{mode}, {phase} calib")
             if fill:
                 for xx, yy, r in zip(x, y, runs, strict=True):
-                    ax.annotate(f"{r['ratio']:.0%}", (xx, yy), textcoords="offset points", xytext=(5, 4), fontsize=8)
+                    ax.annotate(f"{r['ratio']:.0%}", (xx, yy), textcoords="offset points",
+                                xytext=(5, 4), fontsize=8)
     ax.set_xlabel(f"other-domain accuracy ({', '.join(od['domains'])}; {od['n']} problems)")
-    ax.set_ylabel(f"target-domain accuracy ({report['tasks'].get('domain')}; {report['tasks']['n']} problems)")
+    ax.set_ylabel(f"target-domain accuracy ({report['tasks'].get('domain')}; "
+                  f"{report['tasks']['n']} problems)")
     ax.set_xlim(-0.02, 1.02)
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(f"{report['model']['name']}: what a plan keeps, in and outside its calibration ({crit}; labels: "
-                 "share pruned)", fontsize=10)
+    ax.set_title(f"{report['model']['name']}: what a plan keeps, in and outside its calibration ({crit}; "
+                 "labels: share pruned)", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     save_figure(fig, path, dpi=110)
 
@@ -237,7 +252,8 @@ def write_plots(report: dict, out_dir: str | Path) -> list[str]:
     written = []
     if not report["runs"]:
         return written
-    for name, fn in zip(PLOTS, (plot_accuracy, plot_lengths, plot_fidelity, plot_traffic, plot_transfer), strict=True):
+    for name, fn in zip(PLOTS, (plot_accuracy, plot_lengths, plot_fidelity, plot_traffic, plot_transfer),
+                        strict=True):
         if name == "traffic_vs_ratio.png" and not (report["full"].get("traffic") or {}).get("decode_steps"):
             continue
         if name == "transfer.png" and not report.get("other_domains"):

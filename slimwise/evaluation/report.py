@@ -90,8 +90,9 @@ def table_row(mode: str, run: dict | None, m: dict, full: dict) -> list[str]:
 
 
 TABLE_HEADER = ["mode", "criterion", "calib", "ratio", "accuracy [95% CI]", "Δ acc vs full",
-                "len mean / med / p90", "EOS", "truncated", "len ratio vs full: mean / med (p10–p90)", "exact match",
-                "first diff pos", "KL(full‖mode)", "experts/layer/step (uniform-routing exp.)", "expert MiB/step"]
+                "len mean / med / p90", "EOS", "truncated", "len ratio vs full: mean / med (p10–p90)",
+                "exact match", "first diff pos", "KL(full‖mode)",
+                "experts/layer/step (uniform-routing exp.)", "expert MiB/step"]
 
 
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -102,7 +103,8 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
 
 def _sorted_runs(report: dict) -> list[dict]:
     order = {m: i for i, m in enumerate(run_modes(report))}
-    return sorted(report["runs"], key=lambda r: (r["criterion"], str(r["phase"]), r["ratio"], order[r["mode"]]))
+    return sorted(report["runs"],
+                  key=lambda r: (r["criterion"], str(r["phase"]), r["ratio"], order[r["mode"]]))
 
 
 def main_table(report: dict) -> list[list[str]]:
@@ -119,15 +121,16 @@ def summary_lines(report: dict) -> list[str]:
     """Plain statements of what the numbers show, including where SlimWise does not beat uniform."""
     s, full = report["summary"], report["full"]
     lines = [f"- Full model: accuracy {_pct(full['accuracy'])} "
-             f"[{_pct(full['accuracy_ci_low'], 0)}, {_pct(full['accuracy_ci_high'], 0)}] on {report['tasks']['n']} "
-             f"problems, mean length {full['length_mean']:.1f} tokens, {_pct(full['eos_share'], 0)} stopped by EOS."]
+             f"[{_pct(full['accuracy_ci_low'], 0)}, {_pct(full['accuracy_ci_high'], 0)}] on "
+             f"{report['tasks']['n']} problems, mean length {full['length_mean']:.1f} tokens, "
+             f"{_pct(full['eos_share'], 0)} stopped by EOS."]
     comps = [c for c in report["comparisons"] if "slimwise_minus_uniform" in c]
     if comps:
         lines.append(
-            f"- SlimWise − uniform accuracy (paired bootstrap 95% CI) over {len(comps)} plans: significantly higher "
-            f"in {s['slimwise_better']}, significantly lower in {s['slimwise_worse']}, not distinguishable in "
-            f"{s['no_significant_difference']} (point estimate higher in {s['slimwise_higher_point_estimate']}, "
-            f"lower in {s['slimwise_lower_point_estimate']}).")
+            f"- SlimWise − uniform accuracy (paired bootstrap 95% CI) over {len(comps)} plans: significantly "
+            f"higher in {s['slimwise_better']}, significantly lower in {s['slimwise_worse']}, not "
+            f"distinguishable in {s['no_significant_difference']} (point estimate higher in "
+            f"{s['slimwise_higher_point_estimate']}, lower in {s['slimwise_lower_point_estimate']}).")
         lower = [c for c in comps if c["slimwise_minus_uniform"]["diff"] < 0]
         ties = [c for c in comps if c["slimwise_minus_uniform"]["diff"] == 0]
         if lower:
@@ -155,7 +158,8 @@ def summary_lines(report: dict) -> list[str]:
         return sum(vals) / len(vals) if vals else None
 
     def per_ratio(key: str, fmt: str) -> str:
-        return "; ".join(f"{ratio:.0%}: " + ", ".join(f"{mode} {_num(mean(ms, key), fmt)}" for mode, ms in modes.items())
+        return "; ".join(f"{ratio:.0%}: " + ", ".join(f"{mode} {_num(mean(ms, key), fmt)}"
+                                                      for mode, ms in modes.items())
                          for ratio, modes in sorted(by_ratio.items()))
 
     if by_ratio:
@@ -178,16 +182,17 @@ def summary_lines(report: dict) -> list[str]:
                   if (m.get("traffic") or {}).get("distinct_experts_per_layer_step") is not None]
             if tr:
                 avg = sum(tr) / len(tr)
-                parts.append(f"{avg:.1f} at {ratio:.0%} ({avg / ftr['distinct_experts_per_layer_step']:.0%} of full)")
+                parts.append(f"{avg:.1f} at {ratio:.0%} "
+                             f"({avg / ftr['distinct_experts_per_layer_step']:.0%} of full)")
         if parts:
             lines.append(f"- Decode traffic at batch size {report['generation']['batch_size']}: full touches "
-                         f"{ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step (uniform-routing expectation "
-                         f"{ftr['uniform_expectation']:.1f}); SlimWise " + ", ".join(parts) + ".")
+                         f"{ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step (uniform-routing "
+                         f"expectation {ftr['uniform_expectation']:.1f}); SlimWise " + ", ".join(parts) + ".")
     for c in report["comparisons"]:
         if "distilled_minus_slimwise" in c:
             d = report.get("distilled") or {}
-            lines.append(f"- Distilled decoder ({'+'.join(d.get('params') or [])}, {d.get('steps')} steps) at "
-                         f"{c['criterion']}/{c['phase']}/{c['ratio']:g}: distilled − SlimWise "
+            lines.append(f"- Distilled decoder ({'+'.join(d.get('params') or [])}, {d.get('steps')} steps) "
+                         f"at {c['criterion']}/{c['phase']}/{c['ratio']:g}: distilled − SlimWise "
                          f"{_signed_pp(c['distilled_minus_slimwise'])}, distilled − full "
                          f"{_signed_pp(c.get('distilled_minus_full'))}.")
     crit, ratio, phase, head = headline_runs(report)
@@ -202,7 +207,8 @@ def summary_lines(report: dict) -> list[str]:
                          + (f", {tr['distinct_experts_per_layer_step']:.1f} experts/layer/step"
                             if tr.get("distinct_experts_per_layer_step") is not None else "") + ")")
         lines.append(f"- Headline plan {crit} at {ratio:.0%} ({phase} calibration): " + "; ".join(parts)
-                     + (f"; full decode touches {ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step."
+                     + (f"; full decode touches {ftr['distinct_experts_per_layer_step']:.1f} "
+                        "experts/layer/step."
                         if ftr.get("distinct_experts_per_layer_step") is not None else "."))
     return lines
 
@@ -212,9 +218,9 @@ def write_markdown(report: dict, path: str | Path) -> Path:
     m, t, g, tm = report["model"], report["tasks"], report["generation"], report["timing"]
     env, cfg = report["environment"], report.get("config", {})
     lines = [f"# SlimWise evaluation: {m['name']}", ""]
-    lines.append(f"Model `{m['name']}` ({m['family']}, {m['parameters'] / 1e6:.2f}M parameters, {m['num_experts']} "
-                 f"routed experts, top-{m['top_k']}, {m['moe_layers']} MoE layers, {m['expert_bytes'] / 1024:.1f} KiB "
-                 "per expert).")
+    lines.append(f"Model `{m['name']}` ({m['family']}, {m['parameters'] / 1e6:.2f}M parameters, "
+                 f"{m['num_experts']} routed experts, top-{m['top_k']}, {m['moe_layers']} MoE layers, "
+                 f"{m['expert_bytes'] / 1024:.1f} KiB per expert).")
     fams = ", ".join(f"{f} {n}" for f, n in t["per_family"].items())
     lines.append(f"Tasks: {t['source']}" + (f" {t['split']} split" if t.get("split") else "")
                  + (f", domain {t['domain']}" if t.get("domain") else "")
@@ -223,37 +229,44 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                  f"calibration seed {cfg.get('calib_seed', cfg.get('seed', 0))}.")
     lines.append(f"Generation: greedy, max {g['max_new_tokens']} new tokens, batch size {g['batch_size']}, "
                  f"engine `{g['engine']}`.")
-    lines.append(f"Runtime: {tm.get('total_s', 0):.0f} s on {env['cpu_count']} CPUs ({env['torch_threads']} torch "
-                 f"threads): load {tm.get('load_s', 0):.0f} s, calibration {tm.get('calibration_s', 0):.0f} s, "
-                 f"full {tm.get('full_s', 0):.0f} s, pruned runs {tm.get('pruned_runs_s', 0):.0f} s; without the run "
-                 f"cache about {tm.get('uncached_estimate_s', 0):.0f} s.")
+    lines.append(f"Runtime: {tm.get('total_s', 0):.0f} s on {env['cpu_count']} CPUs ({env['torch_threads']} "
+                 f"torch threads): load {tm.get('load_s', 0):.0f} s, calibration "
+                 f"{tm.get('calibration_s', 0):.0f} s, full {tm.get('full_s', 0):.0f} s, pruned runs "
+                 f"{tm.get('pruned_runs_s', 0):.0f} s; without the run cache about "
+                 f"{tm.get('uncached_estimate_s', 0):.0f} s.")
     hw = report["summary"]["accuracy_ci_halfwidth_at_half"]
-    lines.append(f"Sample size: n = {t['n']} gives a 95% interval of about ±{100 * hw:.0f} pp at 50% accuracy "
-                 "(less near 0% or 100%); paired differences between modes on the same problems are tighter.")
+    lines.append(f"Sample size: n = {t['n']} gives a 95% interval of about ±{100 * hw:.0f} pp at 50% "
+                 "accuracy (less near 0% or 100%); paired differences between modes on the same "
+                 "problems are tighter.")
     lines += ["", "## Summary", "", *summary_lines(report), "", *readme_table(report), ""]
     lines += ["## Main table", "",
-              "Accuracy with a 95% bootstrap interval; Δ against the full model. Lengths in generated tokens (EOS "
-              "included). Experts/layer/step: distinct routed experts per MoE layer per decode step over the batch's "
-              "live rows (uniform-routing expectation E·(1−(1−k/E)^B) in brackets, E = experts decode can use); "
-              "MiB/step: the expert weights those imply, summed over layers.", ""]
+              "Accuracy with a 95% bootstrap interval; Δ against the full model. Lengths in generated tokens "
+              "(EOS included). Experts/layer/step: distinct routed experts per MoE layer per decode step "
+              "over the batch's live rows (uniform-routing expectation E·(1−(1−k/E)^B) in brackets, E = "
+              "experts decode can use); MiB/step: the expert weights those imply, summed over layers.", ""]
     lines += _md_table(TABLE_HEADER, main_table(report))
     if report["comparisons"]:
         lines += ["", "## Paired accuracy differences", "",
-                  "Same problems, paired bootstrap 95% interval; **↑**/**↓** mark intervals that exclude 0.", ""]
+                  "Same problems, paired bootstrap 95% interval; **↑**/**↓** mark "
+                  "intervals that exclude 0.", ""]
         keys = ["slimwise_minus_uniform", "slimwise_minus_full", "uniform_minus_full"]
         keys += [k for k in ("distilled_minus_slimwise", "distilled_minus_uniform", "distilled_minus_full")
                  if any(k in c for c in report["comparisons"])]
         rows = []
         for c in sorted(report["comparisons"], key=lambda c: (c["criterion"], str(c["phase"]), c["ratio"])):
-            rows.append([c["criterion"], str(c["phase"]), f"{c['ratio']:.2f}", *(_signed_pp(c.get(k)) for k in keys)])
-        lines += _md_table(["criterion", "calib", "ratio", *(k.replace("_minus_", " − ") for k in keys)], rows)
+            rows.append([c["criterion"], str(c["phase"]), f"{c['ratio']:.2f}",
+                         *(_signed_pp(c.get(k)) for k in keys)])
+        lines += _md_table(["criterion", "calib", "ratio", *(k.replace("_minus_", " − ") for k in keys)],
+                           rows)
     if report.get("other_domains"):
         od = report["other_domains"]
         fams_o = ", ".join(f"{f} {n}" for f, n in od["per_family"].items())
         lines += ["", "## Other domains: what a plan costs outside its calibration domain", "",
-                  f"Every plan is also run on {od['n']} problems of the other domains ({', '.join(od['domains'])}: "
-                  f"{fams_o}; same seed and split). Calibration `<phase>@<mix>` is a mixed-domain calibration ("
-                  + "; ".join(f"`{calib_mix_label(x)}`: {'every domain alike' if x == 'all' else 'weights ' + x}"
+                  f"Every plan is also run on {od['n']} problems of the other domains "
+                  f"({', '.join(od['domains'])}: {fams_o}; same seed and split). Calibration `<phase>@<mix>` "
+                  "is a mixed-domain calibration ("
+                  + "; ".join(f"`{calib_mix_label(x)}`: "
+                              f"{'every domain alike' if x == 'all' else 'weights ' + x}"
                               for x in cfg.get("calib_mixes") or ())
                   + "). SlimWise − uniform: paired bootstrap 95% interval on the other-domain problems.", ""]
         lines += transfer_table(report)
@@ -276,8 +289,8 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                              _pct(bf["eos_share"], 0), _pct(bf["truncated_share"], 0),
                              f"{bf['length_ratio_mean']:.2f}", _pct(bf["exact_match"], 0),
                              _num(bf.get("first_diff_mean"), ".1f"), _num(bf.get("kl_mean"), ".4f")])
-        lines += _md_table(["family", "mode", "accuracy [95% CI]", "len mean", "EOS", "truncated", "len ratio",
-                            "exact match", "first diff", "KL"], rows)
+        lines += _md_table(["family", "mode", "accuracy [95% CI]", "len mean", "EOS", "truncated",
+                            "len ratio", "exact match", "first diff", "KL"], rows)
     if report.get("plots"):
         lines += ["", "## Plots", ""]
         titles = {"accuracy_vs_ratio.png": "Accuracy against pruning ratio",
@@ -292,18 +305,21 @@ def write_markdown(report: dict, path: str | Path) -> Path:
         rows = [[ph, str(c.get("source")), str(c.get("prompts", "–")), f"{c.get('tokens_counted', 0):.0f}",
                  f"{c.get('seconds', 0):.1f}", "yes" if c.get("cached") else "no"]
                 for ph, c in report["calibration"].items()]
-        lines += _md_table(["phase", "data", "prompts", "tokens counted per layer", "seconds", "from cache"], rows)
+        lines += _md_table(["phase", "data", "prompts", "tokens counted per layer", "seconds", "from cache"],
+                           rows)
     lines += ["", "## Metric definitions", "",
-              "- accuracy: graded final answer; interval: percentile bootstrap of the mean (resampling problems).",
-              "- length: generated tokens including the final EOS; truncated: hit max_new_tokens without EOS; "
-              "length ratio: per problem, mode length / full length.",
-              "- exact match: whole generated token sequence equals the full model's; first diff pos: mean index of "
-              "the first differing token over the outputs that differ.",
-              "- KL(full‖mode): teacher-forced on the full model's own continuation — each mode prefills with its "
-              "prefill model and scores the continuation in one forward with its decode model; mean over "
-              "generated positions (0 at the first position for SlimWise, whose prefill is the full model's).",
-              "- decode traffic: router hooks count distinct experts chosen by the live rows of each decode step, "
-              "per MoE layer; bytes = distinct × bytes of one expert.", ""]
+              "- accuracy: graded final answer; interval: percentile bootstrap of the mean "
+              "(resampling problems).",
+              "- length: generated tokens including the final EOS; truncated: hit max_new_tokens without "
+              "EOS; length ratio: per problem, mode length / full length.",
+              "- exact match: whole generated token sequence equals the full model's; first diff pos: mean "
+              "index of the first differing token over the outputs that differ.",
+              "- KL(full‖mode): teacher-forced on the full model's own continuation — each mode prefills "
+              "with its prefill model and scores the continuation in one forward with its decode model; mean "
+              "over generated positions (0 at the first position for SlimWise, whose "
+              "prefill is the full model's).",
+              "- decode traffic: router hooks count distinct experts chosen by the live rows of each decode "
+              "step, per MoE layer; bytes = distinct × bytes of one expert.", ""]
     atomic_write_text(path, "\n".join(lines))
     return path
 
@@ -329,7 +345,8 @@ def readme_table(report: dict) -> list[str]:
         tr_w = ((w or {}).get("traffic") or {}).get("distinct_experts_per_layer_step")
         d = runs.get("distilled")
         rows.append([f"{ratio:.0%}", _pct(full["accuracy"]), _pct(u["accuracy"]) if u else "–",
-                     _pct(w["accuracy"]) if w else "–", *([_pct(d["accuracy"]) if d else "–"] if distilled else []),
+                     _pct(w["accuracy"]) if w else "–",
+                     *([_pct(d["accuracy"]) if d else "–"] if distilled else []),
                      _signed_pp(comps.get((crit, phase, ratio), {}).get("slimwise_minus_uniform")),
                      f"{_num(u and u['length_ratio_mean'])} / {_num(w and w['length_ratio_mean'])}",
                      f"{_num(u and u.get('kl_mean'), '.3f')} / {_num(w and w.get('kl_mean'), '.3f')}",
@@ -353,8 +370,9 @@ def transfer_table(report: dict, criterion: str | None = None) -> list[str]:
         if r["criterion"] == crit and "other_metrics" in r:
             plans.setdefault(r["label"], {})[r["mode"]] = r
     domains = od["domains"]
-    header = ["calibration", "pruned", "target: full / uniform / SlimWise", "other domains: full / uniform / SlimWise",
-              *(f"{d}: SlimWise" for d in domains), "other: SlimWise − uniform"]
+    header = ["calibration", "pruned", "target: full / uniform / SlimWise",
+              "other domains: full / uniform / SlimWise", *(f"{d}: SlimWise" for d in domains),
+              "other: SlimWise − uniform"]
     rows = []
     for label, modes in sorted(plans.items(), key=lambda kv: (str(next(iter(kv[1].values()))["phase"]),
                                                               next(iter(kv[1].values()))["ratio"])):
@@ -369,8 +387,8 @@ def transfer_table(report: dict, criterion: str | None = None) -> list[str]:
                      f"{_pct(ofull['accuracy'])} / {acc(u, 'other_metrics')} / {acc(w, 'other_metrics')}",
                      *(_pct(w["other_metrics"]["by_domain"][d]["accuracy"]) if w else "–" for d in domains),
                      _signed_pp(comps.get(label, {}).get("slimwise_minus_uniform"))])
-    title = (f"{report['model']['name']} — {crit}: target ({report['tasks'].get('domain')}, {report['tasks']['n']} "
-             f"problems) and other domains ({od['n']} problems)")
+    title = (f"{report['model']['name']} — {crit}: target ({report['tasks'].get('domain')}, "
+             f"{report['tasks']['n']} problems) and other domains ({od['n']} problems)")
     return [f"**{title}**", "", *_md_table(header, rows)]
 
 
@@ -386,9 +404,10 @@ def write_index(reports: Sequence[dict], out_dir: str | Path, names: Sequence[st
         lines += [f"## {name}", "", f"[full report]({name}/report.md) · {rep['tasks']['n']} problems · "
                   f"runtime {rep['timing'].get('total_s', 0):.0f} s"
                   + (f" (from the run cache; about {rep['timing']['uncached_estimate_s']:.0f} s uncached)"
-                     if rep["timing"].get("uncached_estimate_s", 0) > 2 * rep["timing"].get("total_s", 0) else ""),
-                  ""]
-        rows = [table_row("full", None, full, full)] + [table_row(mo, r, r["metrics"], full) for mo, r in head.items()]
+                     if rep["timing"].get("uncached_estimate_s", 0) > 2 * rep["timing"].get("total_s", 0)
+                     else ""), ""]
+        rows = [table_row("full", None, full, full)] + [table_row(mo, r, r["metrics"], full)
+                                                        for mo, r in head.items()]
         lines += _md_table(TABLE_HEADER, rows)
         lines += ["", *summary_lines(rep), ""]
     path = out_dir / "index.md"

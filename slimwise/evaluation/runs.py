@@ -1,4 +1,5 @@
-"""Engines and one run's metrics: the engine factory (reference or vLLM) and the metrics of a mode's generations."""
+"""Engines and one run's metrics: the engine factory (reference or vLLM) and the
+metrics of a mode's generations."""
 
 from __future__ import annotations
 
@@ -30,14 +31,16 @@ ENGINES = ("hf", "vllm")
 class GenerationEngine(Protocol):
     """What the sweep needs from an engine: generate token ids in a mode (full / uniform / slimwise)."""
 
-    def generate(self, prompts: Sequence[Sequence[int]], mode: str, config: GenerationConfig) -> list[Generation]: ...
+    def generate(self, prompts: Sequence[Sequence[int]], mode: str,
+                 config: GenerationConfig) -> list[Generation]: ...
 
 
 def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None,
                 delta: Any = None, share: bool = False) -> GenerationEngine:
     """`hf`: the reference PhaseSplitEngine (with a distilled `delta` for mode distilled); `vllm`:
-    `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=, delta=)` when that plugin is installed (generation
-    only: KL and traffic are measured on the HF model); `share`: one vLLM engine for full, slimwise and uniform."""
+    `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=, delta=)` when that plugin is installed
+    (generation only: KL and traffic are measured on the HF model); `share`: one vLLM engine for
+    full, slimwise and uniform."""
     if kind == "hf":
         if delta is not None:
             return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta)
@@ -46,11 +49,13 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
         try:
             from slimwise.engines.vllm_engine import VllmEngine
         except ImportError as exc:
-            raise SlimWiseError(f"engine vllm needs vLLM, which does not import here ({exc}); use --engine hf") from exc
+            raise SlimWiseError(f"engine vllm needs vLLM, which does not import here ({exc}); use "
+                                "--engine hf") from exc
         # same dtype as the reference model, so greedy tokens can agree exactly
         dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "auto"
         delta_dir = getattr(delta, "path", delta) if delta is not None else None
-        return VllmEngine(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype, delta=delta_dir, share_engine=share)
+        return VllmEngine(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype,
+                          delta=delta_dir, share_engine=share)
     raise SlimWiseError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 
 
@@ -91,7 +96,8 @@ def run_metrics(samples: Sequence[GradedSample], gens: Sequence[Generation], ref
 
 
 def evaluate_modes(engine: PhaseSplitEngine, samples: Sequence[GradedSample], modes: Sequence[str],
-                   config: GenerationConfig, grader: Grader, seed: int = 0, kl: bool = True) -> dict[str, dict]:
+                   config: GenerationConfig, grader: Grader, seed: int = 0,
+                   kl: bool = True) -> dict[str, dict]:
     """Generate every sample in every mode with one engine (and its plan); metrics per mode against full."""
     prompts = engine.encode([s.prompt for s in samples])
     runs: dict[str, list[Generation]] = {}
@@ -111,8 +117,8 @@ def evaluate_modes(engine: PhaseSplitEngine, samples: Sequence[GradedSample], mo
     for mode in modes:
         kls = teacher_forced_kl(engine, prompts, [g.token_ids for g in runs["full"]], mode,
                                 reference_cache=reference) if kl else None
-        report[mode] = {**run_metrics(samples, runs[mode], runs["full"], grader, config.max_new_tokens, kls, seed),
-                        "traffic": traffic[mode], "seconds": seconds[mode]}
+        report[mode] = {**run_metrics(samples, runs[mode], runs["full"], grader, config.max_new_tokens, kls,
+                                      seed), "traffic": traffic[mode], "seconds": seconds[mode]}
     return report
 
 

@@ -29,7 +29,8 @@ def make_grader(name: str) -> Grader:
     if name == "testbed":
         from slimwise.testbed import grade
 
-        return lambda s, g: grade(s.raw or {"answer": s.answer}, g.text or "", g.finish_reason == "eos").correct
+        return lambda s, g: grade(s.raw or {"answer": s.answer}, g.text or "",
+                                  g.finish_reason == "eos").correct
     if name == "exact":
         return lambda s, g: (g.text or "").strip() == s.answer.strip()
     if name == "contains":
@@ -42,7 +43,8 @@ def make_grader(name: str) -> Grader:
             raise SlimWiseError(f"grader {name!r} cannot be imported ({exc}); give module:function") from exc
 
         def custom(s: GradedSample, g: Generation) -> bool:
-            out = fn(s.raw or {"prompt": s.prompt, "answer": s.answer}, g.text or "", g.finish_reason == "eos")
+            out = fn(s.raw or {"prompt": s.prompt, "answer": s.answer}, g.text or "",
+                     g.finish_reason == "eos")
             return bool(getattr(out, "correct", out))
 
         return custom

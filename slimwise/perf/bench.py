@@ -50,6 +50,7 @@ from slimwise.baseline_plans import random_plan
 from slimwise.errors import SlimWiseError
 from slimwise.hardware import scoped_environ
 from slimwise.io import atomic_write_text
+from slimwise.perf.bench_config import BASE_VARIANTS, BenchConfig
 from slimwise.perf.bench_report import (
     bytes_split_table,
     check_bars,
@@ -73,46 +74,7 @@ from slimwise.perf.timing import (
     vocab_size,
 )
 
-DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
-BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
 POLICY_PREFIX = "slimwise-min"
-@dataclass
-class BenchConfig:
-    """What to benchmark and how. Exactly one of `model` (a checkpoint) and `synthetic` (a preset name)."""
-
-    model: str | None = None
-    synthetic: str | None = None
-    layers: int | None = None  # synthetic: layer count (default: the preset's build default)
-    routing_skew: str | None = None  # synthetic: calibration stats whose usage shares the routers follow
-    synthetic_dir: str | None = None  # where the synthetic model is built (default runs/synthetic-<preset>[...])
-    plan: str | None = None  # plan JSON; default: from `stats`, else random (seeded), at `ratio`
-    plan_b: str | None = None  # mix variants' second plan; default: random (seed + 1) at `ratio`
-    stats: str | None = None  # calibration stats for the plan (this model's, or usage shares for synthetic)
-    criterion: str = "reap"
-    ratio: float = 0.5
-    pruned_model: str | None = None  # exported pruned checkpoint; default: exported into out_dir/pruned
-    variants: tuple[str, ...] = BASE_VARIANTS
-    batches: tuple[int, ...] = DEFAULT_BATCHES
-    prompt_len: int = 32
-    output_len: int = 128
-    repetitions: int = 3
-    warmup_tokens: int = 8
-    dtype: str = "auto"  # resolved per machine (slimwise.hardware.resolve_dtype) before any engine starts
-    enforce_eager: bool = True
-    kv_cache_bytes: int | None = None  # default: what the largest batch needs, +25%
-    max_num_batched_tokens: int | None = None  # default: max batch x prompt_len (one prefill step)
-    restart: bool = False
-    resume: bool = False  # resident mode: reuse batches already measured in out_dir/bench.partial.json
-    in_process: bool = False  # engine cores in the bench process: idle resident engines cannot poll
-    count_experts: bool = True
-    count_output_len: int = 16
-    hardware: str | None = "cpu-measured"  # roofline hardware; None: no prediction
-    kernel_roofline: bool = False  # time vLLM's CPU fused-MoE op at the model's shapes; predict from it
-    suggest_threshold: float | None = None  # print the smallest batch where slimwise reaches this speedup
-    out_dir: str = "runs/bench"
-    plot: str | None = None  # PNG path (default out_dir/bench.png)
-    seed: int = 0
-    verbose: bool = False
 
 
 @dataclass

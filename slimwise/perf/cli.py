@@ -14,6 +14,8 @@ from pathlib import Path
 from slimwise.argtypes import integer, number
 from slimwise.errors import SlimWiseError
 from slimwise.io import atomic_write_text
+from slimwise.options import add_dataclass_options, config_from_args
+from slimwise.perf.bench_config import PRESET_NAMES, BenchConfig
 
 DEFAULT_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
@@ -206,10 +208,6 @@ def _sensitivity(args, rc, name: str, target: float | None, ref) -> None:
         print(f"wrote {png}" + (f" and {out}/sensitivity_{name}.json/.md" if out else ""))
 
 
-# kept literal so that building the parser imports neither torch nor transformers (checked by a test)
-PRESET_NAMES = ("cpu", "cpu-hybrid", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
-
-
 def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
     """Register `slimwise roofline` on an argparse subparsers object (cheap: heavy imports happen on run)."""
     p = subparsers.add_parser("roofline", help="predict decode speedup of expert pruning vs batch size (no engine)")
@@ -242,11 +240,6 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
 
 # ----- slimwise bench / slimwise calib-cost --------------------------------------------------------------------
 
-BENCH_VARIANTS_HELP = ("full | slimwise | pruned | uniform | slimwise-minN (load-aware: prune only on steps with "
-                       ">= N decode tokens) | mix-P (one engine with two plans: P%% of requests on the plan, the "
-                       "rest on --plan-b) | mixfull-P (the rest on full); default: full slimwise pruned uniform")
-
-
 def _print_threshold(rep: dict) -> None:
     measured = rep.get("measured_batch")
     line = (f"load-aware threshold for speedup >= {rep['min_speedup']:.2f}x: measured smallest batch "
@@ -259,7 +252,7 @@ def _print_threshold(rep: dict) -> None:
 
 
 def cmd_bench(args) -> None:
-    from slimwise.perf.bench import BenchConfig, format_tables, run_bench, threshold_report
+    from slimwise.perf.bench import format_tables, run_bench, threshold_report
 
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
@@ -271,19 +264,7 @@ def cmd_bench(args) -> None:
         return
     if bool(args.model) == bool(args.synthetic):
         raise SlimWiseError("give exactly one of MODEL and --synthetic PRESET (or --from-json BENCH_JSON)")
-    config = BenchConfig(
-        model=args.model, synthetic=args.synthetic, layers=args.layers, routing_skew=args.routing_skew,
-        synthetic_dir=args.synthetic_dir, plan=args.plan, plan_b=args.plan_b, stats=args.stats, criterion=args.criterion,
-        ratio=args.ratio, pruned_model=args.pruned_model, variants=tuple(args.variants),
-        batches=tuple(args.batch), prompt_len=args.prompt_len, output_len=args.output_len,
-        repetitions=args.repetitions, warmup_tokens=args.warmup_tokens, dtype=args.dtype,
-        enforce_eager=not args.compile,
-        kv_cache_bytes=int(args.kv_cache_gb * (1 << 30)) if args.kv_cache_gb else None,
-        max_num_batched_tokens=args.max_num_batched_tokens, restart=args.restart, resume=args.resume, in_process=args.in_process,
-        count_experts=not args.no_count, count_output_len=args.count_output_len,
-        hardware=None if args.hardware == "none" else args.hardware, kernel_roofline=args.kernel_roofline,
-        suggest_threshold=args.suggest_threshold,
-        out_dir=args.out, plot=args.plot, seed=args.seed, verbose=args.verbose)
+    config = config_from_args(BenchConfig, args)
     result = run_bench(config)
     print()
     print(format_tables(result))
@@ -316,57 +297,23 @@ def cmd_policy_quality(args) -> None:
     print(format_policy_table(result))
 
 
+#: the options of `slimwise bench` before --from-json, in the order --help lists them
+BENCH_OPTIONS = ("model", "synthetic", "layers", "routing_skew", "synthetic_dir", "plan", "stats",
+                 "criterion", "ratio", "plan_b", "pruned_model", "variants", "batches", "prompt_len",
+                 "output_len", "repetitions", "warmup_tokens", "dtype", "enforce_eager", "kv_cache_bytes",
+                 "max_num_batched_tokens", "in_process", "restart", "resume", "count_experts",
+                 "count_output_len", "hardware", "kernel_roofline", "suggest_threshold")
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Register `slimwise bench` and `slimwise calib-cost` (cheap: heavy imports happen on run)."""
     p = subparsers.add_parser(
         "bench", help="decode throughput in vLLM: full / SlimWise / pruned / uniform against batch size",
         description="Time decode (prefill excluded) of every variant in vLLM with identical engine settings, "
                     "variants interleaved over rounds; count expert traffic; compare with the roofline.")
-    p.add_argument("model", nargs="?", help="full model checkpoint directory (or use --synthetic)")
-    p.add_argument("--synthetic", choices=PRESET_NAMES, help="random-weight model of a real configuration")
-    p.add_argument("--layers", type=integer(1), help="--synthetic: layer count (default: the preset's build default)")
-    p.add_argument("--routing-skew", help="--synthetic: calibration stats whose usage shares the routers follow")
-    p.add_argument("--synthetic-dir", help="--synthetic: build/reuse directory (default runs/synthetic-PRESET...)")
-    p.add_argument("--plan", help="plan JSON (default: from --stats, else random per layer at --ratio)")
-    p.add_argument("--stats", help="calibration stats for the plan")
-    p.add_argument("--criterion", default="reap", help="with --stats of this model (default reap)")
-    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of experts pruned (default 0.5)")
-    p.add_argument("--plan-b", help="mix variants' second plan (default: random per layer at the plan's ratio, seed+1)")
-    p.add_argument("--pruned-model", help="exported pruned checkpoint (default: exported into --out/pruned)")
-    p.add_argument("--variants", nargs="+", default=["full", "slimwise", "pruned", "uniform"],
-                   help=BENCH_VARIANTS_HELP)
-    p.add_argument("--batch", type=integer(1), nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256],
-                   help="decode batch sizes (default 1 4 8 16 32 64 128 256)")
-    p.add_argument("--prompt-len", type=integer(1), default=32)
-    p.add_argument("--output-len", type=integer(2), default=128)
-    p.add_argument("--repetitions", type=integer(1), default=3, help="interleaved rounds (default 3)")
-    p.add_argument("--warmup-tokens", type=integer(0), default=8, help="tokens of the warm-up generate per batch")
-    p.add_argument("--dtype", default="auto", choices=["bfloat16", "float16", "float32", "auto"],
-                   help="auto: the checkpoint's dtype (synthetic presets: bf16), but float32 on a CPU without bf16 "
-                   "matrix instructions (slimwise.hardware); the choice and the machine are in bench.json")
-    p.add_argument("--compile", action="store_true", help="let vLLM compile (default: enforce_eager)")
-    p.add_argument("--kv-cache-gb", type=number(0, lo_open=True), help="KV cache per engine (default: what the largest batch needs)")
-    p.add_argument("--max-num-batched-tokens", type=integer(1), help="default: max batch x prompt length")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the engine cores in this process: a resident engine that is not being measured runs "
-                        "nothing, where a subprocess engine core keeps polling (25-40%% of a core each)")
-    p.add_argument("--restart", action="store_true",
-                   help="one engine alive at a time, restarted every round (when the engines do not fit together)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the batches a crashed run of the same settings saved in OUT/bench.partial.json")
-    p.add_argument("--no-count", action="store_true", help="skip the expert-traffic pass")
-    p.add_argument("--count-output-len", type=integer(1), default=16, help="tokens per sequence in the traffic pass")
-    p.add_argument("--hardware", default="cpu-measured", help="roofline hardware (cpu-measured, h100, h200, none)")
-    p.add_argument("--kernel-roofline", action="store_true",
-                   help="also time vLLM's CPU fused-MoE op at the model's expert shapes (about a minute) and predict "
-                        "each batch's pruned step from the measured full step (slimwise.perf.kernels)")
-    p.add_argument("--suggest-threshold", type=number(0), metavar="MIN_SPEEDUP",
-                   help="print the smallest batch where SlimWise reaches this speedup (for --min-decode-batch)")
+    add_dataclass_options(p, BenchConfig, BENCH_OPTIONS)
     p.add_argument("--from-json", help="re-print tables (and --suggest-threshold) from a bench.json; runs nothing")
-    p.add_argument("--out", default="runs/bench", help="output directory (bench.json, bench.md, bench.png)")
-    p.add_argument("--plot", help="PNG path (default OUT/bench.png)")
-    p.add_argument("--seed", type=integer(0), default=0)
-    p.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
+    add_dataclass_options(p, BenchConfig, ("out_dir", "plot", "seed", "verbose"))
     p.set_defaults(func=cmd_bench)
 
     c = subparsers.add_parser("calib-cost", help="calibration statistics pass vs an all-experts (REAP-style) observer")

@@ -45,7 +45,8 @@ LOG_EVERY_KEY = "slimwise_log_every"  # log counters every N steps (0 = never)
 COUNT_EXPERTS_KEY = "slimwise_count_experts"  # count distinct experts per layer on decode steps (eager only)
 DELTA_KEY = "slimwise_delta"  # path to a `slimwise distill` delta: decode-only router / norm / LoRA overrides
 PLANS_KEY = "slimwise_plans"  # several named plans in one engine: {name: plan path or dict}
-DEFAULT_PLAN_KEY = "slimwise_default_plan"  # the plan of requests that name none: a name of PLANS_KEY, or "full"
+# the plan of requests that name none: a name of PLANS_KEY, or "full"
+DEFAULT_PLAN_KEY = "slimwise_default_plan"
 REQUEST_PLAN_ARG = "slimwise_plan"  # a request's plan: SamplingParams.extra_args key (OpenAI: vllm_xargs)
 DEFAULT_PLAN_NAME = "default"  # the name of a lone PLAN_KEY plan
 
@@ -69,16 +70,19 @@ class RoutingCounters:
     experts_touched_sum: dict = field(default_factory=dict)
     experts_counted_steps: dict = field(default_factory=dict)
     touched_by_batch: dict = field(default_factory=dict)
-    # steps where the host-side token positions (what classifies tokens) disagreed with the positions vLLM passed
-    # to the model; checked only where both are on the host (the CPU backend), so it costs no device sync
+    # steps where the host-side token positions (what classifies tokens) disagreed with the
+    # positions vLLM passed to the model; checked only where both are on the host (the CPU
+    # backend), so it costs no device sync
     position_mismatch_steps: int = 0
-    # pruned-routed tokens per plan name (several plans in one engine); requests naming an unknown plan (full-routed)
+    # pruned-routed tokens per plan name (several plans in one engine); requests naming
+    # an unknown plan (full-routed)
     plan_tokens: dict = field(default_factory=dict)
     unknown_plan_requests: int = 0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "pruned_tokens": self.pruned_tokens, "full_tokens": self.full_tokens,
-                "position_mismatch_steps": self.position_mismatch_steps, "plan_tokens": dict(self.plan_tokens),
+                "position_mismatch_steps": self.position_mismatch_steps,
+                "plan_tokens": dict(self.plan_tokens),
                 "unknown_plan_requests": self.unknown_plan_requests,
                 "recent": list(self.recent), "decode_steps": self.decode_steps,
                 "experts_touched_sum": dict(self.experts_touched_sum),
@@ -101,14 +105,15 @@ def _setting(hf_config, text_config, key: str):
 
 
 def check_plan_name(name: str) -> None:
-    """A plan name becomes part of a model name (MODEL:NAME): plain characters, and not the reserved "full"."""
+    """A plan name becomes part of a model name (MODEL:NAME): plain characters,
+    and not the reserved "full"."""
     if name == "full" or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise SlimWiseError(f"plan name {name!r}: use letters, digits, '_', '.', '-' (and not 'full')")
 
 
 def load_plans(hf_config, text_config) -> tuple[dict[str, PrunePlan], str]:
-    """The engine's named plans and the default plan's name ("full": requests that name none keep every expert).
-    PLAN_KEY alone is one plan named DEFAULT_PLAN_NAME; PLANS_KEY holds several (not both)."""
+    """The engine's named plans and the default plan's name ("full": requests that name none keep every
+    expert). PLAN_KEY alone is one plan named DEFAULT_PLAN_NAME; PLANS_KEY holds several (not both)."""
     one, many = _setting(hf_config, text_config, PLAN_KEY), _setting(hf_config, text_config, PLANS_KEY)
     if one and many:
         raise SlimWiseError(f"give either {PLAN_KEY} (one plan) or {PLANS_KEY} (named plans), not both")
@@ -120,8 +125,8 @@ def load_plans(hf_config, text_config) -> tuple[dict[str, PrunePlan], str]:
         check_plan_name(name)
     sizes = {p.num_experts for p in plans.values()}
     if len(sizes) > 1:
-        raise SlimWiseError(f"the plans are for models with {sorted(sizes)} experts: every plan of one engine must be "
-                            "made for the served model")
+        raise SlimWiseError(f"the plans are for models with {sorted(sizes)} experts: every plan of one "
+                            "engine must be made for the served model")
     default = _setting(hf_config, text_config, DEFAULT_PLAN_KEY) or (next(iter(plans)) if plans else "full")
     if default != "full" and default not in plans:
         raise SlimWiseError(f"default plan {default!r} is not among the plans ({', '.join(plans)}) or 'full'")
@@ -141,7 +146,8 @@ class DecodeRouting(nn.Module):
         # the plan checks, the delta and the log refer to the default plan (the only one with a delta)
         self.plan = self.plans.get(self.default_plan) or next(iter(self.plans.values()), None)
         self._request_plans: dict[str, int] = {}  # req_id -> plan index, refreshed each step (multi-plan)
-        # "uniform" with MASK_ALL_KEY (every token pruned), else "slimwise"; switched at run time by `set_mode`
+        # "uniform" with MASK_ALL_KEY (every token pruned), else "slimwise";
+        # switched at run time by `set_mode`
         self.mode = "uniform" if getattr(hf_config, MASK_ALL_KEY, False) else "slimwise"
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
         self.log_every = int(getattr(hf_config, LOG_EVERY_KEY, 0) or 0)
@@ -154,11 +160,13 @@ class DecodeRouting(nn.Module):
         # per token: the plan it is routed with (0: every expert); indexes each gate's pruned table
         self.register_buffer("row_plan", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
         self.gates: dict[int, nn.Module] = {}
-        self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}  # module names
-        self.lora_modules: dict[str, nn.Module] = {}  # vLLM module name -> module whose decode rows use W + sBA
-        # a delta's tensors, handed over by each trainable set (slimwise.trainable `install_in_vllm`): routers and
-        # norms by layer, taken as the module walk hooks them (any left over is refused); LoRA factors by vLLM
-        # module name and fused output block, merged by `merge_lora`
+        # module names
+        self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}
+        # vLLM module name -> module whose decode rows use W + sBA
+        self.lora_modules: dict[str, nn.Module] = {}
+        # a delta's tensors, handed over by each trainable set (slimwise.trainable `install_in_vllm`): routers
+        # and norms by layer, taken as the module walk hooks them (any left over is refused); LoRA factors by
+        # vLLM module name and fused output block, merged by `merge_lora`
         self.pending_routers: dict[int, torch.Tensor] = {}
         self.pending_norms: dict[int, torch.Tensor] = {}
         self.lora_blocks: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
@@ -178,22 +186,25 @@ class DecodeRouting(nn.Module):
                 self.hooked["norms"].append(name)
             self._install_gate(model, name, module)
         if routers or norms:
-            raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in this vLLM "
-                                "model: use the delta made for this model and plan")
+            raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in "
+                                "this vLLM model: use the delta made for this model and plan")
         for name, plan in self.plans.items():
             missing = set(plan.kept_experts) - set(self.gates) - {
                 k for k, v in plan.kept_experts.items() if len(v) == plan.num_experts}
             if missing:
-                raise SlimWiseError(f"plan {name!r}: layers {sorted(missing)} have no MoE gate in this vLLM model")
-            logger.info("SlimWise: plan %r%s: decode routing on %d MoE layers, kept %s of %d experts (%s, ratio %s)%s",
+                raise SlimWiseError(f"plan {name!r}: layers {sorted(missing)} have no "
+                                    "MoE gate in this vLLM model")
+            logger.info("SlimWise: plan %r%s: decode routing on %d MoE layers, kept %s of %d "
+                        "experts (%s, ratio %s)%s",
                         name, " (default)" if name == self.default_plan else "", len(self.gates),
-                        sorted({len(v) for v in plan.kept_experts.values()}), plan.num_experts, plan.criterion,
-                        plan.ratio, ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
+                        sorted({len(v) for v in plan.kept_experts.values()}),
+                        plan.num_experts, plan.criterion, plan.ratio,
+                        ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
         self._install_counting(model, text_config)
 
     def _install_gate(self, model: nn.Module, name: str, module: nn.Module) -> None:
-        """If `name` is an MoE gate that a plan prunes or the delta has a router for: hook it (its layer's router
-        taken from `pending_routers`); other modules are left alone."""
+        """If `name` is an MoE gate that a plan prunes or the delta has a router for: hook it (its layer's
+        router taken from `pending_routers`); other modules are left alone."""
         match = _GATE_NAME.search(name)
         if match is None or not hasattr(module, "weight"):
             return
@@ -214,16 +225,17 @@ class DecodeRouting(nn.Module):
         elif getattr(runner, "_fse_fuse_gate", False):
             # the runner computes router + shared-expert-gate logits in one GEMM and never calls the gate; a
             # mask applied inside the runner is not known to survive torch.compile (see _install_selection)
-            raise SlimWiseError(f"{name}: vLLM fuses this router with the shared-expert gate (ROCm AITER fused "
-                                "shared experts), which bypasses the SlimWise gate hook; disable the fusion "
-                                "(VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+            raise SlimWiseError(f"{name}: vLLM fuses this router with the shared-expert gate (ROCm AITER "
+                                "fused shared experts), which bypasses the SlimWise gate hook; disable the "
+                                "fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
         else:
             self._install(module, pruned, routers.pop(layer, None))
         self.gates[layer] = module
         self.hooked["gates"].append(name)
 
     def _pruned_table(self, layer: int) -> torch.Tensor:
-        """(plans + 1, experts) bool: row 0 (every expert) all False, row k plan k's pruned experts in `layer`."""
+        """(plans + 1, experts) bool: row 0 (every expert) all False, row k plan
+        k's pruned experts in `layer`."""
         rows = [torch.zeros(self.plan.num_experts, dtype=torch.bool)]
         for plan in self.plans.values():
             rows.append(plan.pruned_mask(layer) if layer in plan.kept_experts
@@ -232,13 +244,13 @@ class DecodeRouting(nn.Module):
 
     def _load_delta(self, value) -> None:
         """Load a distilled delta and let each trainable set hand its tensors over (`pending_routers`,
-        `pending_norms`, `lora_blocks`: decode tokens only). Refuses a delta with several plans, made for another
-        plan, or made for uniform pruning."""
+        `pending_norms`, `lora_blocks`: decode tokens only). Refuses a delta with several plans, made for
+        another plan, or made for uniform pruning."""
         if not value:
             return
         if len(self.plans) > 1:
-            raise SlimWiseError("a distilled delta is tied to one plan: serve it with that plan alone (one engine per "
-                                "delta), not with several plans")
+            raise SlimWiseError("a distilled delta is tied to one plan: serve it with that plan alone (one "
+                                "engine per delta), not with several plans")
         from slimwise.delta import Delta, plan_hash
         from slimwise.trainable import TRAINABLE_SETS
 
@@ -246,39 +258,42 @@ class DecodeRouting(nn.Module):
         if delta.manifest.get("plan_hash") != plan_hash(self.plan):
             raise SlimWiseError(f"delta {value} was distilled for another plan: serve it with its own plan")
         if delta.mode == "uniform" and self.mode != "uniform":
-            raise SlimWiseError("this delta was distilled for uniform pruning (prefill pruned too), not SlimWise")
+            raise SlimWiseError("this delta was distilled for uniform pruning (prefill "
+                                "pruned too), not SlimWise")
         self.has_delta = True
         for trainable_set in TRAINABLE_SETS.values():
             trainable_set.install_in_vllm(self, delta)
         logger.info("SlimWise: decode-only delta %s (%s)", value, ", ".join(delta.params))
 
     def _install_lora(self, model: nn.Module) -> None:
-        """Decode rows of each LoRA-targeted projection are recomputed with the merged weight W + scale * B @ A --
-        the reference engine's and the exporter's exact expression -- and selected by the decode mask; prompt rows
-        keep the stock output. The merged weight is a fixed-address buffer filled by `merge_lora` once the
-        checkpoint is loaded (it costs one more copy of the targeted projections: the attention weights, a few
-        percent of an MoE model)."""
+        """Decode rows of each LoRA-targeted projection are recomputed with the merged weight
+        W + scale * B @ A -- the reference engine's and the exporter's exact expression -- and selected by the
+        decode mask; prompt rows keep the stock output. The merged weight is a fixed-address buffer filled by
+        `merge_lora` once the checkpoint is loaded (it costs one more copy of the targeted projections: the
+        attention weights, a few percent of an MoE model)."""
         if not self.lora_blocks:
             return
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         if get_tensor_model_parallel_world_size() != 1:
-            raise SlimWiseError("colocated LoRA deltas need tensor_parallel_size 1: export the folded checkpoint with "
-                                "`slimwise prune --distilled` and serve it as the --disaggregated decode model")
+            raise SlimWiseError("colocated LoRA deltas need tensor_parallel_size 1: export the folded "
+                                "checkpoint with `slimwise prune --distilled` and serve it as the "
+                                "--disaggregated decode model")
         modules = dict(model.named_modules())
         routing = self
         self.lora_blocks = {_vllm_name(modules, name): blocks for name, blocks in self.lora_blocks.items()}
         for name in self.lora_blocks:
             module = modules.get(name)
             if module is None or getattr(module, "weight", None) is None:
-                raise SlimWiseError(f"the delta's LoRA targets {name}, which this vLLM model does not have: use the "
-                                    "delta made for this model")
-            module.register_buffer("slimwise_lora_weight", torch.zeros_like(module.weight, requires_grad=False),
-                                   persistent=False)
+                raise SlimWiseError(f"the delta's LoRA targets {name}, which this vLLM model does not have: "
+                                    "use the delta made for this model")
+            module.register_buffer("slimwise_lora_weight",
+                                   torch.zeros_like(module.weight, requires_grad=False), persistent=False)
 
             def hook(module, args, output):
                 out = output[0] if isinstance(output, tuple) else output
-                bias = module.bias if getattr(module, "bias", None) is not None and not module.skip_bias_add else None
+                bias = module.bias if getattr(module, "bias", None) is not None \
+                    and not module.skip_bias_add else None
                 merged = F.linear(args[0], module.slimwise_lora_weight, bias).to(out.dtype)
                 out = torch.where(routing.decode_mask[: out.shape[0], None], merged, out)
                 return (out, *output[1:]) if isinstance(output, tuple) else out
@@ -289,7 +304,8 @@ class DecodeRouting(nn.Module):
 
     @torch.no_grad()
     def merge_lora(self) -> None:
-        """After the weights are loaded (before vLLM may repack them): W + scale * B @ A per targeted block."""
+        """After the weights are loaded (before vLLM may repack them):
+        W + scale * B @ A per targeted block."""
         from slimwise.trainable import merged_weight
 
         for name, module in self.lora_modules.items():
@@ -300,29 +316,32 @@ class DecodeRouting(nn.Module):
                 lo, hi = (0, merged.shape[0]) if block is None else (starts[block], starts[block + 1])
                 if b.shape[0] != hi - lo or a.shape[1] != merged.shape[1]:
                     raise SlimWiseError(f"LoRA for {name} (block {block}) has shape B {tuple(b.shape)} A "
-                                        f"{tuple(a.shape)}, not rows {hi - lo} x {merged.shape[1]}: use the delta made "
-                                        "for this model")
+                                        f"{tuple(a.shape)}, not rows {hi - lo} x {merged.shape[1]}: use the "
+                                        "delta made for this model")
                 merged[lo:hi] = merged_weight(merged[lo:hi], a.to(merged.device), b.to(merged.device),
                                               self.lora_scale)
             module.slimwise_lora_weight.copy_(merged)
         if self.lora_modules:
             logger.info("SlimWise: decode-only LoRA merged into %d projections", len(self.lora_modules))
 
-    def _install(self, gate: nn.Module, pruned: torch.Tensor | None, router: torch.Tensor | None = None) -> None:
-        """Gate output hook: decode rows get the distilled router (if any) and, with `pruned` (the per-plan table),
-        -inf logits for the experts their plan prunes (softmax routers). pruned=None: logits untouched (the
-        selection is masked instead)."""
+    def _install(self, gate: nn.Module, pruned: torch.Tensor | None,
+                 router: torch.Tensor | None = None) -> None:
+        """Gate output hook: decode rows get the distilled router (if any) and, with `pruned` (the per-plan
+        table), -inf logits for the experts their plan prunes (softmax routers). pruned=None: logits untouched
+        (the selection is masked instead)."""
         if pruned is not None:
             gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
         if router is not None:
-            gate.register_buffer("slimwise_router", router.to(gate.weight.device, gate.weight.dtype), persistent=False)
+            gate.register_buffer("slimwise_router",
+                                 router.to(gate.weight.device, gate.weight.dtype), persistent=False)
         routing = self
 
         def hook(module, args, output):
             logits = output[0] if isinstance(output, tuple) else output
             decode = routing.decode_mask[: logits.shape[0], None]
             if router is not None:  # decode tokens route with the distilled router
-                logits = torch.where(decode, F.linear(args[0], module.slimwise_router).to(logits.dtype), logits)
+                logits = torch.where(decode,
+                                     F.linear(args[0], module.slimwise_router).to(logits.dtype), logits)
             masked = logits if pruned is None else logits.masked_fill(
                 module.slimwise_pruned[routing.row_plan[: logits.shape[0]]], float("-inf"))
             return (masked, *output[1:]) if isinstance(output, tuple) else masked
@@ -331,10 +350,11 @@ class DecodeRouting(nn.Module):
 
     @staticmethod
     def _install_selection(router) -> None:
-        """Replace a grouped / biased vLLM router's routing with `masked_grouped_topk`, taking the experts a row may
-        not select from its -inf logits: the gate hook writes those (decode rows, pruned experts), so the mask
-        travels with the logits (a mask read from the decode buffer inside the router was not applied under
-        torch.compile -- verified: compiled uniform mode gave other tokens) and a stock (finite) row routes as stock."""
+        """Replace a grouped / biased vLLM router's routing with `masked_grouped_topk`, taking the experts a
+        row may not select from its -inf logits: the gate hook writes those (decode rows, pruned experts), so
+        the mask travels with the logits (a mask read from the decode buffer inside the router was not
+        applied under torch.compile -- verified: compiled uniform mode gave other tokens) and a stock
+        (finite) row routes as stock."""
 
         def compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
             return masked_grouped_topk(router_logits, torch.isneginf(router_logits), router)
@@ -342,9 +362,9 @@ class DecodeRouting(nn.Module):
         router._compute_routing = compute_routing
 
     def _install_norm(self, norm: nn.Module, weight: torch.Tensor) -> None:
-        """Decode tokens get the distilled MoE-input norm; recomputed from the (residual-added) input. Gemma-style
-        norms (vLLM's GemmaRMSNorm: Qwen3.5/3.6-MoE) scale by 1 + weight, as transformers' do, and the delta holds
-        the transformers parameter, so the offset is added here."""
+        """Decode tokens get the distilled MoE-input norm; recomputed from the (residual-added) input.
+        Gemma-style norms (vLLM's GemmaRMSNorm: Qwen3.5/3.6-MoE) scale by 1 + weight, as transformers' do, and
+        the delta holds the transformers parameter, so the offset is added here."""
         from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 
         gemma = isinstance(norm, GemmaRMSNorm)
@@ -354,22 +374,25 @@ class DecodeRouting(nn.Module):
 
         def hook(module, args, output):
             normed = output[0] if isinstance(output, tuple) else output
-            source = output[1] if isinstance(output, tuple) else args[0]  # fused add: output[1] = x + residual
+            # fused add: output[1] = x + residual
+            source = output[1] if isinstance(output, tuple) else args[0]
             x = source.float()
             y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-            y = (y * module.slimwise_norm).to(normed.dtype) if gemma else module.slimwise_norm * y.to(normed.dtype)
+            y = (y * module.slimwise_norm).to(normed.dtype) if gemma \
+                else module.slimwise_norm * y.to(normed.dtype)
             out = torch.where(routing.decode_mask[: normed.shape[0], None], y, normed)
             return (out, *output[1:]) if isinstance(output, tuple) else out
 
         norm.register_forward_hook(hook)
 
     def _install_counting(self, model: nn.Module, text_config) -> None:
-        """With COUNT_EXPERTS_KEY: a hook on every gate, after the mask, recording the distinct experts that this
-        step's decode tokens select (top-k of the masked logits). Costs a top-k and a sync per layer; skipped
-        while torch.compile traces (counts then stay 0: benchmark with enforce_eager)."""
+        """With COUNT_EXPERTS_KEY: a hook on every gate, after the mask, recording the distinct experts that
+        this step's decode tokens select (top-k of the masked logits). Costs a top-k and a sync per layer;
+        skipped while torch.compile traces (counts then stay 0: benchmark with enforce_eager)."""
         if not self.count_experts:
             return
-        top_k = int(getattr(text_config, "num_experts_per_tok", 0) or getattr(text_config, "experts_per_token", 0))
+        top_k = int(getattr(text_config, "num_experts_per_tok", 0)
+                    or getattr(text_config, "experts_per_token", 0))
         self.register_buffer("count_rows", torch.zeros_like(self.decode_mask), persistent=False)
         routing = self
         for name, module in model.named_modules():
@@ -397,18 +420,18 @@ class DecodeRouting(nn.Module):
     def set_mode(self, mode: str, min_decode_batch: int | None = None) -> dict:
         """Switch the served mode between steps, so one engine (one weight copy) serves all three:
         "full" (no token pruned: every hook passes its input through), "slimwise" (generated tokens pruned) or
-        "uniform" (every token pruned). Counters restart. The caller resets vLLM's prefix cache: its blocks were
-        computed under the previous mode (prompt KV differs between uniform and the others)."""
+        "uniform" (every token pruned). Counters restart. The caller resets vLLM's prefix cache: its blocks
+        were computed under the previous mode (prompt KV differs between uniform and the others)."""
         if mode not in MODES:
             raise SlimWiseError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         if mode != "full" and self.plan is None:
             raise SlimWiseError(f"mode {mode!r} needs a plan: serve the model with one")
         if mode == "uniform" and len(self.plans) > 1:
-            raise SlimWiseError("mode 'uniform' prunes prompt tokens, whose KV the prefix cache shares between "
-                                "requests: it runs with one plan per engine, not several")
+            raise SlimWiseError("mode 'uniform' prunes prompt tokens, whose KV the prefix cache shares "
+                                "between requests: it runs with one plan per engine, not several")
         if mode == "uniform" and self.has_delta:
-            raise SlimWiseError("this engine carries a SlimWise decode-only delta, which uniform pruning must not "
-                                "use: start an engine without --distilled for uniform")
+            raise SlimWiseError("this engine carries a SlimWise decode-only delta, which uniform pruning "
+                                "must not use: start an engine without --distilled for uniform")
         self.mode = mode
         if min_decode_batch is not None:
             self.min_decode_batch = int(min_decode_batch)
@@ -422,14 +445,14 @@ class DecodeRouting(nn.Module):
 
     @property
     def multi_plan(self) -> bool:
-        """Whether requests may choose their routing: whenever the engine has a plan, since "full" is always one
-        of the choices (a server with one named plan exposes MODEL:full beside it)."""
+        """Whether requests may choose their routing: whenever the engine has a plan, since "full" is always
+        one of the choices (a server with one named plan exposes MODEL:full beside it)."""
         return bool(self.plans)
 
     def request_plans(self, req_ids: Sequence[str], params: Sequence) -> np.ndarray:
-        """Plan index per request from its `SamplingParams.extra_args[REQUEST_PLAN_ARG]` (or the default), cached by
-        request id for the request's life. An unknown name (a client bypassing the server's check) is full-routed
-        and counted, never an engine error."""
+        """Plan index per request from its `SamplingParams.extra_args[REQUEST_PLAN_ARG]` (or the default),
+        cached by request id for the request's life. An unknown name (a client bypassing the server's check)
+        is full-routed and counted, never an engine error."""
         cache, out = {}, np.empty(len(req_ids), dtype=np.int64)
         for i, (rid, sp) in enumerate(zip(req_ids, params, strict=True)):
             idx = self._request_plans.get(rid)
@@ -438,7 +461,8 @@ class DecodeRouting(nn.Module):
                 idx = self.plan_index.get(str(name))
                 if idx is None:
                     self.counters.unknown_plan_requests += 1
-                    logger.warning("SlimWise: request %s names plan %r, not one of %s: routed with every expert",
+                    logger.warning("SlimWise: request %s names plan %r, not one of %s: "
+                                   "routed with every expert",
                                    rid, name, ", ".join(self.plan_names))
                     idx = 0
             cache[rid] = out[i] = idx
@@ -453,11 +477,14 @@ class DecodeRouting(nn.Module):
                  model_positions: torch.Tensor | None = None, token_plans: np.ndarray | None = None) -> None:
         """Fill the decode mask for this step.
 
-        token_positions: per scheduled token, its index in its request's sequence, computed on the host from the
-        scheduler's bookkeeping (no GPU->CPU copy of the positions tensor, so no synchronisation per step);
-        prompt_lens: per scheduled token, its request's prompt length. `model_positions`, the positions tensor
-        vLLM passes to the model, is compared with them when it lives on the host (CPU backend, text positions).
-        token_plans: per scheduled token, its request's plan index (see `request_plans`); None: the default plan.
+        token_positions: per scheduled token, its index in its request's sequence, computed on the host
+        from the scheduler's bookkeeping (no GPU->CPU copy of the positions tensor, so no
+        synchronisation per step);
+        prompt_lens: per scheduled token, its request's prompt length. `model_positions`, the positions
+        tensor vLLM passes to the model, is compared with them when it lives on the host (CPU
+        backend, text positions).
+        token_plans: per scheduled token, its request's plan index (see `request_plans`); None: the
+        default plan.
         """
         if not self.active:
             return
@@ -484,8 +511,8 @@ class DecodeRouting(nn.Module):
             rows = np.where(generated, plans, 0)
         decode = rows > 0
         n_decode = int(decode.sum())
-        # load-aware policy: small decode batches keep every expert. With several plans the threshold counts every
-        # token routed to a plan, whichever plan: the step's expert traffic is the union over the batch
+        # load-aware policy: small decode batches keep every expert. With several plans the threshold counts
+        # every token routed to a plan, whichever plan: the step's expert traffic is the union over the batch
         if self.min_decode_batch and self.mode == "slimwise" and n_decode < self.min_decode_batch:
             rows[:] = 0
             decode[:] = False
@@ -509,8 +536,8 @@ class DecodeRouting(nn.Module):
 
 
 def check_plan_config(plan: PrunePlan, hf_config) -> None:
-    """Refuse a plan made for another model from its config alone (expert count, config fingerprint): cheap enough to
-    run before any engine starts (`slimwise serve`) and again inside every worker."""
+    """Refuse a plan made for another model from its config alone (expert count, config fingerprint): cheap
+    enough to run before any engine starts (`slimwise serve`) and again inside every worker."""
     text_config = getattr(hf_config, "text_config", None) or hf_config
     experts = getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None) \
         or getattr(text_config, "n_routed_experts", None)
@@ -525,9 +552,10 @@ def check_plan_config(plan: PrunePlan, hf_config) -> None:
 
 
 def _vllm_name(modules: dict[str, nn.Module], name: str) -> str:
-    """The vLLM module for a transformers module name. Names agree up to the language model's prefix: a delta made on
-    the text-only transformers model (`model.layers.3...`) targets `language_model.model.layers.3...` in vLLM's
-    multimodal Qwen3.5/3.6-MoE class. An exact name wins; else the one module ending in the same `layers.` path."""
+    """The vLLM module for a transformers module name. Names agree up to the language model's prefix: a
+    delta made on the text-only transformers model (`model.layers.3...`) targets
+    `language_model.model.layers.3...` in vLLM's multimodal Qwen3.5/3.6-MoE class. An exact name wins; else
+    the one module ending in the same `layers.` path."""
     if name in modules or "layers." not in name:
         return name
     tail = name[name.index("layers."):]
@@ -536,8 +564,8 @@ def _vllm_name(modules: dict[str, nn.Module], name: str) -> str:
 
 
 def _selection_router(model: nn.Module, gate_name: str):
-    """The vLLM router of the MoE block that owns `gate_name` if it selects experts from anything but the logits'
-    top-k (a correction bias, grouped top-k, sigmoid scores): masking logits is not enough there."""
+    """The vLLM router of the MoE block that owns `gate_name` if it selects experts from anything but the
+    logits' top-k (a correction bias, grouped top-k, sigmoid scores): masking logits is not enough there."""
     experts = getattr(model.get_submodule(gate_name.rsplit(".", 1)[0]), "experts", None)
     router = getattr(experts, "router", None)
     if router is None:
@@ -547,10 +575,10 @@ def _selection_router(model: nn.Module, gate_name: str):
     if not (biased or grouped or getattr(router, "scoring_func", "softmax") != "softmax"):
         return None
     if getattr(router, "num_fused_shared_experts", 0):
-        raise SlimWiseError(f"{gate_name}: shared experts fused into the routed top-k (ROCm AITER) are not supported; "
-                            "disable the fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
-    if not hasattr(router, "_compute_routing") or getattr(router, "scoring_func", "softmax") not in ("softmax",
-                                                                                                      "sigmoid"):
+        raise SlimWiseError(f"{gate_name}: shared experts fused into the routed top-k (ROCm AITER) are not "
+                            "supported; disable the fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
+    if not hasattr(router, "_compute_routing") \
+            or getattr(router, "scoring_func", "softmax") not in ("softmax", "sigmoid"):
         raise SlimWiseError(f"{gate_name}: vLLM router {type(router).__name__} "
                             f"({getattr(router, 'scoring_func', '?')}) has no SlimWise selection mask")
     return router
@@ -558,18 +586,20 @@ def _selection_router(model: nn.Module, gate_name: str):
 
 def masked_grouped_topk(router_logits: torch.Tensor, rows_pruned: torch.Tensor, router) -> tuple[torch.Tensor,
                                                                                                 torch.Tensor]:
-    """vLLM's CPU `_grouped_topk` (vllm/model_executor/layers/fused_moe/router/cpu_router.py) with the selection
-    scores (scores + e_score_correction_bias) of `rows_pruned` set to -inf before the group scores and again after
-    the group mask -- `DeepseekV3Adapter.route`, the reference engine's masking, row by row. Weights are the unbiased
-    scores of the selected experts. Rows without a pruned entry give exactly the stock result. Tested for DeepSeek-V3
-    (sigmoid + bias + groups); softmax-scored grouped routers (DeepSeek-V2 style) follow the same code, untested.
+    """vLLM's CPU `_grouped_topk` (vllm/model_executor/layers/fused_moe/router/cpu_router.py) with the
+    selection scores (scores + e_score_correction_bias) of `rows_pruned` set to -inf before the group scores
+    and again after the group mask -- `DeepseekV3Adapter.route`, the reference engine's masking, row by row.
+    Weights are the unbiased scores of the selected experts. Rows without a pruned entry give exactly the
+    stock result. Tested for DeepSeek-V3 (sigmoid + bias + groups); softmax-scored grouped routers
+    (DeepSeek-V2 style) follow the same code, untested.
     """
     scores = router_logits.float()
     # softmax scoring: pruned logits -> -inf first, as in a sliced router (sigmoid: the scores stay unbiased)
     scores = scores.sigmoid() if router.scoring_func == "sigmoid" else scores.masked_fill(rows_pruned, float(
         "-inf")).softmax(dim=-1)
     bias = getattr(router, "e_score_correction_bias", None)
-    groups = int(getattr(router, "num_expert_group", None) or 1) if getattr(router, "use_grouped_topk", True) else 1
+    groups = int(getattr(router, "num_expert_group", None) or 1) \
+        if getattr(router, "use_grouped_topk", True) else 1
     topk_group = int(getattr(router, "topk_group", None) or groups) if groups > 1 else 1
     choice = scores + bias.unsqueeze(0) if bias is not None else scores
     topk_ids = grouped_topk_ids(choice, rows_pruned, groups, topk_group, router.top_k,

