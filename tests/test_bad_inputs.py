@@ -33,7 +33,6 @@ def env(tmp_path_factory):
     from slimwise.calibrate import CalibrationConfig, calibrate
     from slimwise.criteria import plan_from_stats
     from slimwise.export import export_pruned
-    from slimwise.fingerprint import model_fingerprint
     from slimwise.models import load_model
     from slimwise.testbed import build_tokenizer, export_jsonl, make_split
 
@@ -52,14 +51,29 @@ def env(tmp_path_factory):
     (root / "afile").write_text("a regular file, not a directory\n")
     (root / "emptydir").mkdir()
 
-    # other weights, same configuration
+    _other_weights(root, plan)
+    _broken_checkpoints(root, model_dir)
+    _broken_prompts(root)
+    _broken_plans(root, plan)
+    _broken_stats(root)
+    return root
+
+
+def _other_weights(root, plan) -> None:
+    """The valid plan and export, made for other weights of the same configuration."""
+    from tiny import save_tiny_model
+
+    from slimwise.fingerprint import model_fingerprint
+    from slimwise.models import load_model
+
     other = save_tiny_model("qwen3_moe", root / "other", seed=1, initializer_range=0.15)
     other_plan = plan.to_dict() | {"fingerprint": model_fingerprint(load_model(other))}
     (root / "plan-other-weights.json").write_text(json.dumps(other_plan))
     shutil.copytree(root / "pruned", root / "pruned-other")
     (root / "pruned-other" / "slimwise_plan.json").write_text(json.dumps(other_plan))
 
-    # broken checkpoints
+
+def _broken_checkpoints(root, model_dir) -> None:
     def broken(name: str, edit) -> None:
         shutil.copytree(model_dir, root / name)
         edit(root / name)
@@ -90,7 +104,8 @@ def env(tmp_path_factory):
     w = root / "pruned-truncated" / weights
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 3])
 
-    # prompts
+
+def _broken_prompts(root) -> None:
     data = root / "data"
     data.mkdir()
     (data / "garbage.jsonl").write_bytes(GARBAGE)
@@ -110,7 +125,9 @@ def env(tmp_path_factory):
     (data / "eval-no-answer.jsonl").write_text('{"prompt": "1 + 2 ="}\n')
     (data / "nul.jsonl").write_bytes(b'{"prompt": "a"}\n\x00\x00\x00\n')
 
-    # plans: each a single defect of the valid plan
+
+def _broken_plans(root, plan) -> None:
+    """Each a single defect of the valid plan."""
     good = plan.to_dict()
     layers = sorted(good["kept_experts"])
     first = layers[0]
@@ -169,13 +186,14 @@ def env(tmp_path_factory):
     (pdir / "binary.json").write_bytes(GARBAGE)
     (pdir / "a-stats-file.json").write_bytes((root / "stats.safetensors").read_bytes())
 
-    # statistics
+
+def _broken_stats(root) -> None:
+    """Statistics and bench files that are not what they claim."""
     (root / "stats-garbage.safetensors").write_bytes(GARBAGE)
     (root / "stats-empty.safetensors").write_bytes(b"")
     (root / "stats-truncated.safetensors").write_bytes((root / "stats.safetensors").read_bytes()[:200])
     (root / "bench-garbage.json").write_bytes(GARBAGE)
     (root / "bench-list.json").write_text("[]")
-    return root
 
 
 def _edit_json(path: Path, drop: str | None = None, **changes) -> None:

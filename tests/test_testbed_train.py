@@ -579,7 +579,7 @@ def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
 
 
 def test_train_command_refuses_zero_ranks_before_writing(tmp_path, capsys):
-    from slimwise.testbed.cli import train_main
+    from slimwise.testbed.train import main as train_main
 
     with pytest.raises(SystemExit) as exc:
         train_main(["--backbone", "c", "--out", str(tmp_path / "run"), "--ranks", "0", "--no-progress"])
@@ -591,7 +591,11 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
     carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run
     gets one line and exit 2, and nothing is written."""
-    from slimwise.testbed.cli import card_main
+    from slimwise.testbed import evaluate
+    from slimwise.testbed.card_cli import card_command
+
+    def card_main(argv):  # `python -m slimwise.testbed.evaluate ARGV`, in this process
+        return card_command(evaluate, argv)
 
     bad = tmp_path / "empty"
     bad.mkdir()

@@ -119,39 +119,64 @@ def main_table(report: dict) -> list[list[str]]:
 
 def summary_lines(report: dict) -> list[str]:
     """Plain statements of what the numbers show, including where SlimWise does not beat uniform."""
-    s, full = report["summary"], report["full"]
+    full = report["full"]
     lines = [f"- Full model: accuracy {_pct(full['accuracy'])} "
              f"[{_pct(full['accuracy_ci_low'], 0)}, {_pct(full['accuracy_ci_high'], 0)}] on "
              f"{report['tasks']['n']} problems, mean length {full['length_mean']:.1f} tokens, "
              f"{_pct(full['eos_share'], 0)} stopped by EOS."]
-    comps = [c for c in report["comparisons"] if "slimwise_minus_uniform" in c]
-    if comps:
-        lines.append(
-            f"- SlimWise − uniform accuracy (paired bootstrap 95% CI) over {len(comps)} plans: significantly "
-            f"higher in {s['slimwise_better']}, significantly lower in {s['slimwise_worse']}, not "
-            f"distinguishable in {s['no_significant_difference']} (point estimate higher in "
-            f"{s['slimwise_higher_point_estimate']}, lower in {s['slimwise_lower_point_estimate']}).")
-        lower = [c for c in comps if c["slimwise_minus_uniform"]["diff"] < 0]
-        ties = [c for c in comps if c["slimwise_minus_uniform"]["diff"] == 0]
-        if lower:
-            names = ", ".join(f"{c['criterion']}/{c['phase']}/{c['ratio']:g} "
-                              f"({100 * c['slimwise_minus_uniform']['diff']:+.1f} pp)" for c in lower)
-            lines.append(f"- SlimWise scores below uniform pruning (point estimate) at: {names}.")
-        if ties:
-            names = ", ".join(f"{c['criterion']}/{c['phase']}/{c['ratio']:g}" for c in ties)
-            lines.append(f"- SlimWise ties uniform pruning at: {names}.")
-        if not lower and not ties:
-            lines.append("- SlimWise's point estimate is above uniform pruning's at every plan.")
-        by_phase: dict[str, list[float]] = {}
-        for c in report["comparisons"]:
-            if "slimwise_minus_full" in c:
-                by_phase.setdefault(str(c["phase"]), []).append(c["slimwise_minus_full"]["diff"])
-        if len(by_phase) > 1:
-            parts = ", ".join(f"{p}: {100 * sum(v) / len(v):+.1f} pp" for p, v in by_phase.items())
-            lines.append(f"- Mean SlimWise − full accuracy by calibration phase: {parts}.")
+    lines += _comparison_lines(report)
     by_ratio: dict[float, dict[str, list[dict]]] = {}
     for r in report["runs"]:
         by_ratio.setdefault(r["ratio"], {}).setdefault(r["mode"], []).append(r["metrics"])
+    lines += _per_ratio_lines(report, by_ratio)
+    ftr = full.get("traffic") or {}
+    lines += _traffic_lines(report, by_ratio, ftr)
+    for c in report["comparisons"]:
+        if "distilled_minus_slimwise" in c:
+            d = report.get("distilled") or {}
+            lines.append(f"- Distilled decoder ({'+'.join(d.get('params') or [])}, {d.get('steps')} steps) "
+                         f"at {c['criterion']}/{c['phase']}/{c['ratio']:g}: distilled − SlimWise "
+                         f"{_signed_pp(c['distilled_minus_slimwise'])}, distilled − full "
+                         f"{_signed_pp(c.get('distilled_minus_full'))}.")
+    return lines + _headline_lines(report, ftr)
+
+
+def _comparison_lines(report: dict) -> list[str]:
+    """SlimWise against uniform pruning over the plans (paired CIs, where it is lower or ties), and against
+    full by calibration phase."""
+    s = report["summary"]
+    comps = [c for c in report["comparisons"] if "slimwise_minus_uniform" in c]
+    if not comps:
+        return []
+    lines = [f"- SlimWise − uniform accuracy (paired bootstrap 95% CI) over {len(comps)} plans: "
+             f"significantly higher in {s['slimwise_better']}, significantly lower in {s['slimwise_worse']}, "
+             f"not distinguishable in {s['no_significant_difference']} (point estimate higher in "
+             f"{s['slimwise_higher_point_estimate']}, lower in {s['slimwise_lower_point_estimate']})."]
+    lower = [c for c in comps if c["slimwise_minus_uniform"]["diff"] < 0]
+    ties = [c for c in comps if c["slimwise_minus_uniform"]["diff"] == 0]
+    if lower:
+        names = ", ".join(f"{c['criterion']}/{c['phase']}/{c['ratio']:g} "
+                          f"({100 * c['slimwise_minus_uniform']['diff']:+.1f} pp)" for c in lower)
+        lines.append(f"- SlimWise scores below uniform pruning (point estimate) at: {names}.")
+    if ties:
+        names = ", ".join(f"{c['criterion']}/{c['phase']}/{c['ratio']:g}" for c in ties)
+        lines.append(f"- SlimWise ties uniform pruning at: {names}.")
+    if not lower and not ties:
+        lines.append("- SlimWise's point estimate is above uniform pruning's at every plan.")
+    by_phase: dict[str, list[float]] = {}
+    for c in report["comparisons"]:
+        if "slimwise_minus_full" in c:
+            by_phase.setdefault(str(c["phase"]), []).append(c["slimwise_minus_full"]["diff"])
+    if len(by_phase) > 1:
+        parts = ", ".join(f"{p}: {100 * sum(v) / len(v):+.1f} pp" for p, v in by_phase.items())
+        lines.append(f"- Mean SlimWise − full accuracy by calibration phase: {parts}.")
+    return lines
+
+
+def _per_ratio_lines(report: dict, by_ratio: dict[float, dict[str, list[dict]]]) -> list[str]:
+    """Length ratio, KL and exact match per pruning ratio and mode (means over criteria and phases)."""
+    if not by_ratio:
+        return []
 
     def mean(ms: list[dict], key: str) -> float | None:
         vals = [m[key] for m in ms if m.get(key) is not None]
@@ -162,55 +187,57 @@ def summary_lines(report: dict) -> list[str]:
                                                       for mode, ms in modes.items())
                          for ratio, modes in sorted(by_ratio.items()))
 
-    if by_ratio:
-        lines.append("- Mean length ratio to full (averaged over criteria and calibration phases) — "
-                     + per_ratio("length_ratio_mean", ".2f") + ".")
-        lines.append("- Mean KL(full‖mode) per generated token — " + per_ratio("kl_mean", ".3f") + ".")
-        lines.append("- Whole-output exact match with full — " + per_ratio("exact_match", ".2f") + ".")
-        plans: dict[str, dict[str, float | None]] = {}
-        for r in report["runs"]:
-            plans.setdefault(r["label"], {})[r["mode"]] = r["metrics"].get("kl_mean")
-        both = [v for v in plans.values() if v.get("slimwise") is not None and v.get("uniform") is not None]
-        if both:
-            lower = sum(v["slimwise"] < v["uniform"] for v in both)
-            lines.append(f"- SlimWise's KL is below uniform pruning's in {lower} of {len(both)} plans.")
-    ftr = full.get("traffic") or {}
-    if ftr.get("distinct_experts_per_layer_step") is not None and by_ratio:
-        parts = []
-        for ratio, modes in sorted(by_ratio.items()):
-            tr = [m["traffic"]["distinct_experts_per_layer_step"] for m in modes.get("slimwise", [])
-                  if (m.get("traffic") or {}).get("distinct_experts_per_layer_step") is not None]
-            if tr:
-                avg = sum(tr) / len(tr)
-                parts.append(f"{avg:.1f} at {ratio:.0%} "
-                             f"({avg / ftr['distinct_experts_per_layer_step']:.0%} of full)")
-        if parts:
-            lines.append(f"- Decode traffic at batch size {report['generation']['batch_size']}: full touches "
-                         f"{ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step (uniform-routing "
-                         f"expectation {ftr['uniform_expectation']:.1f}); SlimWise " + ", ".join(parts) + ".")
-    for c in report["comparisons"]:
-        if "distilled_minus_slimwise" in c:
-            d = report.get("distilled") or {}
-            lines.append(f"- Distilled decoder ({'+'.join(d.get('params') or [])}, {d.get('steps')} steps) "
-                         f"at {c['criterion']}/{c['phase']}/{c['ratio']:g}: distilled − SlimWise "
-                         f"{_signed_pp(c['distilled_minus_slimwise'])}, distilled − full "
-                         f"{_signed_pp(c.get('distilled_minus_full'))}.")
-    crit, ratio, phase, head = headline_runs(report)
-    if head:
-        parts = []
-        for mode, r in head.items():
-            m = r["metrics"]
-            tr = m.get("traffic") or {}
-            parts.append(f"{mode} {_pct(m['accuracy'])} (mean length {m['length_mean']:.1f}, ratio to full "
-                         f"{m['length_ratio_mean']:.2f}, exact match {_pct(m['exact_match'], 0)}, KL "
-                         f"{_num(m.get('kl_mean'), '.3f')}"
-                         + (f", {tr['distinct_experts_per_layer_step']:.1f} experts/layer/step"
-                            if tr.get("distinct_experts_per_layer_step") is not None else "") + ")")
-        lines.append(f"- Headline plan {crit} at {ratio:.0%} ({phase} calibration): " + "; ".join(parts)
-                     + (f"; full decode touches {ftr['distinct_experts_per_layer_step']:.1f} "
-                        "experts/layer/step."
-                        if ftr.get("distinct_experts_per_layer_step") is not None else "."))
+    lines = ["- Mean length ratio to full (averaged over criteria and calibration phases) — "
+             + per_ratio("length_ratio_mean", ".2f") + ".",
+             "- Mean KL(full‖mode) per generated token — " + per_ratio("kl_mean", ".3f") + ".",
+             "- Whole-output exact match with full — " + per_ratio("exact_match", ".2f") + "."]
+    plans: dict[str, dict[str, float | None]] = {}
+    for r in report["runs"]:
+        plans.setdefault(r["label"], {})[r["mode"]] = r["metrics"].get("kl_mean")
+    both = [v for v in plans.values() if v.get("slimwise") is not None and v.get("uniform") is not None]
+    if both:
+        lower = sum(v["slimwise"] < v["uniform"] for v in both)
+        lines.append(f"- SlimWise's KL is below uniform pruning's in {lower} of {len(both)} plans.")
     return lines
+
+
+def _traffic_lines(report: dict, by_ratio: dict[float, dict[str, list[dict]]], ftr: dict) -> list[str]:
+    """Distinct experts per layer and decode step: full, and SlimWise's mean per ratio."""
+    if ftr.get("distinct_experts_per_layer_step") is None or not by_ratio:
+        return []
+    parts = []
+    for ratio, modes in sorted(by_ratio.items()):
+        tr = [m["traffic"]["distinct_experts_per_layer_step"] for m in modes.get("slimwise", [])
+              if (m.get("traffic") or {}).get("distinct_experts_per_layer_step") is not None]
+        if tr:
+            avg = sum(tr) / len(tr)
+            parts.append(f"{avg:.1f} at {ratio:.0%} "
+                         f"({avg / ftr['distinct_experts_per_layer_step']:.0%} of full)")
+    if not parts:
+        return []
+    return [f"- Decode traffic at batch size {report['generation']['batch_size']}: full touches "
+            f"{ftr['distinct_experts_per_layer_step']:.1f} experts/layer/step (uniform-routing "
+            f"expectation {ftr['uniform_expectation']:.1f}); SlimWise " + ", ".join(parts) + "."]
+
+
+def _headline_lines(report: dict, ftr: dict) -> list[str]:
+    """The headline plan's modes side by side."""
+    crit, ratio, phase, head = headline_runs(report)
+    if not head:
+        return []
+    parts = []
+    for mode, r in head.items():
+        m = r["metrics"]
+        tr = m.get("traffic") or {}
+        parts.append(f"{mode} {_pct(m['accuracy'])} (mean length {m['length_mean']:.1f}, ratio to full "
+                     f"{m['length_ratio_mean']:.2f}, exact match {_pct(m['exact_match'], 0)}, KL "
+                     f"{_num(m.get('kl_mean'), '.3f')}"
+                     + (f", {tr['distinct_experts_per_layer_step']:.1f} experts/layer/step"
+                        if tr.get("distinct_experts_per_layer_step") is not None else "") + ")")
+    return [f"- Headline plan {crit} at {ratio:.0%} ({phase} calibration): " + "; ".join(parts)
+            + (f"; full decode touches {ftr['distinct_experts_per_layer_step']:.1f} "
+               "experts/layer/step."
+               if ftr.get("distinct_experts_per_layer_step") is not None else ".")]
 
 
 def write_markdown(report: dict, path: str | Path) -> Path:

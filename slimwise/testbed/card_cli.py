@@ -2,9 +2,9 @@
 what each subcommand does.
 
 It runs on the card functions of the module it is handed (`evaluate_and_write_card`, `pruning_regime`,
-`write_card`, `ship`): slimwise.testbed.evaluate hands over itself from its `__main__` block, and
-`slimwise.testbed.cli.card_main` the imported module. So this module imports neither the evaluation nor the
-trainer, and the entry point imports it one way only.
+`write_card`, `ship`): slimwise.testbed.evaluate hands over itself from its `__main__` block (tests hand over
+the imported module). So this module imports neither the evaluation nor the trainer, and the entry point
+imports it one way only.
 """
 
 from __future__ import annotations
