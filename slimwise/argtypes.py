@@ -1,5 +1,5 @@
-"""Command-line value types and the parser both CLIs use: a bad value is one line naming the option and the range,
-exit 2 (argparse's default prints the whole usage block first)."""
+"""Command-line value types and the parser both CLIs use: a bad value is one line naming the option and the
+range, exit 2 (argparse's default prints the whole usage block first)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def number(lo: float, hi: float | None = None, *, lo_open: bool = False, hi_open
             ok = ok and (value < hi if hi_open else value <= hi)
         if not ok:
             left, right = "(" if lo_open else "[", ")" if hi_open or hi is None else "]"
-            raise argparse.ArgumentTypeError(f"{text} is outside {left}{lo}, {hi if hi is not None else 'inf'}{right}")
+            raise argparse.ArgumentTypeError(f"{text} is outside {left}{lo}, "
+                                             f"{hi if hi is not None else 'inf'}{right}")
         return value
 
     return parse
@@ -59,8 +60,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def option_value(args: list[str], *names: str) -> str | None:
-    """The value of the first of `names` on a pass-through command line (`--name value` or `--name=value`), else
-    None: how SlimWise reads the vLLM options it must know about without parsing vLLM's whole command line."""
+    """The value of the first of `names` on a pass-through command line (`--name value` or
+    `--name=value`), else None: how SlimWise reads the vLLM options it must know about without
+    parsing vLLM's whole command line."""
     for i, arg in enumerate(args):
         key, eq, value = arg.partition("=")
         if key in names:
@@ -72,7 +74,7 @@ def option_value(args: list[str], *names: str) -> str | None:
 
 
 def option_count(args: list[str], *names: str) -> int:
-    """A positive integer option (a parallel size) from a pass-through command line; 1 when absent or malformed (vLLM
-    reports a malformed value itself)."""
+    """A positive integer option (a parallel size) from a pass-through command line; 1 when absent or
+    malformed (vLLM reports a malformed value itself)."""
     value = option_value(args, *names)
     return max(1, int(value)) if value is not None and value.isdigit() else 1

@@ -29,8 +29,8 @@ def cmd_calibrate(args) -> None:
         raise SlimWiseError(f"output {args.out} is a directory; pass a file path (.safetensors)")
     prompts = load_prompts(args.data, limit=args.max_samples)
     model = load_model(args.model, dtype=args.dtype)
-    config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                               max_samples=args.max_samples, seed=args.seed)
+    config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens,
+                               batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed)
     stats = calibrate(model, prompts, load_tokenizer(args.model), config)
     stats.meta["data"] = str(args.data)
     stats.save(args.out)
@@ -48,7 +48,8 @@ def _plan_from_args(args):
     if not args.stats:
         raise SlimWiseError("give --plan PLAN, or --stats STATS with --criterion and --ratio")
     return plan_from_stats(ExpertStats.load(args.stats), args.criterion, args.ratio,
-                           scope="global" if args.global_budget else "layer", ep_size=getattr(args, "ep_size", 1),
+                           scope="global" if args.global_budget else "layer",
+                           ep_size=getattr(args, "ep_size", 1),
                            ep_placement=getattr(args, "ep_placement", "linear"))
 
 
@@ -57,7 +58,8 @@ def _add_plan_source(p: argparse.ArgumentParser, plan_option: bool = True) -> No
         p.add_argument("--plan", help="a plan JSON (instead of --stats/--criterion/--ratio)")
     p.add_argument("--stats", help="calibration statistics from `slimwise calibrate`")
     p.add_argument("--criterion", default="reap", help="frequency | soft | ean | reap (default: reap)")
-    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of routed experts to prune, in [0, 1)")
+    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5,
+                   help="share of routed experts to prune, in [0, 1)")
     p.add_argument("--global", dest="global_budget", action="store_true",
                    help="one budget across layers (non-uniform; served by masking, not exportable)")
 
@@ -96,8 +98,8 @@ def cmd_generate(args) -> None:
     if args.mode != "full" and plan is None and not args.decode_model:
         raise SlimWiseError(f"mode {args.mode} needs --plan PLAN or --decode-model DIR")
     prompts = load_prompts(args.prompts)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
                               batch_size=args.batch_size, progress=True)
     model = load_model(args.model, dtype=args.dtype)
     tokenizer = load_tokenizer(args.model)
@@ -105,8 +107,8 @@ def cmd_generate(args) -> None:
     if args.decode_model:
         decode_model, decode_plan = load_pruned(args.decode_model, dtype=args.dtype)
         if plan is not None and decode_plan is not None and plan.kept_experts != decode_plan.kept_experts:
-            raise SlimWiseError(f"--plan keeps other experts than the plan {args.decode_model} was exported with: "
-                                "drop --plan, or export the decode model from it (`slimwise prune`)")
+            raise SlimWiseError(f"--plan keeps other experts than the plan {args.decode_model} was exported "
+                                "with: drop --plan, or export the decode model from it (`slimwise prune`)")
         plan = plan or decode_plan
     engine = PhaseSplitEngine(model, tokenizer, plan=plan, decode_model=decode_model)
     outs = engine.generate(prompts, mode=args.mode, config=config)
@@ -135,7 +137,8 @@ def serve_plans(values: list[str]) -> tuple[str | None, dict[str, str]]:
     named = [v for v in values if "=" in v]
     if not named:
         if len(values) > 1:
-            raise SlimWiseError("several --plan values need names: --plan NAME=PLAN (each served as MODEL:NAME)")
+            raise SlimWiseError("several --plan values need names: --plan NAME=PLAN "
+                                "(each served as MODEL:NAME)")
         return (values[0] if values else None), {}
     if len(named) != len(values):
         raise SlimWiseError("give plans either all named (--plan NAME=PLAN) or one unnamed (--plan PLAN)")
@@ -161,7 +164,8 @@ def cmd_distill(args) -> None:
     refuse_blocked_parent(out)  # before minutes of training, not after
     source = resolve_model_dir(args.model).resolve()
     if out.resolve() == source or source in out.resolve().parents:
-        raise SlimWiseError(f"output {out} is inside the source model {source}; write the delta somewhere else")
+        raise SlimWiseError(f"output {out} is inside the source model {source}; write "
+                            "the delta somewhere else")
     plan = PrunePlan.load(args.plan)
     prompts = load_prompts(args.data, limit=args.max_samples)
     model = load_model(args.model, dtype=args.dtype)
@@ -175,14 +179,16 @@ def cmd_distill(args) -> None:
         else:
             teacher = build_teacher(model, prompts, tokenizer, config)
             teacher.save(args.teacher)
-            print(f"wrote teacher data {args.teacher} ({len(teacher.continuations)} prompts, {teacher.seconds:.0f}s)")
+            print(f"wrote teacher data {args.teacher} ({len(teacher.continuations)} prompts, "
+                  f"{teacher.seconds:.0f}s)")
     delta = distill(model, plan, prompts, tokenizer, config, teacher=teacher)
     delta.save(out, force=args.force)
     checkpoint.unlink(missing_ok=True)
     m = delta.manifest
-    print(f"wrote {out}: {'+'.join(m['params'])} delta ({m['mode']}), {m['trainable_params']:,} trainable parameters "
-          f"({100 * m['trainable_share']:.3f}% of the model), {m['steps']} steps, loss {m['loss_history'][0]:.4f} -> "
-          f"{m['loss_history'][-1]:.4f}, {m['seconds']:.0f}s wall, peak memory {m['peak_memory_mb']:.0f} MB")
+    print(f"wrote {out}: {'+'.join(m['params'])} delta ({m['mode']}), {m['trainable_params']:,} trainable "
+          f"parameters ({100 * m['trainable_share']:.3f}% of the model), {m['steps']} steps, loss "
+          f"{m['loss_history'][0]:.4f} -> {m['loss_history'][-1]:.4f}, {m['seconds']:.0f}s wall, peak memory "
+          f"{m['peak_memory_mb']:.0f} MB")
 
 
 def cmd_demo(args) -> None:
@@ -243,11 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="record per-expert routing statistics on calibration data")
     _add_model(p)
-    p.add_argument("--data", required=True, help="prompts: a .jsonl file ('prompt' field) or a directory of them")
+    p.add_argument("--data", required=True,
+                   help="prompts: a .jsonl file ('prompt' field) or a directory of them")
     p.add_argument("--phase", default="decode", choices=["prompt", "decode", "all"],
                    help="which positions count: prompt tokens, the model's own generated tokens, or both")
     p.add_argument("--out", required=True, help="statistics file to write (.safetensors)")
-    p.add_argument("--max-new-tokens", type=integer(1), default=96, help="continuation length for --phase decode/all")
+    p.add_argument("--max-new-tokens", type=integer(1), default=96,
+                   help="continuation length for --phase decode/all")
     p.add_argument("--batch-size", type=integer(1), default=16)
     p.add_argument("--max-samples", type=integer(1), default=None)
     p.add_argument("--seed", type=integer(0), default=0)
@@ -258,8 +266,9 @@ def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="score experts with a criterion and write a prune plan (JSON)")
     _add_plan_source(p, plan_option=False)
     p.add_argument("--ep-size", type=integer(1), default=1,
-                   help="expert-parallel size to balance for: keep the same number of experts in every EP rank's "
-                        "block, so no rank's decode step waits on a fuller one (default 1: unbalanced)")
+                   help="expert-parallel size to balance for: keep the same number of experts in every EP "
+                        "rank's block, so no rank's decode step waits on a fuller one "
+                        "(default 1: unbalanced)")
     p.add_argument("--ep-placement", default="linear", choices=["linear", "round_robin"],
                    help="vLLM's expert placement the plan balances for (--expert-placement-strategy)")
     p.add_argument("--out", required=True, help="plan JSON to write")
@@ -271,14 +280,16 @@ def _add_prune(sub) -> None:
     _add_model(p)
     _add_plan_source(p)
     p.add_argument("--out", required=True, help="new directory for the pruned checkpoint")
-    p.add_argument("--distilled", help="a `slimwise distill` delta for this plan, folded in (pruned-and-distilled "
-                   "decoder for the decode instance)")
+    p.add_argument("--distilled",
+                   help="a `slimwise distill` delta for this plan, folded in (pruned-and-distilled "
+                        "decoder for the decode instance)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(func=cmd_prune)
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate with full, uniform-pruned or SlimWise (full prefill, pruned decode)")
+    p = sub.add_parser("generate",
+                       help="generate with full, uniform-pruned or SlimWise (full prefill, pruned decode)")
     _add_model(p)
     p.add_argument("--plan", help="prune plan (the pruned decoder is a masked view of the model)")
     p.add_argument("--decode-model", help="a pruned checkpoint to decode with instead of the masked view")
@@ -304,20 +315,23 @@ DISTILL_OPTIONS = (("params", "mode", "steps", "max_minutes", "batch_size", "tea
 def _add_distill(sub) -> None:
     from slimwise.distill import DistillConfig
 
-    p = sub.add_parser("distill", help="distil a decode-only delta (router / norm / LoRA) so the pruned decoder "
-                       "continues full-model caches like the full model")
+    p = sub.add_parser("distill",
+                       help="distil a decode-only delta (router / norm / LoRA) so the pruned decoder "
+                            "continues full-model caches like the full model")
     p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights dtype for training (default: float32)")
     p.add_argument("--plan", required=True, help="the prune plan JSON to distil the decoder of")
-    p.add_argument("--data", required=True, help="calibration prompts: .jsonl ('prompt' field), .txt or a directory")
+    p.add_argument("--data", required=True,
+                   help="calibration prompts: .jsonl ('prompt' field), .txt or a directory")
     p.add_argument("--out", required=True, help="delta directory to write (delta.safetensors + delta.json)")
     add_dataclass_options(p, DistillConfig, DISTILL_OPTIONS[0])
     # the prompts' limit, applied as they load: DistillConfig.max_samples (and the delta's record) stays None
     p.add_argument("--max-samples", type=integer(1), default=None)
     add_dataclass_options(p, DistillConfig, DISTILL_OPTIONS[1])
-    p.add_argument("--teacher", help="teacher-data file (.pt) shared between runs on the same model and data: "
-                   "built and written there if absent, reused (and checked) if present")
+    p.add_argument("--teacher",
+                   help="teacher-data file (.pt) shared between runs on the same model and data: "
+                        "built and written there if absent, reused (and checked) if present")
     p.add_argument("--force", action="store_true", help="replace a non-empty output")
     p.set_defaults(func=cmd_distill)
 
@@ -334,16 +348,18 @@ EVAL_OPTIONS = (("dtype", "out_dir", "plans", "stats", "criteria", "ratios", "ph
 def _add_eval(sub) -> None:
     from slimwise.evaluation.config import EvalConfig
 
-    p = sub.add_parser("eval", help="accuracy, length, fidelity and decode traffic of full / uniform / SlimWise "
-                       "over criteria x ratios x calibration phases; JSON + Markdown report + plots")
+    p = sub.add_parser("eval",
+                       help="accuracy, length, fidelity and decode traffic of full / uniform / SlimWise "
+                            "over criteria x ratios x calibration phases; JSON + Markdown report + plots")
     p.add_argument("models", nargs="+", help="model directories or embedded names (testbed-a testbed-b)")
     add_dataclass_options(p, EvalConfig, EVAL_OPTIONS[0])
     p.add_argument("--no-calib-mixes", action="store_true", help="no mixed-domain calibrations")
     add_dataclass_options(p, EvalConfig, EVAL_OPTIONS[1])
     p.add_argument("--route", action="append", metavar="DOMAIN=NAME",
-                   help="evaluate a traffic mix instead of the grid (--engine vllm): plans given as --plan NAME=PLAN "
-                        "served in one engine, each problem routed by its domain to plan NAME (or full); DOMAIN * "
-                        "routes the rest (default full). Problems of every domain; writes OUT/mix.json and mix.md")
+                   help="evaluate a traffic mix instead of the grid (--engine vllm): plans given as --plan "
+                        "NAME=PLAN served in one engine, each problem routed by its domain to plan NAME (or "
+                        "full); DOMAIN * routes the rest (default full). Problems of every domain; writes "
+                        "OUT/mix.json and mix.md")
     p.set_defaults(func=cmd_eval)
 
 
@@ -356,21 +372,24 @@ SERVE_OPTIONS = ("default_plan", "delta", "disaggregated", "decode_model", "pref
 def _add_serve(sub) -> None:
     from slimwise.serving.config import ServeConfig
 
-    p = sub.add_parser("serve", help="OpenAI-compatible server in vLLM: colocated (one engine) or disaggregated PD",
-                       description="Serve MODEL with SlimWise in vLLM's OpenAI server. Unknown options are passed "
-                                   "to `vllm serve` unchanged (e.g. --tensor-parallel-size, --max-num-seqs).")
+    p = sub.add_parser("serve",
+                       help="OpenAI-compatible server in vLLM: colocated (one engine) or disaggregated PD",
+                       description="Serve MODEL with SlimWise in vLLM's OpenAI server. Unknown options are "
+                                   "passed to `vllm serve` unchanged "
+                                   "(e.g. --tensor-parallel-size, --max-num-seqs).")
     add_dataclass_options(p, ServeConfig, ("model",))
     p.add_argument("--plan", action="append", metavar="[NAME=]PLAN",
-                   help="prune plan; without it the model is served unpruned. Repeat as NAME=PLAN to serve several "
-                        "plans in one engine, each request choosing by model name MODEL:NAME (MODEL:full: every "
-                        "expert)")
+                   help="prune plan; without it the model is served unpruned. Repeat as NAME=PLAN to serve "
+                        "several plans in one engine, each request choosing by model name MODEL:NAME "
+                        "(MODEL:full: every expert)")
     # the command line logs routing counters by default; ServeConfig from Python does not
     add_dataclass_options(p, ServeConfig, SERVE_OPTIONS, overrides={"log_every": {"default": 100}})
     p.set_defaults(func=cmd_serve, vllm_args=[])
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the main job on the embedded default model: calibrate, prune 50%%, compare modes")
+    p = sub.add_parser("demo", help="the main job on the embedded default model: "
+                                    "calibrate, prune 50%%, compare modes")
     p.add_argument("--out", default="runs/demo", help="where to write the report")
     p.add_argument("--samples", type=integer(1), default=64, help="test prompts per mode")
     p.add_argument("--seed", type=integer(0), default=0)

@@ -2,10 +2,10 @@
 traceback for a bug.
 
 `SlimWiseError` is every refusal SlimWise makes itself. Library failures on the user's files and machine (an
-unreadable path, a corrupt safetensors header, a config transformers cannot parse) are expected too and get one
-line. `KeyError` and `RuntimeError` are expected only when a library raised them: raised by SlimWise's own code
-they are bugs (SlimWise validates what it reads and refuses with `SlimWiseError`), so they keep their traceback
-under a one-line header.
+unreadable path, a corrupt safetensors header, a config transformers cannot parse) are expected too and get
+one line. `KeyError` and `RuntimeError` are expected only when a library raised them: raised by SlimWise's own
+code they are bugs (SlimWise validates what it reads and refuses with `SlimWiseError`), so they keep their
+traceback under a one-line header.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ class SlimWiseError(Exception):
     """A user-facing error: the message names the problem and the fix, in one line."""
 
 
-#: failures a user's input or machine causes (unreadable, corrupt or contradictory files, a full or read-only disk):
-#: one line and exit 2 at the command line, unless `is_own_bug` says SlimWise's code raised them
-EXPECTED_FAILURES: tuple[type[BaseException], ...] = (OSError, ValueError, UnicodeError, KeyError, RuntimeError)
+#: failures a user's input or machine causes (unreadable, corrupt or contradictory files, a full or read-only
+#: disk): one line and exit 2 at the command line, unless `is_own_bug` says SlimWise's code raised them
+EXPECTED_FAILURES: tuple[type[BaseException], ...] = (OSError, ValueError, UnicodeError,
+                                                      KeyError, RuntimeError)
 #: expected only from a library; from SlimWise's own code these are bugs
 LIBRARY_ONLY_FAILURES: tuple[type[BaseException], ...] = (KeyError, RuntimeError)
 DEBUG_ENV = "SLIMWISE_DEBUG"
@@ -56,13 +57,14 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def bug_header(exc: BaseException) -> str:
-    return (f"slimwise: this is a bug in SlimWise ({type(exc).__name__} raised by its own code), not a problem "
-            "with your input; please report it with the traceback below")
+    return (f"slimwise: this is a bug in SlimWise ({type(exc).__name__} raised by its own code), not a "
+            "problem with your input; please report it with the traceback below")
 
 
 def run_command(func: Callable[[], object], prog: str = "slimwise") -> int:
-    """Run a command's body: 0 when it returns, 2 with one line on stderr for a refusal or an expected failure;
-    a bug (any other exception, or `is_own_bug`) propagates with its traceback, the latter under `bug_header`."""
+    """Run a command's body: 0 when it returns, 2 with one line on stderr for a refusal or an
+    expected failure; a bug (any other exception, or `is_own_bug`) propagates with its traceback,
+    the latter under `bug_header`."""
     try:
         func()
     except SlimWiseError as exc:
@@ -74,6 +76,7 @@ def run_command(func: Callable[[], object], prog: str = "slimwise") -> int:
             raise
         if os.environ.get(DEBUG_ENV) == "1":
             raise
-        print(f"{prog}: error: {describe_failure(exc)} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+        print(f"{prog}: error: {describe_failure(exc)} (set {DEBUG_ENV}=1 for the traceback)",
+              file=sys.stderr)
         return 2
     return 0

@@ -1,6 +1,6 @@
-"""The layout's rules, checked on the source (no imports run): no import loops, nothing in `slimwise/` imports the
-experiments, and serving never loads the trainer or the evaluation. Function size and complexity are ruff's (C901,
-PLR0915 in pyproject.toml).
+"""The layout's rules, checked on the source (no imports run): no import loops, nothing in `slimwise/` imports
+the experiments, and serving never loads the trainer or the evaluation. Function size and complexity are
+ruff's (C901, PLR0915 in pyproject.toml).
 
 Every import counts, module-level, inside functions (a lazy import is still a dependency: the old
 generate -> distill -> generate loop was a lazy one) and in a `if __name__ == "__main__":` block (an
@@ -32,7 +32,8 @@ def _skipped(node: ast.If) -> bool:
 
 
 def imports_of(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
-    """The project modules `path` imports (`from a.b import c` counts a.b.c when that is a module, else a.b)."""
+    """The project modules `path` imports (`from a.b import c` counts a.b.c when
+    that is a module, else a.b)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     here = module_name(path, root)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
@@ -49,7 +50,8 @@ def imports_of(path: Path, known: set[str], root: Path = ROOT) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 found.add(full if full in known else base)
@@ -133,9 +135,12 @@ def test_the_package_never_imports_the_experiments():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("entry", ["slimwise.serving.plugin", "slimwise.serving.models", "slimwise.engines.vllm_engine",
-                                   "slimwise.serving.server", "slimwise.export", "slimwise.engines.reference"])
+@pytest.mark.parametrize("entry", ["slimwise.serving.plugin", "slimwise.serving.models",
+                                   "slimwise.engines.vllm_engine", "slimwise.serving.server",
+                                   "slimwise.export", "slimwise.engines.reference"])
 def test_serving_and_the_reference_engine_never_load_the_trainer(entry):
-    """vLLM workers import the plugin and the model classes; none of it may pull the trainer or the evaluation."""
+    """vLLM workers import the plugin and the model classes; none of it may pull
+    the trainer or the evaluation."""
     deps = reachable(project_graph(), entry)
-    assert not {d for d in deps if d == "slimwise.distill" or d.startswith(("slimwise.evaluation", "experiments"))}
+    assert not {d for d in deps
+                if d == "slimwise.distill" or d.startswith(("slimwise.evaluation", "experiments"))}

@@ -1,9 +1,9 @@
 """The `slimwise` command line: the full core flow and its error handling.
 
-Each test runs its first command as a real process (`python -m slimwise.cli`: exit code, stdout and stderr as a
-user sees them) and the rest in this process through `slimwise.cli.main`, the same entry point without the 9-11 s
-of importing torch and transformers again per command (measured on a 2-core AVX2-only VM: these three tests took
-153 s as eight plus four plus four processes).
+Each test runs its first command as a real process (`python -m slimwise.cli`: exit code, stdout and stderr as
+a user sees them) and the rest in this process through `slimwise.cli.main`, the same entry point without the
+9-11 s of importing torch and transformers again per command (measured on a 2-core AVX2-only VM: these three
+tests took 153 s as eight plus four plus four processes).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def run(*args, check=True):
 
 
 def call(capsys, *args, check=True) -> subprocess.CompletedProcess:
-    """`run` in this process: `slimwise.cli.main`, whose return value (or argparse's SystemExit) is the exit code."""
+    """`run` in this process: `slimwise.cli.main`, whose return value (or argparse's
+    SystemExit) is the exit code."""
     from slimwise.cli import main
 
     capsys.readouterr()
@@ -81,7 +82,8 @@ def test_core_flow(workdir, capsys):
             "--max-new-tokens", "10", "--out", out_file, *extra)
         results[mode] = [json.loads(line) for line in out_file.read_text().splitlines()]
     assert len(results["full"]) == 13
-    assert [r["token_ids"] for r in results["slimwise"]] == [r["token_ids"] for r in results["slimwise-sliced"]]
+    assert [r["token_ids"] for r in results["slimwise"]] \
+        == [r["token_ids"] for r in results["slimwise-sliced"]]
     assert [r["token_ids"][0] for r in results["slimwise"]] == [r["token_ids"][0] for r in results["full"]]
     assert all(isinstance(r["text"], str) for r in results["full"])
 
@@ -104,11 +106,13 @@ def test_errors_are_one_line_and_nonzero(workdir, capsys):
 
 def test_prune_ratio_refused(workdir, capsys):
     stats = workdir / "stats2.safetensors"
-    call(capsys, "calibrate", workdir / "model", "--data", workdir / "calib.jsonl", "--phase", "prompt", "--out", stats)
+    call(capsys, "calibrate", workdir / "model", "--data", workdir / "calib.jsonl",
+         "--phase", "prompt", "--out", stats)
     for ratio in ("1.0", "-0.2", "0.9"):
-        proc = call(capsys, "prune", workdir / "model", "--stats", stats, "--ratio", ratio, "--out", workdir / "r",
-                    check=False)
-        # 1.0 and -0.2 by the option's range (argparse, "slimwise prune: error: ..."), 0.9 by the plan (below top-k)
+        proc = call(capsys, "prune", workdir / "model", "--stats", stats, "--ratio", ratio,
+                    "--out", workdir / "r", check=False)
+        # 1.0 and -0.2 by the option's range (argparse, "slimwise prune: error: ..."),
+        # 0.9 by the plan (below top-k)
         assert proc.returncode == 2 and proc.stderr.startswith("slimwise") and ": error: " in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (workdir / "r").exists()

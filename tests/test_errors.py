@@ -1,4 +1,5 @@
-"""How a command ends: one line for what the user's input or machine caused, a traceback for SlimWise's bugs."""
+"""How a command ends: one line for what the user's input or machine caused, a
+traceback for SlimWise's bugs."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_a_library_key_error_is_one_line(capsys, monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert run_command(_library_key_error) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("slimwise: error: KeyError: 'SLIMWISE_TEST_NO_SUCH_VARIABLE'")
+    assert err.count("\n") == 1 \
+        and err.startswith("slimwise: error: KeyError: 'SLIMWISE_TEST_NO_SUCH_VARIABLE'")
 
 
 def test_a_key_error_from_slimwise_is_a_bug_with_its_traceback(capsys, monkeypatch):
@@ -62,10 +64,11 @@ def test_the_cli_shows_a_bug_with_its_traceback(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom slimwise.errors import run_command\nfrom slimwise.evaluation.report import write_markdown\n"
+    code = ("import sys\nfrom slimwise.errors import run_command\n"
+            "from slimwise.evaluation.report import write_markdown\n"
             "sys.exit(run_command(lambda: write_markdown({}, 'x.md')))\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={k: v for k, v in os.environ.items() if k != DEBUG_ENV})
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if k != DEBUG_ENV})
     assert done.returncode == 1
     lines = done.stderr.splitlines()
     assert lines[0].startswith("slimwise: this is a bug in SlimWise (KeyError")

@@ -31,17 +31,18 @@ from slimwise.testbed import make_split
 
 pytestmark = pytest.mark.vllm_in_process  # its vLLM engines (tests/conftest.py)
 NAMES = sorted(EMBEDDED)  # testbed-a, testbed-b, testbed-c
-VLLM_NAMES = [n for n in NAMES if n != "testbed-c"]  # float32 token equality; testbed-c: bf16 only, checked below
+# float32 token equality; testbed-c: bf16 only, checked below
+VLLM_NAMES = [n for n in NAMES if n != "testbed-c"]
 #: (target-domain accuracy, weakest family) each shipped card must reach: the testbed's quality bars, on every
 #: backbone (the card's "Quality bars" line).
 BARS = dict.fromkeys(NAMES, (0.85, 0.60))
 EOS = 0  # the testbed tokenizer's <|endoftext|>, checked below; both engines stop on it
 CONFIG = GenerationConfig(max_new_tokens=48, batch_size=16, eos_token_id=EOS)
-#: Card checks run in the dtype the card records, where this CPU runs it natively: a float32 card (testbed-c) in
-#: float32 everywhere; a bf16 card in bf16 where the CPU has bf16 matrix instructions, and exactly upcast to float32
-#: where it has none (AVX2 only: bf16 is emulated there, about 4x slower, and the upcast scores within 2 problems of
-#: the bf16 card per family; see docs/reproducibility.md). So the card test depends on the CPU only through that
-#: choice, and its tolerance is in problems, not in floating-point shares.
+#: Card checks run in the dtype the card records, where this CPU runs it natively: a float32 card (testbed-c)
+#: in float32 everywhere; a bf16 card in bf16 where the CPU has bf16 matrix instructions, and exactly upcast
+#: to float32 where it has none (AVX2 only: bf16 is emulated there, about 4x slower, and the upcast scores
+#: within 2 problems of the bf16 card per family; see docs/reproducibility.md). So the card test depends on
+#: the CPU only through that choice, and its tolerance is in problems, not in floating-point shares.
 CARD_TOLERANCE = 3  # problems per family (of the card's 100): bf16 kernels round differently between CPUs
 
 
@@ -51,7 +52,8 @@ def card_dtype(card: dict) -> torch.dtype:
     return torch.bfloat16
 
 
-HF_DTYPE = torch.bfloat16 if bf16_support() else torch.float32  # the other shipped-model checks (bf16 weights)
+# the other shipped-model checks (bf16 weights)
+HF_DTYPE = torch.bfloat16 if bf16_support() else torch.float32
 
 
 def test_every_backbone_is_shipped():
@@ -67,7 +69,8 @@ def test_architecture_size_and_dtype(name):
         assert cfg["num_experts"] >= 64 and cfg["num_experts_per_tok"] == 8
     elif name == "testbed-c":  # Qwen3.6-35B-A3B's hybrid design: Gated-DeltaNet : full attention 3 : 1
         assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["model_type"] == "qwen3_5_moe_text"
-        assert cfg["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * (cfg["num_hidden_layers"] // 4)
+        assert cfg["layer_types"] \
+            == (["linear_attention"] * 3 + ["full_attention"]) * (cfg["num_hidden_layers"] // 4)
         assert cfg["num_experts"] >= 64 and cfg["num_experts_per_tok"] == 8
         assert cfg["shared_expert_intermediate_size"] % 32 == 0 and cfg["shared_expert_intermediate_size"] > 0
         assert cfg["linear_key_head_dim"] == cfg["linear_value_head_dim"] == 64  # vLLM's CPU GDN kernel
@@ -78,7 +81,8 @@ def test_architecture_size_and_dtype(name):
     weights = path / "model.safetensors"
     assert weights.stat().st_size <= 30e6
     with safe_open(weights, "pt") as f:
-        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}  # noqa: SIM118 (safe_open is not iterable)
+        assert {f.get_slice(k).get_dtype()
+                for k in f.keys()} == {"BF16"}  # noqa: SIM118 (safe_open is not iterable)
     assert cfg["vocab_size"] == len(load_tokenizer(path))
 
 
@@ -111,10 +115,11 @@ def accuracy_by_domain(split: dict) -> dict[str, float]:
 @pytest.mark.parametrize("name", NAMES)
 def test_the_card_states_the_shipped_files(name):
     """The card's figures recomputed from the files it ships with, by another route than the card writer's:
-    parameter counts and sizes from the safetensors shapes (the writer counts a loaded model), domain and overall
-    accuracies and the quality-bar verdicts from eval.json's per-family counts (the writer prints its per-domain
-    figures), throughput from train_summary.json's tokens and wall time; and the card's usage snippet names this
-    directory and a tokenizer class that loads the tokenizer as trained (testbed-c: not AutoTokenizer)."""
+    parameter counts and sizes from the safetensors shapes (the writer counts a loaded model), domain and
+    overall accuracies and the quality-bar verdicts from eval.json's per-family counts (the writer prints
+    its per-domain figures), throughput from train_summary.json's tokens and wall time; and the card's
+    usage snippet names this directory and a tokenizer class that loads the tokenizer as trained
+    (testbed-c: not AutoTokenizer)."""
     path = embedded_model_dir(name)
     card = (path / "README.md").read_text()
     cfg = json.loads((path / "config.json").read_text())
@@ -127,11 +132,13 @@ def test_the_card_states_the_shipped_files(name):
     total, in_experts = sum(map(math.prod, shapes.values())), sum(math.prod(shapes[k]) for k in routed)
     active = total - in_experts + in_experts * cfg["num_experts_per_tok"] / len(experts)
     arch = {k: v[0] for k, v in card_table(card, "field").items()}
-    assert (arch["layers"], arch["hidden size"], arch["vocab size"]) == (str(len(layers)), str(hidden), str(vocab))
+    assert (arch["layers"], arch["hidden size"], arch["vocab size"]) \
+        == (str(len(layers)), str(hidden), str(vocab))
     assert arch["routed experts / top-k"] == f"{len(experts)} / {cfg['num_experts_per_tok']}"
     assert arch["parameters (total / routed experts / active per token)"] == (
         f"{total / 1e6:.2f}M / {in_experts / 1e6:.2f}M / {active / 1e6:.2f}M")
-    assert arch["weights"] == f"bfloat16 safetensors, {(path / 'model.safetensors').stat().st_size / 1e6:.1f} MB"
+    assert arch["weights"] == ("bfloat16 safetensors, "
+                               f"{(path / 'model.safetensors').stat().st_size / 1e6:.1f} MB")
 
     ev = json.loads((path / "eval.json").read_text())
     test, heldout = accuracy_by_domain(ev["test"]), accuracy_by_domain(ev["heldout"])
@@ -172,10 +179,10 @@ def card_eval(name: str) -> dict:
 def test_the_card_is_the_model_and_meets_the_bars(name):
     """Re-run the card's own test evaluation (100 problems per family, seed 0, stock transformers classes and
     experts, in the card's dtype: `card_dtype`) and check (1) the card's figures are this model's: per-family
-    correct answers within CARD_TOLERANCE problems and the routing load within 0.05; (2) the quality bars on the
-    recomputed figures: >= 85% on the target domain, >= 60% on every family, the busiest expert <= 3x uniform.
-    Counts, not shares: 0.75 - 0.72 > 0.03 in floating point failed a 3-problem difference on an AVX512-BF16 CPU.
-    30-60 s per model."""
+    correct answers within CARD_TOLERANCE problems and the routing load within 0.05; (2) the quality bars on
+    the recomputed figures: >= 85% on the target domain, >= 60% on every family, the busiest expert <= 3x
+    uniform. Counts, not shares: 0.75 - 0.72 > 0.03 in floating point failed a 3-problem difference on an
+    AVX512-BF16 CPU. 30-60 s per model."""
     from transformers import AutoModelForCausalLM
 
     from slimwise.testbed.evaluate import evaluate_model
@@ -186,8 +193,9 @@ def test_the_card_is_the_model_and_meets_the_bars(name):
     # the checkpoint's own tokenizer (AutoTokenizer would swap in Qwen3.5's class next to testbed-c's config)
     # batch 128 (the card used 32): 1.7x faster here (testbed-c 90 -> 51 s), per-family figures equal but one
     # (testbed-a base 69% vs 68%: bf16 padding), inside the tolerance below
-    r = evaluate_model(model=model, tokenizer=load_tokenizer(path), split="test", n_per_family=card["n_per_family"],
-                       seed=card["seed"], max_new_tokens=card["max_new_tokens"], batch_size=128)
+    r = evaluate_model(model=model, tokenizer=load_tokenizer(path), split="test",
+                       n_per_family=card["n_per_family"], seed=card["seed"],
+                       max_new_tokens=card["max_new_tokens"], batch_size=128)
     got = {f: round(v["accuracy"] * v["n"]) for f, v in r["families"].items()}
     want = {f: round(v["accuracy"] * v["n"]) for f, v in card["families"].items()}
     assert got.keys() == want.keys()
@@ -206,22 +214,24 @@ def test_the_card_is_the_model_and_meets_the_bars(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_pruning_band_on_a_fresh_sample(name):
-    """Re-measure the band: decode-phase calibration on the calib split, the card's best criterion, uniform 50%
-    on unseen arithmetic problems (seed 1; 60 problems, so the bounds carry sample slack)."""
+    """Re-measure the band: decode-phase calibration on the calib split, the card's best criterion, uniform
+    50% on unseen arithmetic problems (seed 1; 60 problems, so the bounds carry sample slack)."""
     from slimwise.testbed import grade
 
     path = embedded_model_dir(name)
     criterion = card_eval(name)["pruning"]["phases"]["decode"]["best_criterion"]
     model, tok = load_model(path, dtype=HF_DTYPE), load_tokenizer(path)
     calib = [s.prompt for s in make_split("calib", 16, domain="arithmetic")]
-    stats = calibrate(model, calib, tok, CalibrationConfig(phase="decode", max_new_tokens=128), progress=False)
+    stats = calibrate(model, calib, tok,
+                      CalibrationConfig(phase="decode", max_new_tokens=128), progress=False)
     engine = PhaseSplitEngine(model, tok, plan=plan_from_stats(stats, criterion, 0.5))
     samples = make_split("test", 12, seed=1, domain="arithmetic")
     gen = GenerationConfig(max_new_tokens=160, batch_size=32)
     result = {}
     for mode in ("full", "uniform"):
         outs = engine.generate([s.prompt for s in samples], mode, gen)
-        acc = sum(grade(s, o.text or "", o.finish_reason == "eos").correct for s, o in zip(samples, outs, strict=True))
+        acc = sum(grade(s, o.text or "", o.finish_reason == "eos").correct
+                  for s, o in zip(samples, outs, strict=True))
         result[mode] = (acc / len(samples), sum(len(o.token_ids) for o in outs) / len(outs))
     (full_acc, full_len), (uni_acc, uni_len) = result["full"], result["uniform"]
     assert full_acc - uni_acc >= 0.10 or abs(uni_len / full_len - 1) >= 0.15, result  # pruning matters
@@ -230,7 +240,8 @@ def test_pruning_band_on_a_fresh_sample(name):
 
 @pytest.fixture(scope="module")
 def reference():
-    """name -> (prompts, 50% REAP plan from decode-phase calibration, empty plan, reference tokens per mode)."""
+    """name -> (prompts, 50% REAP plan from decode-phase calibration, empty plan,
+    reference tokens per mode)."""
     cache: dict = {}
 
     def get(name: str):
@@ -291,9 +302,10 @@ def test_empty_plan_on_backbone_a(reference):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_serves_the_hybrid_backbone(reference):
-    """testbed-c in vLLM (bf16, the CPU Gated DeltaNet kernel's only dtype), full, SlimWise and uniform in one engine:
-    exact prompt/decode counters, and every token vLLM chose is within bf16 noise of the float32 reference's best
-    under the routing its mode promises (mean log-prob gap, as in tests/test_vllm_hybrid.py)."""
+    """testbed-c in vLLM (bf16, the CPU Gated DeltaNet kernel's only dtype), full, SlimWise and uniform in one
+    engine: exact prompt/decode counters, and every token vLLM chose is within bf16 noise of the float32
+    reference's best under the routing its mode promises (mean log-prob gap, as in
+    tests/test_vllm_hybrid.py)."""
     from test_vllm_hybrid import MEAN_GAP, mean_gap
 
     from slimwise.engines.vllm_engine import VllmEngine
@@ -312,7 +324,8 @@ def test_vllm_serves_the_hybrid_backbone(reference):
             assert c["position_mismatch_steps"] == 0
     finally:
         engine.close()
-    with PhaseSplitEngine(load_model(embedded_model_dir("testbed-c"), dtype="float32"), plan=plan) as reference_engine:
+    with PhaseSplitEngine(load_model(embedded_model_dir("testbed-c"), dtype="float32"),
+                          plan=plan) as reference_engine:
         for mode in ("full", "slimwise", "uniform"):
             gap = mean_gap(reference_engine, mode, got[mode], prompts)
             assert gap <= MEAN_GAP, (mode, gap)
@@ -335,14 +348,18 @@ def test_small_eval_run_on_a_backbone(tmp_path):
     from slimwise.cli import main as cli_main
 
     out = tmp_path / "eval"
-    assert cli_main(["eval", "testbed-b", "--dtype", str(HF_DTYPE).removeprefix("torch."), "--criteria", "reap", "--ratios", "0.5", "--phases", "decode",
-                     "--per-family", "8", "--calib-per-family", "8", "--threads", "1", "--out", str(out),
-                     "--cache-dir", str(tmp_path / "cache"), "--other-per-family", "4", "--calib-mix", "all"]) == 0
+    assert cli_main(["eval", "testbed-b", "--dtype", str(HF_DTYPE).removeprefix("torch."),
+                     "--criteria", "reap", "--ratios", "0.5", "--phases", "decode", "--per-family", "8",
+                     "--calib-per-family", "8", "--threads", "1", "--out", str(out),
+                     "--cache-dir", str(tmp_path / "cache"), "--other-per-family", "4",
+                     "--calib-mix", "all"]) == 0
     report = json.loads((out / "report.json").read_text())
     acc = {r["mode"]: r["metrics"]["accuracy"] for r in report["runs"] if r["phase"] == "decode"}
     assert report["full"]["accuracy"] >= 0.6 and report["tasks"]["n"] == 40
     assert acc["slimwise"] >= acc["uniform"] - 0.05  # SlimWise does not lose to classic pruning
     assert all((out / name).read_bytes()[:4] == b"\x89PNG" for name in report["plots"])
     assert "## Plots" in (out / "report.md").read_text() and "transfer.png" in report["plots"]
-    # the default sweep's transfer view: the target-calibrated plan and the mixed one, on 32 other-domain problems
-    assert report["other_domains"]["n"] == 32 and {r["phase"] for r in report["runs"]} == {"decode", "decode@all"}
+    # the default sweep's transfer view: the target-calibrated plan and the mixed
+    # one, on 32 other-domain problems
+    assert report["other_domains"]["n"] == 32 \
+        and {r["phase"] for r in report["runs"]} == {"decode", "decode@all"}

@@ -35,9 +35,10 @@ VLLM_TINY = {"deepseek_v3": dict(kv_lora_rank=512, qk_rope_head_dim=64)}
 #: engine dtype where float32 does not run: vLLM's CPU Gated DeltaNet kernel asserts bfloat16
 VLLM_DTYPE = {"qwen3_next": "bfloat16"}
 #: bf16 engine vs float32 reference: mean log-prob gap (nats) allowed between vLLM's greedy tokens and the
-#: reference's best tokens under the promised routing, and the least mean gap the other routing must show. A mean,
-#: not a per-token bound: one token can differ by a few tenths of a nat from bf16 rounding alone, which says
-#: nothing about routing. Both bounds sit well clear of the measured means (docs/history/test-tolerances.md).
+#: reference's best tokens under the promised routing, and the least mean gap the other routing must show. A
+#: mean, not a per-token bound: one token can differ by a few tenths of a nat from bf16 rounding alone, which
+#: says nothing about routing. Both bounds sit well clear of the measured means
+#: (docs/history/test-tolerances.md).
 BF16_MEAN_GAP = 0.15
 BF16_WRONG_GAP = 0.5
 
@@ -50,8 +51,9 @@ def totals(counters: list[dict]) -> tuple[int, int]:
 
 
 def set_selection_bias(model, scale: float = 0.3) -> None:
-    """Real DeepSeek-V3 checkpoints carry a non-zero e_score_correction_bias (init leaves zeros, with which masking
-    the logits would happen to be enough); 0.3 makes logit masking pick pruned experts on these prompts."""
+    """Real DeepSeek-V3 checkpoints carry a non-zero e_score_correction_bias (init leaves zeros,
+    with which masking the logits would happen to be enough); 0.3 makes logit masking pick
+    pruned experts on these prompts."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for layer in get_adapter(model).moe_layers(model):
@@ -61,7 +63,8 @@ def set_selection_bias(model, scale: float = 0.3) -> None:
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_dirs, tmp_path_factory):
-    """family -> a tiny checkpoint that vLLM loads on CPU (the shared tiny one unless VLLM_TINY says otherwise)."""
+    """family -> a tiny checkpoint that vLLM loads on CPU (the shared tiny one
+    unless VLLM_TINY says otherwise)."""
     cache = {}
 
     def get(family):
@@ -90,7 +93,8 @@ def setup(model_dirs):
                               progress=False)
             plan = plan_from_stats(stats, "reap", 0.5)
             engine = PhaseSplitEngine(model, plan=plan)
-            ref = {m: [o.token_ids for o in engine.generate(PROMPTS, m, CONFIG)] for m in ("full", "slimwise", "uniform")}
+            ref = {m: [o.token_ids for o in engine.generate(PROMPTS, m, CONFIG)]
+                   for m in ("full", "slimwise", "uniform")}
             cache[family] = (model_dirs(family), plan, ref, stats)
         return cache[family]
 
@@ -123,8 +127,9 @@ def test_colocated_equals_reference_with_exact_counters(setup):
 
 
 def test_several_plans_in_one_engine_route_each_request_with_its_own(setup):
-    """Two plans and full in one engine, chosen per request: every request's tokens equal the reference engine's
-    slimwise mode with its plan, whether its batch is homogeneous or mixes plans (float32: exact); counters per plan."""
+    """Two plans and full in one engine, chosen per request: every request's tokens equal the
+    reference engine's slimwise mode with its plan, whether its batch is homogeneous or mixes plans
+    (float32: exact); counters per plan."""
     from slimwise.baseline_plans import random_plan
 
     model_dir, plan_a, ref, _ = setup("qwen3_moe")
@@ -133,14 +138,17 @@ def test_several_plans_in_one_engine_route_each_request_with_its_own(setup):
     assert plan_b.kept_experts != plan_a.kept_experts
     ref_b = [o.token_ids for o in PhaseSplitEngine(model, plan=plan_b).generate(PROMPTS, "slimwise", CONFIG)]
     want = {"a": ref["slimwise"], "b": ref_b, "full": ref["full"]}
-    assert len({tuple(map(tuple, t)) for t in want.values()}) == 3  # the three routings differ on these prompts
+    # the three routings differ on these prompts
+    assert len({tuple(map(tuple, t)) for t in want.values()}) == 3
     engine = VllmEngine(model_dir, {"a": plan_a, "b": plan_b}, default_plan="full", share_engine=True)
     names = ["a", "b", "full", None, "b", "a", None, "b"]  # None: the default plan (full here)
     try:
         for name in ("a", "b"):  # homogeneous batches: every request with one plan
-            assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG, plans=[name] * 8)] == want[name]
+            assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG, plans=[name] * 8)] \
+                == want[name]
         c = engine.counters()[0]
-        assert c["plan_tokens"] == {"a": sum(len(t) - 1 for t in want["a"]), "b": sum(len(t) - 1 for t in want["b"])}
+        assert c["plan_tokens"] == {"a": sum(len(t) - 1 for t in want["a"]),
+                                    "b": sum(len(t) - 1 for t in want["b"])}
         engine.llm.reset_prefix_cache()
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG, plans=names)]
         assert got == [want[n or "full"][i] for i, n in enumerate(names)]  # mixed batch: each its own plan
@@ -157,9 +165,10 @@ def test_several_plans_in_one_engine_route_each_request_with_its_own(setup):
 
 
 def test_tensor_parallel_2_colocated(setup):
-    """--tensor-parallel-size 2 on the CPU backend (two worker processes, one core each, shared-memory all-reduce):
-    the plan, the mask and the counters act on both ranks; full / slimwise / uniform in one engine equal the reference
-    (and so TP=1); the load-aware policy holds on both ranks. The core binding is SlimWise's (one NUMA node here)."""
+    """--tensor-parallel-size 2 on the CPU backend (two worker processes, one core each, shared-memory
+    all-reduce): the plan, the mask and the counters act on both ranks; full / slimwise / uniform in one
+    engine equal the reference (and so TP=1); the load-aware policy holds on both ranks. The core binding is
+    SlimWise's (one NUMA node here)."""
     from slimwise.serving import shm
 
     model_dir, plan, ref, _ = setup("qwen3_moe")
@@ -183,14 +192,15 @@ def test_tensor_parallel_2_colocated(setup):
     assert not shm.segments() - shm_before
 
 
-# qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py). An empty
-# plan installs nothing whatever the family (`engine.counters() == [{}]`), so one float32 family that is token-equal
-# to the reference suffices here (qwen3_next's bf16 engine could only be compared with itself).
+# qwen3_moe / qwen2_moe: the empty plan is checked on the trained backbones (test_testbed_shipped.py). An
+# empty plan installs nothing whatever the family (`engine.counters() == [{}]`), so one float32 family that is
+# token-equal to the reference suffices here (qwen3_next's bf16 engine could only be compared with itself).
 @pytest.mark.parametrize("family", ["deepseek_v3"])
 def test_empty_plan_gives_stock_tokens(family, setup):
     """deepseek_v3: equal to the reference (stock vLLM CPU is not: see fix_cpu_multihead_rope)."""
     model_dir, _, ref, stats = setup(family)
-    engine = VllmEngine(model_dir, plan_from_stats(stats, "reap", 0.0), dtype=VLLM_DTYPE.get(family, "float32"))
+    engine = VllmEngine(model_dir, plan_from_stats(stats, "reap", 0.0),
+                        dtype=VLLM_DTYPE.get(family, "float32"))
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         assert engine.counters() == [{}]  # nothing installed: the stock model runs
@@ -209,7 +219,8 @@ def test_chunked_prefill_and_prefix_cache_hits_are_never_pruned(setup):
         pruned, full = totals(engine.counters())
         assert (pruned, full) == (n_fed_back, sum(len(p) for p in PROMPTS))
         steps = engine.counters()[0]["recent"]
-        assert max(p + f for _, p, f in steps) <= 32 and any(p and f for _, p, f in steps)  # mixed batches ran
+        # mixed batches ran
+        assert max(p + f for _, p, f in steps) <= 32 and any(p and f for _, p, f in steps)
         # the same prompts again: prefix-cache hits, the uncached tail recomputed as prompt tokens
         assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == ref["slimwise"]
         pruned2, full2 = totals(engine.counters())
@@ -221,14 +232,15 @@ def test_chunked_prefill_and_prefix_cache_hits_are_never_pruned(setup):
 
 
 
-@pytest.mark.parametrize(("family", "eager", "targets"), [("qwen3_moe", False, ATTENTION_TARGETS),
-                                                          ("qwen2_moe", True, ATTENTION_TARGETS + DENSE_MLP_TARGETS),
-                                                          ("deepseek_v3", True, ("auto",))])
+@pytest.mark.parametrize(("family", "eager", "targets"),
+                         [("qwen3_moe", False, ATTENTION_TARGETS),
+                          ("qwen2_moe", True, ATTENTION_TARGETS + DENSE_MLP_TARGETS),
+                          ("deepseek_v3", True, ("auto",))])
 def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup, tmp_path):
     """Router + norm + LoRA act on decode tokens only, in vLLM exactly as in the reference engine, compiled
-    (qwen3_moe) and eager; the first token stays the full model's. LoRA targets: q/k/v/o (qwen2_moe's q/k/v carry
-    a bias), the shared expert's gate/up/down too (qwen2_moe), and the default "auto" on DeepSeek-V3 (its shared
-    experts' and its dense first layer's gate/up/down)."""
+    (qwen3_moe) and eager; the first token stays the full model's. LoRA targets: q/k/v/o (qwen2_moe's q/k/v
+    carry a bias), the shared expert's gate/up/down too (qwen2_moe), and the default "auto" on DeepSeek-V3
+    (its shared experts' and its dense first layer's gate/up/down)."""
     from slimwise.delta import Delta
     from slimwise.distill import DistillConfig, distill
     from slimwise.trainable import resolve_lora_targets
@@ -236,10 +248,11 @@ def test_distilled_delta_in_vllm_equals_reference(family, eager, targets, setup,
     model_dir, plan, ref, _ = setup(family)
     model = load_model(model_dir)
     delta = distill(model, plan, random_prompts(8, seed=9),
-                    config=DistillConfig(params=("router", "norm", "lora"), steps=4, batch_size=4, max_new_tokens=8,
-                                         lr=5e-2, lora_targets=targets, progress=False))
+                    config=DistillConfig(params=("router", "norm", "lora"), steps=4, batch_size=4,
+                                         max_new_tokens=8, lr=5e-2, lora_targets=targets, progress=False))
     assert delta.lora_pairs() and delta.routers() and delta.norms()
-    assert {name.rpartition(".")[2] for name in delta.lora_pairs()} == set(resolve_lora_targets(model, targets))
+    assert {name.rpartition(".")[2] for name in delta.lora_pairs()} \
+        == set(resolve_lora_targets(model, targets))
     delta.save(tmp_path / "delta")
     reference = PhaseSplitEngine(model, plan=plan, delta=tmp_path / "delta")
     want = [o.token_ids for o in reference.generate(PROMPTS, "distilled", CONFIG)]
@@ -279,19 +292,21 @@ def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool, prompts=None) -> 
 
 
 # qwen2_moe: testbed-b (test_testbed_shipped.py) and test_distilled_delta_in_vllm_equals_reference.
-# Compiled runs: qwen3_moe (testbed-a and the distilled delta) and deepseek_v3 here, where torch.compile traces the
-# router's selection mask once; compiled equals the float32 reference token for token, as eager does.
+# Compiled runs: qwen3_moe (testbed-a and the distilled delta) and deepseek_v3 here, where
+# torch.compile traces the router's selection mask once; compiled equals the float32 reference
+# token for token, as eager does.
 COMPILED = {"deepseek_v3"}
 
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"])
 def test_other_served_families(family, setup):
     """Every family whose stock vLLM model runs on this CPU (qwen2_moe, qwen3_next: routed + shared expert;
-    deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection, compiled; qwen3_next: hybrid
-    Gated DeltaNet, bf16 only on CPU, so checked greedy-consistent with the float32 reference instead of
-    token-equal)."""
+    deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection, compiled;
+    qwen3_next: hybrid Gated DeltaNet, bf16 only on CPU, so checked greedy-consistent with the float32
+    reference instead of token-equal)."""
     model_dir, plan, ref, _ = setup(family)
-    engine = VllmEngine(model_dir, plan, dtype=VLLM_DTYPE.get(family, "float32"), enforce_eager=family not in COMPILED)
+    engine = VllmEngine(model_dir, plan, dtype=VLLM_DTYPE.get(family, "float32"),
+                        enforce_eager=family not in COMPILED)
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         counters = totals(engine.counters())
@@ -303,12 +318,14 @@ def test_other_served_families(family, setup):
         return
     right, wrong = (greedy_gaps(model_dir, plan, got, decode_pruned=pruned) for pruned in (True, False))
     assert sum(right) / len(right) <= BF16_MEAN_GAP, right
-    assert sum(wrong) / len(wrong) >= BF16_WRONG_GAP and max(wrong) > 1.0, wrong  # the check tells routings apart
+    # the check tells routings apart
+    assert sum(wrong) / len(wrong) >= BF16_WRONG_GAP and max(wrong) > 1.0, wrong
 
 
 def test_deepseek_selection_mask_equals_reference_router():
-    """`masked_grouped_topk` (vLLM side) = vLLM's CPU grouped top-k on prompt rows, bit for bit, and = the reference
-    adapter's masked router on decode rows, with a bias that makes logit masking pick pruned experts."""
+    """`masked_grouped_topk` (vLLM side) = vLLM's CPU grouped top-k on prompt rows, bit for bit,
+    and = the reference adapter's masked router on decode rows, with a bias that makes logit
+    masking pick pruned experts."""
     from types import SimpleNamespace
 
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _grouped_topk
@@ -323,17 +340,22 @@ def test_deepseek_selection_mask_equals_reference_router():
         router.e_score_correction_bias.copy_(pruned.float() * 0.8 + 0.1 * torch.randn(16))
     hidden = torch.randn(10, 64, generator=torch.Generator().manual_seed(0))
     decode = torch.arange(10) < 5
-    vllm_router = SimpleNamespace(scoring_func="sigmoid", e_score_correction_bias=router.e_score_correction_bias,
-                                  use_grouped_topk=True, num_expert_group=4, topk_group=2, top_k=4, renormalize=True,
-                                  routed_scaling_factor=2.5)
+    vllm_router = SimpleNamespace(scoring_func="sigmoid",
+                                  e_score_correction_bias=router.e_score_correction_bias,
+                                  use_grouped_topk=True, num_expert_group=4, topk_group=2, top_k=4,
+                                  renormalize=True, routed_scaling_factor=2.5)
     logits = F.linear(hidden, router.weight)
     weights, ids = masked_grouped_topk(logits, decode[:, None] & pruned[None, :], vllm_router)
-    stock_weights, stock_ids = _grouped_topk(logits, 4, True, 4, 2, "sigmoid", 2.5, router.e_score_correction_bias)
-    assert torch.equal(ids[~decode], stock_ids[~decode]) and torch.equal(weights[~decode], stock_weights[~decode])
-    assert pruned[stock_ids[decode].long()].any()  # unmasked selection (or masked logits) would use pruned experts
+    stock_weights, stock_ids = _grouped_topk(logits, 4, True, 4, 2, "sigmoid", 2.5,
+                                             router.e_score_correction_bias)
+    assert torch.equal(ids[~decode], stock_ids[~decode]) \
+        and torch.equal(weights[~decode], stock_weights[~decode])
+    # unmasked selection (or masked logits) would use pruned experts
+    assert pruned[stock_ids[decode].long()].any()
     assert not pruned[ids[decode].long()].any()
     with torch.no_grad():
         _, ref_weights, ref_ids = get_adapter(model).route(router, hidden, pruned)
     order, ref_order = ids[decode].sort(dim=-1), ref_ids[decode].sort(dim=-1)
     assert torch.equal(order.values.long(), ref_order.values)
-    torch.testing.assert_close(weights[decode].gather(1, order.indices), ref_weights[decode].gather(1, ref_order.indices))
+    torch.testing.assert_close(weights[decode].gather(1, order.indices),
+                               ref_weights[decode].gather(1, ref_order.indices))

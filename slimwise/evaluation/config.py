@@ -1,5 +1,5 @@
-"""What a sweep evaluates: `EvalConfig` (criteria x ratios x calibration phases, modes, data, engine) and `PlanSpec`
-(one plan of the grid), with the defaults and the report schema."""
+"""What a sweep evaluates: `EvalConfig` (criteria x ratios x calibration phases, modes, data, engine) and
+`PlanSpec` (one plan of the grid), with the defaults and the report schema."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ EVAL_MODES = ("full", "uniform", "slimwise", "distilled")
 DEFAULT_CRITERIA = ("frequency", "soft", "ean", "reap")
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 DEFAULT_PHASES = ("prompt", "decode")
-# mixed-domain calibrations of the default sweep (headline criterion and phase, every ratio): every domain alike,
-# and the target weighted 3:1:1 -- a deployment whose traffic is mostly, not only, the target domain
+# mixed-domain calibrations of the default sweep (headline criterion and phase, every ratio): every domain
+# alike, and the target weighted 3:1:1 -- a deployment whose traffic is mostly, not only, the target domain
 DEFAULT_CALIB_MIXES = ("all", "arithmetic:3,lists:1,text:1")
 KL_REFERENCE_BYTES = 1 << 30  # cache the full model's teacher-forced log-probs across plans below this size
 
@@ -146,7 +146,8 @@ class EvalConfig:
                 if p not in PHASES:
                     raise SlimWiseError(f"unknown calibration phase {p!r}; choose among {', '.join(PHASES)}")
         if self.grader not in GRADERS and ":" not in self.grader:
-            raise SlimWiseError(f"unknown grader {self.grader!r}; choose one of {', '.join(GRADERS)} or module:function")
+            raise SlimWiseError(f"unknown grader {self.grader!r}; choose one of "
+                                f"{', '.join(GRADERS)} or module:function")
         for mix in self.calib_mixes:
             parse_calib_mix(mix)
         if self.batch_size < 1 or self.max_new_tokens < 1:
@@ -167,8 +168,9 @@ def parse_calib_mix(mix: str) -> dict[str, float]:
         except ValueError:
             w = -1.0
         if domain not in DOMAINS or not w > 0:
-            raise SlimWiseError(f"calibration mix {mix!r}: give 'all' or domain:weight pairs with domains among "
-                                f"{', '.join(DOMAINS)} and positive weights, e.g. arithmetic:3,lists:1,text:1")
+            raise SlimWiseError(f"calibration mix {mix!r}: give 'all' or domain:weight pairs with domains "
+                                f"among {', '.join(DOMAINS)} and positive weights, e.g. "
+                                "arithmetic:3,lists:1,text:1")
         out[domain] = w
     return out
 

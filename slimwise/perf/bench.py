@@ -1,4 +1,5 @@
-"""`slimwise bench`: decode throughput of full / SlimWise / pruned / uniform models in vLLM, against batch size.
+"""`slimwise bench`: decode throughput of full / SlimWise / pruned / uniform
+models in vLLM, against batch size.
 
 Variants (identical engine settings; the masked ones share one engine):
   full          the checkpoint as is (stock architecture, its own engine);
@@ -7,20 +8,20 @@ Variants (identical engine settings; the masked ones share one engine):
   uniform       every token routed to the kept experts inside the full checkpoint (classic pruning);
   slimwise-minN SlimWise with the load-aware policy: prune only on steps with >= N decode tokens;
   mix-P, mixfull-P  one engine with two plans, P% of each batch on the plan (`slimwise.perf.mixes`).
-slimwise, uniform and slimwise-minN are one SlimWise engine (one weight copy, as colocated serving runs it) whose
-mode is switched before each measurement (`slimwise_set_mode`, outside the timed window); the mixes share another;
-full and pruned are separate stock engines.
+slimwise, uniform and slimwise-minN are one SlimWise engine (one weight copy, as colocated serving runs it)
+whose mode is switched before each measurement (`slimwise_set_mode`, outside the timed window); the mixes
+share another; full and pruned are separate stock engines.
 
 Method: B random-token prompts of `prompt_len` tokens, `output_len` tokens each with ignore_eos and greedy
 sampling. Decode time comes from vLLM's per-request metrics (engine-core timestamps): from the first token
 (the end of the prefill step) to the last, so prefill is excluded; decode throughput = tokens generated after
-the first / decode time; time per output token = decode time / (output_len - 1). Requests are enqueued while the
-scheduler is paused (`LLM.sleep(level=0)`, `enqueue`, `wake_up`, `wait_for_completion`) and
+the first / decode time; time per output token = decode time / (output_len - 1). Requests are enqueued while
+the scheduler is paused (`LLM.sleep(level=0)`, `enqueue`, `wake_up`, `wait_for_completion`) and
 max_num_batched_tokens >= B x prompt_len, so every prompt is prefilled in the same step and every decode step
-holds exactly B decode tokens; `prefill_spread_s` in the JSON proves it (0 = one prefill step). Per batch size: a warm-up generate for every
-variant, then `repetitions` rounds in which every variant runs once, the order rotated each round (A B C, B C
-A, ...). Speedups are paired: variant / full within the same round; medians and min-max are reported. Engine
-start (construction of `vllm.LLM`) is timed separately and excluded.
+holds exactly B decode tokens; `prefill_spread_s` in the JSON proves it (0 = one prefill step). Per batch
+size: a warm-up generate for every variant, then `repetitions` rounds in which every variant runs once, the
+order rotated each round (A B C, B C A, ...). Speedups are paired: variant / full within the same round;
+medians and min-max are reported. Engine start (construction of `vllm.LLM`) is timed separately and excluded.
 
 Engines stay resident (all alive at once) unless `restart` is set: then each round starts and closes one
 engine at a time (for machines where the engines do not fit together).
@@ -29,7 +30,8 @@ Expert traffic (`count_experts`): a separate pass with counting engines (the plu
 `slimwise_count_experts` hook, eager mode; one for the checkpoint, where full runs as mode "full", and one for
 the pruned checkpoint) runs each batch once more and reads, per layer and decode step,
 the distinct experts the decode tokens selected; beside it the uniform expectation E'(1-(1-k/E')^B) and the
-expert bytes read. Counting costs a top-k and a sync per layer per step, so it never runs in the timed engines.
+expert bytes read. Counting costs a top-k and a sync per layer per step, so it
+never runs in the timed engines.
 
 Roofline (`hardware`, default cpu-measured): `slimwise.perf.roofline` predicts the same speedups for the
 model's configuration at context prompt_len + output_len/2; the JSON holds predicted vs measured.
@@ -87,7 +89,8 @@ class Variant:
     available_experts: int  # experts a decode token can reach
     stock_arch: str
     min_decode_batch: int = 0
-    mode: str | None = None  # set on a shared SlimWise engine before each run; None: a stock engine of its own
+    # set on a shared SlimWise engine before each run; None: a stock engine of its own
+    mode: str | None = None
     meta: dict = field(default_factory=dict)
 
     @property
@@ -110,7 +113,7 @@ def engine_groups(variants: list[Variant]) -> dict[str, list[Variant]]:
     return groups
 
 
-# ----- preparation -------------------------------------------------------------------------------------------
+# ----- preparation ------------------------------------------------------------------------------------------
 
 def _check_config(config: BenchConfig) -> None:
     if bool(config.model) == bool(config.synthetic):
@@ -118,7 +121,8 @@ def _check_config(config: BenchConfig) -> None:
     if not config.batches or min(config.batches) < 1:
         raise SlimWiseError(f"batch sizes must be >= 1, got {list(config.batches)}")
     if config.output_len < 2:
-        raise SlimWiseError("output_len must be >= 2: decode time is measured from the first to the last token")
+        raise SlimWiseError("output_len must be >= 2: decode time is measured from "
+                            "the first to the last token")
     if config.prompt_len < 1 or config.repetitions < 1:
         raise SlimWiseError("prompt_len and repetitions must be >= 1")
     for v in config.variants:
@@ -127,7 +131,8 @@ def _check_config(config: BenchConfig) -> None:
             raise SlimWiseError(f"unknown variant {v!r}; have: {', '.join(BASE_VARIANTS)}, {POLICY_PREFIX}N, "
                                 "mix-P and mixfull-P (P = 0..100: percent of requests on the plan)")
     if "full" not in config.variants:
-        raise SlimWiseError("variant 'full' is needed: every ratio is against the full model of the same round")
+        raise SlimWiseError("variant 'full' is needed: every ratio is against the "
+                            "full model of the same round")
     if len(set(config.variants)) != len(config.variants):
         raise SlimWiseError("variants must be distinct")
 
@@ -166,7 +171,8 @@ def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Pa
                 "routing_skew_from": str(config.routing_skew) if config.routing_skew else None}
         have = {k: m.get(k) for k in want}
         if have != want:
-            raise SlimWiseError(f"{out} holds another synthetic model ({have}, wanted {want}): pass --synthetic-dir")
+            raise SlimWiseError(f"{out} holds another synthetic model ({have}, wanted {want}): "
+                                "pass --synthetic-dir")
         log(f"synthetic {preset.name}: reusing {out} ({m.get('gb')} GB)")
         return out
     log(f"synthetic {preset.name}: building {layers} layers into {out} (random weights, bf16) ...")
@@ -177,7 +183,8 @@ def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Pa
 
 
 def _shares_plan(model, stats_path: str, ratio: float):
-    """Keep the most used experts per layer by the stats' usage shares (for models the stats were not made on)."""
+    """Keep the most used experts per layer by the stats' usage shares (for models
+    the stats were not made on)."""
     from slimwise.adapters import get_adapter
     from slimwise.baseline_plans import usage_share_plan
     from slimwise.perf.presets import stats_rows
@@ -188,7 +195,8 @@ def _shares_plan(model, stats_path: str, ratio: float):
 
 
 def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[[str], None] = print):
-    """(plan, plan path, pruned checkpoint dir or None). Loads the model once (to check or make the plan, to export)."""
+    """(plan, plan path, pruned checkpoint dir or None). Loads the model once (to check
+    or make the plan, to export)."""
     from slimwise.models import PLAN_FILE
     from slimwise.plan import PrunePlan
 
@@ -236,14 +244,16 @@ def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
         if fingerprints_match(stats.meta.get("fingerprint") or {}, model_fingerprint(model)):
             log(f"plan: {config.criterion} at ratio {config.ratio} from {config.stats}")
             return plan_from_stats(stats, config.criterion, config.ratio)
-        log(f"plan: {config.stats} was calibrated on another model: keeping the most used experts by its usage "
-            f"shares at ratio {config.ratio}")
+        log(f"plan: {config.stats} was calibrated on another model: keeping the most used experts by its "
+            f"usage shares at ratio {config.ratio}")
         return _shares_plan(model, config.stats, config.ratio)
-    log(f"plan: random {int(round(config.ratio * 100))}% per layer (seed {config.seed}); no --plan/--stats given")
+    log(f"plan: random {int(round(config.ratio * 100))}% per layer (seed {config.seed}); no "
+        "--plan/--stats given")
     return random_plan(model, config.ratio, config.seed)
 
 
-def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, pruned_dir: Path | None) -> list[Variant]:
+def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path,
+                  pruned_dir: Path | None) -> list[Variant]:
     from slimwise.engines.vllm_engine import slimwise_overrides
 
     arch = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [None])[0]
@@ -260,8 +270,8 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, p
                                mode=name))
         elif mix_of(name) is not None:  # one engine with both plans; each request names its own
             plans = {"a": plan_path, "b": plan_b_path(config, model_dir, plan_path)}
-            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plans), plan.num_experts, arch,
-                               mode="slimwise", meta={"mix": mix_of(name)}))
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plans), plan.num_experts,
+                               arch, mode="slimwise", meta={"mix": mix_of(name)}))
         else:
             n = int(name[len(POLICY_PREFIX):])
             out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path), kept, arch,
@@ -269,7 +279,7 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path, p
     return out
 
 
-# ----- engines -----------------------------------------------------------------------------------------------
+# ----- engines ----------------------------------------------------------------------------------------------
 
 def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
     """The settings every variant's engine gets (identical across variants)."""
@@ -286,7 +296,8 @@ def engine_kwargs(config: BenchConfig, model_dir: str) -> dict:
             kv += 2 * max_batch * layers * state + (256 << 20)
     return dict(dtype=config.dtype, enforce_eager=config.enforce_eager, max_model_len=max_len,
                 max_num_seqs=max_batch,
-                max_num_batched_tokens=config.max_num_batched_tokens or max(max_batch * config.prompt_len, max_len),
+                max_num_batched_tokens=(config.max_num_batched_tokens
+                                        or max(max_batch * config.prompt_len, max_len)),
                 kv_cache_memory_bytes=kv, enable_prefix_caching=False, disable_log_stats=False,
                 skip_tokenizer_init=True, seed=config.seed)
 
@@ -306,7 +317,7 @@ def start_engine(variant: Variant, kwargs: dict, overrides: dict | None = None):
 
 
 
-# ----- the timed runs ----------------------------------------------------------------------------------------
+# ----- the timed runs ---------------------------------------------------------------------------------------
 
 def _rounds(variants: list[Variant], repetitions: int) -> list[list[Variant]]:
     """Interleaved order: every variant once per round, rotated each round (A B C, B C A, C A B, ...)."""
@@ -319,9 +330,9 @@ PARTIAL_FILE = "bench.partial.json"
 
 def _signature(config: BenchConfig, variants: list[Variant], kwargs: dict) -> dict:
     """What must match for a partial run to be resumed."""
-    return {"variants": [[v.name, v.model_dir, v.min_decode_batch, v.mode] for v in variants], "engine": kwargs,
-            "prompt_len": config.prompt_len, "output_len": config.output_len, "repetitions": config.repetitions,
-            "seed": config.seed}
+    return {"variants": [[v.name, v.model_dir, v.min_decode_batch, v.mode] for v in variants],
+            "engine": kwargs, "prompt_len": config.prompt_len, "output_len": config.output_len,
+            "repetitions": config.repetitions, "seed": config.seed}
 
 
 def _load_partial(config: BenchConfig, signature: dict, log) -> tuple[dict, dict]:
@@ -333,14 +344,16 @@ def _load_partial(config: BenchConfig, signature: dict, log) -> tuple[dict, dict
         log(f"resume: {path} was written with other settings; starting afresh")
         return {}, {}
     runs = {name: {int(b): ms for b, ms in per.items()} for name, per in data["runs"].items()}
-    done = [b for b in config.batches if all(len(runs.get(n, {}).get(b, [])) >= config.repetitions for n in runs)]
+    done = [b for b in config.batches
+            if all(len(runs.get(n, {}).get(b, [])) >= config.repetitions for n in runs)]
     log(f"resume: batches {done} already measured in {path}")
     return runs, data.get("engine_start_s", {})
 
 
 def _save_partial(config: BenchConfig, signature: dict, runs: dict, starts: dict) -> None:
     atomic_write_text(Path(config.out_dir) / PARTIAL_FILE,
-                      json.dumps(jsonable({"signature": signature, "runs": runs, "engine_start_s": starts})) + "\n")
+                      json.dumps(jsonable({"signature": signature, "runs": runs,
+                                           "engine_start_s": starts})) + "\n")
 
 
 def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, log) -> tuple[dict, dict]:
@@ -348,7 +361,8 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
     old_runs, old_starts = _load_partial(config, signature, log)
     runs: dict[str, dict[int, list]] = {v.name: dict(old_runs.get(v.name, {})) for v in variants}
     starts: dict[str, list[float]] = {v.name: list(old_starts.get(v.name, [])) for v in variants}
-    todo = [b for b in config.batches if any(len(runs[v.name].get(b, [])) < config.repetitions for v in variants)]
+    todo = [b for b in config.batches
+            if any(len(runs[v.name].get(b, [])) < config.repetitions for v in variants)]
     engines = {}  # variant name -> its (possibly shared) engine
     vocab = vocab_size(variants[0].model_dir)
     try:
@@ -364,7 +378,8 @@ def _run_resident(config: BenchConfig, variants: list[Variant], kwargs: dict, lo
             prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
             for v in variants:
                 select(engines[v.name], v)
-                measure(engines[v.name], prompts, min(config.warmup_tokens, config.output_len), variant_plans(v, b))
+                measure(engines[v.name], prompts,
+                        min(config.warmup_tokens, config.output_len), variant_plans(v, b))
             for r, order in enumerate(_rounds(variants, config.repetitions)):
                 for v in order:
                     select(engines[v.name], v)
@@ -395,7 +410,8 @@ def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log
                     starts[v.name].append(s)
                     select(llm, v)
                     for b in config.batches:
-                        measure(llm, prompts[b], min(config.warmup_tokens, config.output_len), variant_plans(v, b))
+                        measure(llm, prompts[b], min(config.warmup_tokens, config.output_len),
+                                variant_plans(v, b))
                         m = measure(llm, prompts[b], config.output_len, variant_plans(v, b))
                         m.update(round=r, loadavg=os.getloadavg()[0])
                         runs[v.name].setdefault(b, []).append(m)
@@ -406,12 +422,13 @@ def _run_restart(config: BenchConfig, variants: list[Variant], kwargs: dict, log
     return runs, starts
 
 
-# ----- expert traffic ----------------------------------------------------------------------------------------
+# ----- expert traffic ---------------------------------------------------------------------------------------
 
 def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, expert_bytes: float, top_k: int,
                   log) -> dict:
     """Distinct experts touched per layer per decode step, per variant and batch (separate eager engines: one
-    SlimWise engine for the checkpoint, full counted in its mode "full", and one for the pruned checkpoint)."""
+    SlimWise engine for the checkpoint, full counted in its mode "full", and one
+    for the pruned checkpoint)."""
     from slimwise.perf.vllm_traffic import counters_delta, summarize_traffic
     from slimwise.serving.models import slimwise_arch
     from slimwise.serving.routing import COUNT_EXPERTS_KEY
@@ -455,7 +472,7 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
     return out
 
 
-# ----- roofline comparison -----------------------------------------------------------------------------------
+# ----- roofline comparison ----------------------------------------------------------------------------------
 
 def roofline_predictions(config: BenchConfig, model_dir: Path, ratio: float, batches, log) -> tuple:
     """(RooflineConfig, Hardware, predictions, context) for this model's own config, or Nones."""
@@ -471,14 +488,15 @@ def roofline_predictions(config: BenchConfig, model_dir: Path, ratio: float, bat
     return rc, hw, preds, ctx
 
 
-# ----- entry point -------------------------------------------------------------------------------------------
+# ----- entry point ------------------------------------------------------------------------------------------
 
 def run_bench(config: BenchConfig, log: Callable[[str], None] | None = None) -> dict:
     """Run the benchmark; write bench.json, bench.md and the PNG into config.out_dir; return the result."""
     log = log or (lambda s: print(s, flush=True))
     _check_config(config)
     env = {} if config.verbose else {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-    if config.in_process:  # engine cores in this process: an idle resident engine runs nothing (no polling loop)
+    # engine cores in this process: an idle resident engine runs nothing (no polling loop)
+    if config.in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with scoped_environ(env):  # the caller's environment (and every process it starts later) stays its own
         return _run_bench(config, log)
@@ -496,7 +514,8 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     if requested == "auto":
         config = replace(config, dtype=dtype)
         log(f"dtype auto -> {dtype}: {why}")
-    plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out, log)  # creates OUT once the inputs load
+    # creates OUT once the inputs load
+    plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out, log)
     out.mkdir(parents=True, exist_ok=True)
     variants = make_variants(config, model_dir, plan, plan_path, pruned_dir)
     kwargs = engine_kwargs(config, str(model_dir))
@@ -520,7 +539,8 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
                      for v in variants],
         "engine_start_s": starts, "runs": runs, "summary": summary,
         "machine": hardware.describe(), "dtype": {"requested": requested, "used": config.dtype, "why": why},
-        "timing": {"seconds": time.perf_counter() - t0, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+        "timing": {"seconds": time.perf_counter() - t0, "loadavg_start": load0,
+                   "loadavg_end": os.getloadavg(),
                    "decode_time": "engine-core timestamps, first token to last token (prefill excluded)"},
     }
     if config.count_experts:
@@ -535,14 +555,16 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
                               "comparison": compare_roofline(summary, preds)}
     if rc is not None:
         result["bytes_split"] = bytes_split_table(rc, plan.top_k, plan.num_experts, result.get("traffic"),
-                                                  config.batches, ctx or config.prompt_len + config.output_len // 2,
+                                                  config.batches,
+                                                  ctx or config.prompt_len + config.output_len // 2,
                                                   plan.num_kept if plan.is_uniform else None)
     if config.kernel_roofline:
         from slimwise.perf.kernels import bench_kernel_roofline
 
         rc = rc or RooflineConfig.from_dir(model_dir, config.dtype)
         kept = min(len(v) for v in plan.kept_experts.values()) if plan.kept_experts else rc.num_experts
-        result["kernel_roofline"] = bench_kernel_roofline(rc, kept, config.batches, summary, result.get("traffic"),
+        result["kernel_roofline"] = bench_kernel_roofline(rc, kept, config.batches,
+                                                          summary, result.get("traffic"),
                                                           config.dtype, config.seed, log)
     result["bars"] = check_bars(summary, config.synthetic, runs)
     if config.suggest_threshold is not None:
@@ -556,5 +578,5 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
 
 
 
-__all__ = ["BenchConfig", "Variant", "check_bars", "compare_roofline", "format_tables", "make_prompts", "measure",
-           "plot_bench", "run_bench", "suggest_threshold", "summarize_runs", "threshold_report"]
+__all__ = ["BenchConfig", "Variant", "check_bars", "compare_roofline", "format_tables", "make_prompts",
+           "measure", "plot_bench", "run_bench", "suggest_threshold", "summarize_runs", "threshold_report"]

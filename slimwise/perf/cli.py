@@ -60,8 +60,8 @@ def _load_config(path: str):
 
 
 def _same_shape(a, b) -> bool:
-    keys = ("num_layers", "num_experts", "top_k", "hidden_size", "vocab_size", "expert_params", "shared_params",
-            "linear_attention_layers")
+    keys = ("num_layers", "num_experts", "top_k", "hidden_size", "vocab_size", "expert_params",
+            "shared_params", "linear_attention_layers")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -124,8 +124,9 @@ def cmd_roofline(args) -> None:
           f"{kept_experts(rc.num_experts, args.ratio, rc.top_k)}; context {args.context}; "
           f"routing {'measured shares: ' + args.stats if args.stats else 'uniform'}")
     print(f"weights-only ceiling (every expert touched, no KV/state, memory-bound): {limit:.3f}x")
-    curves, report = {}, {"model": name, "config": rc.__dict__, "ratio": args.ratio, "context_len": args.context,
-                          "stats": args.stats, "weights_only_limit": limit, "hardware": {}}
+    curves, report = {}, {"model": name, "config": rc.__dict__, "ratio": args.ratio,
+                          "context_len": args.context, "stats": args.stats,
+                          "weights_only_limit": limit, "hardware": {}}
     for hw_name in args.hardware:
         hw = get_hardware(hw_name, dtype=args.dtype, overhead_s=args.overhead_us * 1e-6)
         preds = predict(rc, hw, args.ratio, batches, args.context, shares)
@@ -145,8 +146,8 @@ def cmd_roofline(args) -> None:
             line += (f"; peak {reach.peak_speedup:.3f}x at batch {reach.peak_batch}; weights-only asymptote "
                      f"{reach.weights_limit:.3f}x")
             if reach.fitting_peak_batch is not None:
-                line += (f"; among batches that fit beside the full weights: peak {reach.fitting_peak_speedup:.3f}x"
-                         f" at batch {reach.fitting_peak_batch}")
+                line += ("; among batches that fit beside the full weights: peak "
+                         f"{reach.fitting_peak_speedup:.3f}x at batch {reach.fitting_peak_batch}")
             print(f"{hw.name}: {line}")
             entry["reference"] = {"speedup": target, "first_batch": reach.first_batch,
                                   "peak_speedup": reach.peak_speedup, "peak_batch": reach.peak_batch,
@@ -154,9 +155,9 @@ def cmd_roofline(args) -> None:
                                   "fitting_peak_batch": reach.fitting_peak_batch}
         cap = capacity_comparison(rc, hw, args.ratio, args.context, shares)
         if cap is not None:
-            print(f"{hw.name} at max batch (90% of {hw.memory / 1e9:.0f} GB; PD-disaggregated decoder holds only the "
-                  f"pruned weights): full B={cap.batch_full} {cap.tokens_per_s_full:,.0f} tok/s, pruned "
-                  f"B={cap.batch_pruned} {cap.tokens_per_s_pruned:,.0f} tok/s: {cap.speedup:.2f}x")
+            print(f"{hw.name} at max batch (90% of {hw.memory / 1e9:.0f} GB; PD-disaggregated decoder holds "
+                  f"only the pruned weights): full B={cap.batch_full} {cap.tokens_per_s_full:,.0f} tok/s, "
+                  f"pruned B={cap.batch_pruned} {cap.tokens_per_s_pruned:,.0f} tok/s: {cap.speedup:.2f}x")
             entry["capacity"] = {"batch_full": cap.batch_full, "batch_pruned": cap.batch_pruned,
                                  "tokens_per_s_full": cap.tokens_per_s_full,
                                  "tokens_per_s_pruned": cap.tokens_per_s_pruned, "speedup": cap.speedup}
@@ -167,8 +168,8 @@ def cmd_roofline(args) -> None:
         out = Path(args.out) if args.out else None
         title = f"{name}: {int(round(args.ratio * 100))}% experts pruned, context {args.context}"
         png = Path(args.plot) if args.plot else out / f"roofline_{name}.png"
-        plot_speedup(curves, png, title=title, reference=target, reference_label="paper" if ref else "reference",
-                     ceiling=limit)
+        plot_speedup(curves, png, title=title, reference=target,
+                     reference_label="paper" if ref else "reference", ceiling=limit)
         if out:
             out.mkdir(parents=True, exist_ok=True)
             atomic_write_text((out / f"roofline_{name}.json"), json.dumps(report, indent=2) + "\n")
@@ -183,62 +184,73 @@ def _sensitivity(args, rc, name: str, target: float | None, ref) -> None:
     from slimwise.perf.sensitivity import batch_floor, format_sensitivity, plot_sensitivity, run_sensitivity
 
     if target is None:
-        raise SlimWiseError("--sensitivity needs a target speedup: --reference X (or a preset with a paper figure)")
+        raise SlimWiseError("--sensitivity needs a target speedup: --reference X (or a "
+                            "preset with a paper figure)")
     hw = get_hardware(args.hardware[0], dtype=args.dtype, overhead_s=args.overhead_us * 1e-6)
     rows, curves = run_sensitivity(rc, hw, args.ratio, target, args.context)
     floor = batch_floor(rc, args.ratio, target)
     print(f"{name} on {hw.name}, {int(round(args.ratio * 100))}% pruned, target {target:.2f}x"
           f"{' (paper)' if ref else ''}; same-batch curves over batch 1..2048, uniform routing")
-    print(f"batch floor: below B={floor} the expected expert unions alone give < {target:.2f}x, whatever else "
-          f"the step reads" if floor else f"no batch: the experts-only ratio never reaches {target:.2f}x")
+    print(f"batch floor: below B={floor} the expected expert unions alone give < {target:.2f}x, whatever "
+          "else the step reads" if floor else f"no batch: the experts-only ratio never reaches {target:.2f}x")
     table = format_sensitivity(rows, target)
     print(table)
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        data = {"model": name, "hardware": hw.name, "ratio": args.ratio, "target": target, "batch_floor": floor,
-                "rows": [{**r.__dict__, "reaches": r.reaches} for r in rows]}
+        data = {"model": name, "hardware": hw.name, "ratio": args.ratio, "target": target,
+                "batch_floor": floor, "rows": [{**r.__dict__, "reaches": r.reaches} for r in rows]}
         atomic_write_text((out / f"sensitivity_{name}.json"), json.dumps(data, indent=2) + "\n")
         atomic_write_text((out / f"sensitivity_{name}.md"), table + "\n")
     if out or args.plot:
         png = Path(args.plot) if args.plot else out / f"sensitivity_{name}.png"
         plot_sensitivity(rc, curves, rows, args.ratio, target, png, context_len=args.context,
-                         title=f"{name} on {hw.name}: {int(round(args.ratio * 100))}% experts pruned, what reaches "
-                               f"{target:.2f}x")
+                         title=f"{name} on {hw.name}: {int(round(args.ratio * 100))}% experts pruned, what "
+                               f"reaches {target:.2f}x")
         print(f"wrote {png}" + (f" and {out}/sensitivity_{name}.json/.md" if out else ""))
 
 
 def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
     """Register `slimwise roofline` on an argparse subparsers object (cheap: heavy imports happen on run)."""
-    p = subparsers.add_parser("roofline", help="predict decode speedup of expert pruning vs batch size (no engine)")
+    p = subparsers.add_parser("roofline",
+                              help="predict decode speedup of expert pruning vs batch size (no engine)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="a checkpoint directory or a config.json (only the config is read)")
     src.add_argument("--preset", choices=PRESET_NAMES, help="a built-in real configuration")
-    p.add_argument("--layers", type=integer(1), default=None, help="with --preset: layer count (default: the real one)")
-    p.add_argument("--hardware", nargs="+", default=["h200"], help="h100 | h200 | cpu-measured (several allowed)")
-    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5, help="share of routed experts pruned (default 0.5)")
-    p.add_argument("--batch", type=integer(1), nargs="+", help=f"decode batch sizes (default {DEFAULT_BATCHES})")
-    p.add_argument("--context", type=integer(1), default=1024, help="context length per sequence (KV reads), default 1024")
-    p.add_argument("--stats", help="calibration stats: use the measured expert usage shares instead of uniform")
+    p.add_argument("--layers", type=integer(1), default=None,
+                   help="with --preset: layer count (default: the real one)")
+    p.add_argument("--hardware", nargs="+", default=["h200"],
+                   help="h100 | h200 | cpu-measured (several allowed)")
+    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5,
+                   help="share of routed experts pruned (default 0.5)")
+    p.add_argument("--batch", type=integer(1), nargs="+",
+                   help=f"decode batch sizes (default {DEFAULT_BATCHES})")
+    p.add_argument("--context", type=integer(1), default=1024,
+                   help="context length per sequence (KV reads), default 1024")
+    p.add_argument("--stats",
+                   help="calibration stats: use the measured expert usage shares instead of uniform")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"],
                    help="weight dtype")
     p.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "float32", "fp8"],
                    help="KV cache dtype (default: --dtype)")
     p.add_argument("--state-dtype", default=None, choices=["bfloat16", "float16", "float32"],
-                   help="linear-attention recurrent state dtype (default: config mamba_ssm_dtype, else --dtype)")
-    p.add_argument("--overhead-us", type=number(0), default=0.0, help="fixed per-step overhead in microseconds")
+                   help="linear-attention recurrent state dtype "
+                        "(default: config mamba_ssm_dtype, else --dtype)")
+    p.add_argument("--overhead-us", type=number(0), default=0.0,
+                   help="fixed per-step overhead in microseconds")
     p.add_argument("--reference", type=number(0, lo_open=True), default=None,
                    help="speedup to find the batch for (default: the paper's figure where one applies)")
     p.add_argument("--sensitivity", action="store_true",
-                   help="which assumptions (state dtype, context, shared-expert / attention / cache bytes, PD max "
-                        "batch, overhead) reach the reference speedup: table + plot, first --hardware only")
+                   help="which assumptions (state dtype, context, shared-expert / attention / cache bytes, "
+                        "PD max batch, overhead) reach the reference speedup: "
+                        "table + plot, first --hardware only")
     p.add_argument("--out", help="directory for roofline_<model>.json/.md/.png")
     p.add_argument("--plot", help="PNG path for the speedup plot (default: inside --out)")
     p.set_defaults(func=cmd_roofline)
     return p
 
 
-# ----- slimwise bench / slimwise calib-cost --------------------------------------------------------------------
+# ----- slimwise bench / slimwise calib-cost -----------------------------------------------------------------
 
 def _print_threshold(rep: dict) -> None:
     measured = rep.get("measured_batch")
@@ -292,8 +304,8 @@ def cmd_policy_quality(args) -> None:
 
     result = run_policy_quality(PolicyQualityConfig(
         model=args.model, threshold=args.threshold, concurrencies=tuple(args.concurrency), plan=args.plan,
-        ratio=args.ratio, domain=args.domain, n_per_family=args.n_per_family, max_new_tokens=args.max_new_tokens,
-        dtype=args.dtype, seed=args.seed, out=args.out))
+        ratio=args.ratio, domain=args.domain, n_per_family=args.n_per_family,
+        max_new_tokens=args.max_new_tokens, dtype=args.dtype, seed=args.seed, out=args.out))
     print(format_policy_table(result))
 
 
@@ -312,11 +324,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         description="Time decode (prefill excluded) of every variant in vLLM with identical engine settings, "
                     "variants interleaved over rounds; count expert traffic; compare with the roofline.")
     add_dataclass_options(p, BenchConfig, BENCH_OPTIONS)
-    p.add_argument("--from-json", help="re-print tables (and --suggest-threshold) from a bench.json; runs nothing")
+    p.add_argument("--from-json",
+                   help="re-print tables (and --suggest-threshold) from a bench.json; runs nothing")
     add_dataclass_options(p, BenchConfig, ("out_dir", "plot", "seed", "verbose"))
     p.set_defaults(func=cmd_bench)
 
-    c = subparsers.add_parser("calib-cost", help="calibration statistics pass vs an all-experts (REAP-style) observer")
+    c = subparsers.add_parser("calib-cost",
+                              help="calibration statistics pass vs an all-experts (REAP-style) observer")
     c.add_argument("model", nargs="?", help="checkpoint directory (or an embedded name), or use --synthetic")
     c.add_argument("--synthetic", choices=PRESET_NAMES)
     c.add_argument("--layers", type=integer(1))
@@ -333,10 +347,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calib_cost)
 
     q = subparsers.add_parser("policy-quality",
-                              help="accuracy of SlimWise with and without the load-aware policy, against concurrency")
-    q.add_argument("model", nargs="?", default="testbed-a", help="trained MoE (default: the embedded testbed-a)")
-    q.add_argument("--threshold", type=integer(0), required=True, help="min decode batch of the policy (from bench)")
-    q.add_argument("--concurrency", type=integer(1), nargs="+", default=[1, 8, 64], help="vLLM max_num_seqs values")
+                              help="accuracy of SlimWise with and without the load-aware policy, "
+                                   "against concurrency")
+    q.add_argument("model", nargs="?", default="testbed-a",
+                   help="trained MoE (default: the embedded testbed-a)")
+    q.add_argument("--threshold", type=integer(0), required=True,
+                   help="min decode batch of the policy (from bench)")
+    q.add_argument("--concurrency", type=integer(1), nargs="+", default=[1, 8, 64],
+                   help="vLLM max_num_seqs values")
     q.add_argument("--plan", help="plan JSON (default: decode-phase calibration + REAP at --ratio)")
     q.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5)
     q.add_argument("--domain", help="testbed domain (default: the target domain)")

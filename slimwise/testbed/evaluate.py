@@ -60,12 +60,14 @@ def pruning_regime(report: dict, source: str, command: str) -> dict:
                  "n": len(full["correct"]), "phases": {}}
     runs = report["runs"]
     for phase in sorted({r["phase"] for r in runs}):
-        at50 = [r for r in runs if r["phase"] == phase and r["mode"] == "uniform" and abs(r["ratio"] - 0.5) < 1e-9]
+        at50 = [r for r in runs if r["phase"] == phase and r["mode"] == "uniform"
+                and abs(r["ratio"] - 0.5) < 1e-9]
         if not at50:
             continue
         best = max(at50, key=lambda r: r["metrics"]["accuracy"])["criterion"]
         rows = []
-        for r in sorted((r for r in runs if r["phase"] == phase and r["criterion"] == best), key=lambda r: r["ratio"]):
+        for r in sorted((r for r in runs if r["phase"] == phase and r["criterion"] == best),
+                        key=lambda r: r["ratio"]):
             if r["mode"] in ("uniform", "slimwise"):
                 rows.append({"ratio": r["ratio"], "mode": r["mode"], "accuracy": r["metrics"]["accuracy"],
                              "length_mean": r["metrics"]["length_mean"]})
@@ -79,7 +81,7 @@ def pruning_regime(report: dict, source: str, command: str) -> dict:
     return out
 
 
-def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype = "auto",
+def load_trained(model_dir: str | os.PathLike, dtype: str | torch.dtype = "auto",
                experts_implementation: str | None = None):
     """Stock transformers load (the shipped dtype by default) plus the tokenizer saved next to it."""
     from transformers import AutoModelForCausalLM
@@ -91,7 +93,8 @@ def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype = "auto",
 
 @torch.inference_mode()
 def routing_load(model, tokenizer, samples: list[Sample], batch_size: int = 32) -> dict:
-    """Teacher-forced pass over prompt + target: per-layer expert counts, max share / uniform, target-token CE."""
+    """Teacher-forced pass over prompt + target: per-layer expert counts,
+    max share / uniform, target-token CE."""
     blocks = moe_blocks(model)
     num_experts = model.config.num_experts
     counts_all = torch.zeros(len(blocks), num_experts, dtype=torch.long)
@@ -142,16 +145,16 @@ def routing_load(model, tokenizer, samples: list[Sample], batch_size: int = 32) 
 
 def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "test", n_per_family: int = 50,
                    domain: str | None = None, *, seed: int = 0, batch_size: int = 32,
-                   max_new_tokens: int | None = None, model=None, tokenizer=None, dtype: str | torch.dtype = "auto",
-                   routing: bool = True, families: list[str] | None = None, progress: bool = False,
-                   examples: int = 2) -> dict:
+                   max_new_tokens: int | None = None, model=None, tokenizer=None,
+                   dtype: str | torch.dtype = "auto", routing: bool = True, families: list[str] | None = None,
+                   progress: bool = False, examples: int = 2) -> dict:
     """Greedy accuracy per family and per domain on a split, mean generated length, EOS share, routing load.
 
     Pass a model directory (loaded with stock transformers) or an already loaded `model` + `tokenizer`.
     `max_new_tokens` defaults to 1.5x the longest target (EOS included) of the evaluated samples.
     """
     if model is None:
-        model, tokenizer = load_model(model_dir, dtype=dtype)
+        model, tokenizer = load_trained(model_dir, dtype=dtype)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir)
     samples = make_split(split, n_per_family, seed=seed, families=families, domain=domain)
@@ -160,7 +163,8 @@ def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "tes
     t0 = time.perf_counter()
     engine = PhaseSplitEngine(model, tokenizer)
     gens = engine.generate([s.prompt for s in samples], mode="full",
-                           config=GenerationConfig(max_new_tokens=max_new, batch_size=batch_size, progress=progress))
+                           config=GenerationConfig(max_new_tokens=max_new,
+                                                   batch_size=batch_size, progress=progress))
     gen_seconds = time.perf_counter() - t0
 
     per: dict[str, dict] = defaultdict(lambda: {"n": 0, "correct": 0, "tokens": 0, "eos": 0, "stopped": 0,
@@ -251,11 +255,12 @@ def _architecture_rows(out: Path, cfg: dict, params: dict) -> str:
     if hybrid:
         n_lin = layer_types.count("linear_attention")
         rows += [
-            ("layer types", f"{', '.join('linear' if t == 'linear_attention' else 'full' for t in layer_types)} "
-                            f"({n_lin} Gated-DeltaNet : {len(layer_types) - n_lin} full attention)"),
+            ("layer types",
+             f"{', '.join('linear' if t == 'linear_attention' else 'full' for t in layer_types)} "
+             f"({n_lin} Gated-DeltaNet : {len(layer_types) - n_lin} full attention)"),
             ("Gated-DeltaNet key / value heads, head dim",
-             f"{cfg['linear_num_key_heads']} / {cfg['linear_num_value_heads']}, {cfg['linear_key_head_dim']} / "
-             f"{cfg['linear_value_head_dim']}; causal conv kernel {cfg['linear_conv_kernel_dim']}"),
+             f"{cfg['linear_num_key_heads']} / {cfg['linear_num_value_heads']}, {cfg['linear_key_head_dim']} "
+             f"/ {cfg['linear_value_head_dim']}; causal conv kernel {cfg['linear_conv_kernel_dim']}"),
         ]
     rows += [
         ("attention heads / KV heads" + (" (full attention, output-gated)" if hybrid else ""),
@@ -272,7 +277,8 @@ def _architecture_rows(out: Path, cfg: dict, params: dict) -> str:
         ("shared expert", f"intermediate {shared}, sigmoid gate" if shared else "none"),
         ("vocab size", cfg["vocab_size"]), ("max positions", cfg["max_position_embeddings"]),
         ("parameters (total / routed experts / active per token)",
-         f"{params['total'] / 1e6:.2f}M / {params['routed_experts'] / 1e6:.2f}M / {params['active'] / 1e6:.2f}M"),
+         f"{params['total'] / 1e6:.2f}M / {params['routed_experts'] / 1e6:.2f}M / "
+         f"{params['active'] / 1e6:.2f}M"),
         ("weights", f"bfloat16 safetensors, {_size_mb(out / 'model.safetensors'):.1f} MB"),
     ]
     return "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -330,7 +336,8 @@ def _family_table(test: dict, heldout: dict | None) -> str:
         sep += " --- | --- | --- |"
     rows = [head, sep]
     for fam, r in test["families"].items():
-        row = f"| {fam} | {r['domain']} | {_pct(r['accuracy'])} | {r['mean_tokens']:.1f} | {_pct(r['eos_share'])} |"
+        row = (f"| {fam} | {r['domain']} | {_pct(r['accuracy'])} | {r['mean_tokens']:.1f} | "
+               f"{_pct(r['eos_share'])} |")
         if heldout:
             h = heldout["families"][fam]
             row += f" {_pct(h['accuracy'])} | {h['mean_tokens']:.1f} | {_pct(h['eos_share'])} |"
@@ -423,7 +430,7 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
     from slimwise.embedded import EMBEDDED
 
     cfg = json.loads((out / "config.json").read_text())
-    model, _ = load_model(out)
+    model, _ = load_trained(out)
     hybrid = _is_hybrid(cfg)
     tc = train_config
     loading = _part("loading_hybrid" if hybrid else "loading_stock", vocab_size=cfg["vocab_size"])
@@ -460,7 +467,7 @@ def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str |
     out = Path(out)
     tc = train_config.to_dict() if hasattr(train_config, "to_dict") else dict(train_config)
     summary = json.loads((out / "train_summary.json").read_text())
-    model, tok = load_model(out, dtype=dtype)
+    model, tok = load_trained(out, dtype=dtype)
     test = evaluate_model(out, "test", tc["eval_n_per_family"], model=model, tokenizer=tok,
                           batch_size=tc.get("eval_batch_size", 32))
     heldout = None
@@ -481,7 +488,8 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     ev = json.loads((out / "eval.json").read_text())
     name = CARD_NAMES.get(tc["backbone"], out.name)
     weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
-    command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} --out {tc.get('out', out)} "
+    command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} "
+                          f"--out {tc.get('out', out)} "
                           + (f"--minutes {tc['minutes']:g} " if tc.get("minutes") else "")
                           + (f"--max-steps {tc['max_steps']} " if tc.get("max_steps") else "")
                           + f"--seed {tc['seed']}"
@@ -493,18 +501,20 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                           + (f" --packing {tc['packing']}" if tc.get("packing", "auto") != "auto" else "")
                           + (f" --seq-len {tc['seq_len']}" if tc.get("seq_len", 256) != 256 else "")
                           + (f" --lr {tc['lr']:g}" if tc.get("lr", 2e-3) != 2e-3 else "")
-                          + (f" --optimizer {tc['optimizer']}" if tc.get("optimizer", "adamw") != "adamw" else "")
+                          + (f" --optimizer {tc['optimizer']}"
+                             if tc.get("optimizer", "adamw") != "adamw" else "")
                           + (f" --samples-per-family {tc['samples_per_family']}"
                              if tc.get("samples_per_family", 3) != 3 else "")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
-    atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"], command,
-                                                     ev.get("pruning")))
+    atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"],
+                                                     command, ev.get("pruning")))
     return out / "README.md"
 
 
 def ship(run_dir: str | os.PathLike, name: str) -> Path:
-    """Copy a trained model's shippable files into the package (slimwise/testbed/checkpoints/<dir>), atomically."""
+    """Copy a trained model's shippable files into the package
+    (slimwise/testbed/checkpoints/<dir>), atomically."""
     from slimwise.embedded import CHECKPOINTS, EMBEDDED
 
     if name not in EMBEDDED:

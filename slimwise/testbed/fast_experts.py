@@ -1,8 +1,9 @@
 """A fast CPU experts implementation for training the testbed backbones (`slimwise_sorted`).
 
-Registered in transformers' ExpertsInterface: assignments sorted by expert, one matmul per expert on a contiguous
-slice, and a hand-written backward that writes each expert's weight gradient straight into the fused (E, ...)
-gradient. The module classes and parameter names stay stock; models are switched back to `eager` before saving.
+Registered in transformers' ExpertsInterface: assignments sorted by expert, one matmul per expert on a
+contiguous slice, and a hand-written backward that writes each expert's weight gradient straight into
+the fused (E, ...) gradient. The module classes and parameter names stay stock; models are switched
+back to `eager` before saving.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ FAST_EXPERTS = "slimwise_sorted"
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
-    """SwiGLU experts over token rows sorted by expert: y[rows of e] = down[e] @ (silu(g) * u), [g; u] = gate_up[e] @ x.
+    """SwiGLU experts over token rows sorted by expert:
+    y[rows of e] = down[e] @ (silu(g) * u), [g; u] = gate_up[e] @ x.
 
     `counts[e]` rows belong to expert e, in expert order. The backward loops over experts again and writes
     each expert's weight gradient into one preallocated (E, ...) tensor (no per-expert full-size gradients).
@@ -78,14 +80,17 @@ class _GroupedSwiGLU(torch.autograd.Function):
 def sorted_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
     """ExpertsInterface function for the fused (E, 2I, H) / (E, H, I) SwiGLU experts of Qwen-style models."""
-    if not getattr(self, "has_gate", True) or getattr(self, "has_bias", False) or getattr(self, "is_transposed", False):
+    if not getattr(self, "has_gate", True) or getattr(self, "has_bias", False) \
+            or getattr(self, "is_transposed", False):
         raise NotImplementedError(f"{FAST_EXPERTS} supports gated, bias-free, non-transposed experts only")
     num_tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-    # index_select, not x[idx]: its backward is index_add_, where advanced indexing's is a slow accumulating index_put_
-    y = _GroupedSwiGLU.apply(hidden_states.index_select(0, order // top_k), self.gate_up_proj, self.down_proj, counts)
+    # index_select, not x[idx]: its backward is index_add_, where advanced indexing's is a
+    # slow accumulating index_put_
+    y = _GroupedSwiGLU.apply(hidden_states.index_select(0, order // top_k), self.gate_up_proj,
+                             self.down_proj, counts)
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)

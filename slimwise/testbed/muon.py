@@ -1,12 +1,13 @@
 """Muon for the testbed trainer: orthogonalised momentum for matrices and expert stacks, AdamW for the rest.
 
 Why not `torch.optim.Muon`: it runs Newton-Schulz in bfloat16 (0.4 GFLOP/s on an AVX2-only CPU, so seconds per
-step) and takes 2-D parameters only, while the experts of transformers' MoE blocks are fused (E, out, in) stacks.
-Here the iteration runs in float32 and batched over the experts, each expert's gate, up and down matrices
-orthogonalised on their own (the gate and up halves of `gate_up_proj` too). The update is scaled to AdamW's RMS
-(Moonlight, "Muon is Scalable for LLM Training": 0.2 * sqrt(max(rows, cols))), so one learning rate, schedule
-and weight decay serve both optimizers. Embeddings, the LM head, routers, norms, gates of a few rows (the
-Gated-DeltaNet's beta and decay projections) and its convolution stay on AdamW, as Moonlight keeps embeddings and head.
+step) and takes 2-D parameters only, while the experts of transformers' MoE blocks are fused (E, out, in)
+stacks. Here the iteration runs in float32 and batched over the experts, each expert's gate, up and down
+matrices orthogonalised on their own (the gate and up halves of `gate_up_proj` too). The update is scaled
+to AdamW's RMS (Moonlight, "Muon is Scalable for LLM Training": 0.2 * sqrt(max(rows, cols))), so one
+learning rate, schedule and weight decay serve both optimizers. Embeddings, the LM head, routers, norms,
+gates of a few rows (the Gated-DeltaNet's beta and decay projections) and its convolution stay on AdamW, as
+Moonlight keeps embeddings and head.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as in to
 
 
 def orthogonalize(g: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximately U V^T of each matrix in g (..., m, n), by the quintic Newton-Schulz iteration in float32."""
+    """Approximately U V^T of each matrix in g (..., m, n), by the quintic
+    Newton-Schulz iteration in float32."""
     a, b, c = NS_COEFFICIENTS
     x = g.float()
     tall = x.shape[-2] > x.shape[-1]
@@ -36,16 +38,17 @@ class Muon(torch.optim.Optimizer):
     """Muon over groups of matrices; a group's `blocks` splits each (.., rows, cols) tensor into that many row
     blocks orthogonalised separately (2 for a fused gate/up projection)."""
 
-    def __init__(self, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
-                 ns_steps: int = 5):
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                       ns_steps=ns_steps, blocks=1))
 
     @torch.no_grad()
     def step(self, closure=None):
         """One step. Under torch.distributed (the trainer's data-parallel ranks, which hold identical summed
-        gradients) each rank orthogonalises a share of the tensors, balanced by size, and broadcasts its updates:
-        Newton-Schulz is ~0.4 s a step on one core for testbed-c, so computing it on every rank would cost ~25%."""
+        gradients) each rank orthogonalises a share of the tensors, balanced by size, and broadcasts
+        its updates: Newton-Schulz is ~0.4 s a step on one core for testbed-c, so computing it on
+        every rank would cost ~25%."""
         items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
@@ -57,7 +60,8 @@ class Muon(torch.optim.Optimizer):
         for (group, p), owner in zip(items, owners, strict=True):
             mu, blocks = group["momentum"], group["blocks"]
             buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-            buf.lerp_(p.grad, 1 - mu)  # every rank keeps every buffer: the same state on all, resumable from any
+            # every rank keeps every buffer: the same state on all, resumable from any
+            buf.lerp_(p.grad, 1 - mu)
             if owner != rank:
                 updates.append(torch.empty_like(p))
                 continue
@@ -66,7 +70,8 @@ class Muon(torch.optim.Optimizer):
             ortho = orthogonalize(update.reshape(-1, blocks, rows, cols), group["ns_steps"]).reshape(p.shape)
             updates.append(ortho.mul_(0.2 * max(rows, cols) ** 0.5).to(p.dtype))
         if world > 1:
-            for work in [dist.broadcast(u, src=o, async_op=True) for u, o in zip(updates, owners, strict=True)]:
+            for work in [dist.broadcast(u, src=o, async_op=True)
+                         for u, o in zip(updates, owners, strict=True)]:
                 work.wait()
         for (group, p), update in zip(items, updates, strict=True):
             p.mul_(1 - group["lr"] * group["weight_decay"])
@@ -103,7 +108,8 @@ def muon_parameters(model: nn.Module) -> dict[str, int]:
         prefix = f"{mod_name}." if mod_name else ""
         if isinstance(module, nn.Linear) and min(module.weight.shape) >= 16:
             if module is model.get_output_embeddings() or mod_name.endswith("mlp.gate"):
-                continue  # the LM head and the routers stay on AdamW; so do gates of a few rows (min side < 16)
+                # the LM head and the routers stay on AdamW; so do gates of a few rows (min side < 16)
+                continue
             chosen[prefix + "weight"] = 1
         for name, blocks in (("gate_up_proj", 2), ("down_proj", 1)):
             p = getattr(module, name, None)

@@ -1,20 +1,21 @@
-"""Packed-sequence training for the hybrid backbone: several samples per row, Gated-DeltaNet state reset at each one.
+"""Packed-sequence training for the hybrid backbone: several samples per row,
+Gated-DeltaNet state reset at each one.
 
-Why: transformers' torch path for Qwen3.5's Gated-DeltaNet has no sequence boundaries (its `cu_seqlens` goes to
-flash-linear-attention only), so the trainer gave every sample its own right-padded row. On testbed-c that spends
-17% of the positions on padding, and the chunked delta rule pads each row again to a multiple of 64. Full attention
-already isolates packed samples (transformers builds a block-diagonal mask from position ids that restart at 0);
-this module does the same for the two linear-attention token mixers, exactly:
+Why: transformers' torch path for Qwen3.5's Gated-DeltaNet has no sequence boundaries (its `cu_seqlens` goes
+to flash-linear-attention only), so the trainer gave every sample its own right-padded row. On testbed-c that
+spends 17% of the positions on padding, and the chunked delta rule pads each row again to a multiple of 64.
+Full attention already isolates packed samples (transformers builds a block-diagonal mask from position ids
+that restart at 0); this module does the same for the two linear-attention token mixers, exactly:
 
 - the causal depthwise convolution reads no position of an earlier sample;
 - the chunked gated delta rule (transformers' algorithm, with masks) starts every sample from a zero state: no
-  state enters a chunk past a sample start, intra-chunk terms stay inside one sample, and a chunk's final state
-  keeps only its last sample's writes.
+  state enters a chunk past a sample start, intra-chunk terms stay inside one sample, and a chunk's final
+  state keeps only its last sample's writes.
 
-`packed_sequences(position_ids)` is a context for one forward; outside it the stock functions run unchanged, so
-evaluation and export see stock transformers. Training-only, like `fast_experts.py`; the model stays stock.
-`tests/test_testbed_train.py` checks that a packed batch's loss and gradients equal those of the same samples in
-padded rows.
+`packed_sequences(position_ids)` is a context for one forward; outside it the stock functions run
+unchanged, so evaluation and export see stock transformers. Training-only, like `fast_experts.py`; the
+model stays stock. `tests/test_testbed_train.py` checks that a packed batch's loss and gradients equal
+those of the same samples in padded rows.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-_SEGMENTS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("slimwise_segments", default=None)
+_SEGMENTS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("slimwise_segments",
+                                                                                default=None)
 
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids, equal within one sample: a new sample wherever the position does not follow the previous one
-    (transformers' `find_packed_sequence_indices` rule, so attention and linear attention agree on the samples)."""
+    """(B, T) ids, equal within one sample: a new sample wherever the position does not follow the
+    previous one (transformers' `find_packed_sequence_indices` rule, so attention and linear
+    attention agree on the samples)."""
     step = torch.ones_like(position_ids[:, :1])
     return (torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - step) != 1).cumsum(-1)
 
@@ -50,14 +53,16 @@ def packed_sequences(position_ids: torch.Tensor) -> Iterator[None]:
 def _segments_for(batch: int, length: int) -> torch.Tensor | None:
     seg = _SEGMENTS.get()
     if seg is not None and tuple(seg.shape) != (batch, length):
-        raise ValueError(f"packed_sequences was given position ids of shape {tuple(seg.shape)}, but the layer sees "
-                         f"({batch}, {length}): pass the forward's own position ids")
+        raise ValueError(f"packed_sequences was given position ids of shape {tuple(seg.shape)}, but the "
+                         f"layer sees ({batch}, {length}): pass the forward's own position ids")
     return seg
 
 
-def segmented_causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                            activation: str | None = None, seg: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal convolution over (B, C, T) where tap k (k steps back) is dropped across a sample start."""
+def segmented_causal_conv1d(hidden_states: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None, activation: str | None = None,
+                            seg: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution over (B, C, T) where tap k (k steps back) is
+    dropped across a sample start."""
     x = hidden_states.to(weight.dtype)
     taps = weight.shape[-1]
     out = x * weight[:, taps - 1].unsqueeze(-1)
@@ -76,8 +81,8 @@ def segmented_chunk_gated_delta_rule(query, key, value, g, beta, seg: torch.Tens
                                      use_qk_l2norm_in_kernel: bool = False) -> torch.Tensor:
     """transformers' `torch_chunk_gated_delta_rule` with a zero state at every sample start of `seg` (B, T).
 
-    Same shapes and scaling as the stock function (query/key/value (B, T, H, D), g/beta (B, T, H)); returns the
-    output only (no final state: a packed row has one per sample).
+    Same shapes and scaling as the stock function (query/key/value (B, T, H, D), g/beta (B, T, H)); returns
+    the output only (no final state: a packed row has one per sample).
     """
     initial_dtype = query.dtype
     batch, length = key.shape[:2]
@@ -107,7 +112,8 @@ def segmented_chunk_gated_delta_rule(query, key, value, g, beta, seg: torch.Tens
     keep = same & causal
     previous_last = torch.cat([torch.full_like(seg[:, :, :1, -1:], -2), seg[:, :, :-1, -1:]], dim=2)
     carries = (seg == previous_last).to(torch.float32)  # (B, 1, N, C)
-    in_last = (seg == seg[..., -1:]).to(torch.float32)  # in the chunk's last sample: writes the state passed on
+    # in the chunk's last sample: writes the state passed on
+    in_last = (seg == seg[..., -1:]).to(torch.float32)
 
     cum = g.cumsum(dim=3)
     pairwise = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(~keep, float("-inf")).exp()
@@ -117,7 +123,8 @@ def segmented_chunk_gated_delta_rule(query, key, value, g, beta, seg: torch.Tens
     new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
 
-    state = torch.zeros(batch, v_beta.shape[1], key.shape[-1], v_dim, dtype=new_values.dtype, device=query.device)
+    state = torch.zeros(batch, v_beta.shape[1], key.shape[-1], v_dim,
+                        dtype=new_values.dtype, device=query.device)
     out = torch.zeros_like(new_values)
     query = query * (cum.exp() * carries).unsqueeze(-1)
     key = key * ((cum[..., -1:] - cum).exp() * in_last).unsqueeze(-1)
@@ -143,15 +150,16 @@ def _patched(module):
                                      output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
         seg = _segments_for(*query.shape[:2])
         if seg is None:
-            return stock_rule(query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                              output_final_state=output_final_state,
+            return stock_rule(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                              initial_state=initial_state, output_final_state=output_final_state,
                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
         if initial_state is not None or output_final_state:
             raise ValueError("packed sequences carry no cache state: train without a cache (use_cache=False)")
         return segmented_chunk_gated_delta_rule(query, key, value, g, beta, seg, chunk_size,
                                                 use_qk_l2norm_in_kernel), None
 
-    return {"causal_conv1d_fn": causal_conv1d_fn, "torch_chunk_gated_delta_rule": torch_chunk_gated_delta_rule}
+    return {"causal_conv1d_fn": causal_conv1d_fn,
+            "torch_chunk_gated_delta_rule": torch_chunk_gated_delta_rule}
 
 
 @contextlib.contextmanager

@@ -30,7 +30,8 @@ ANSWER_MARKER = "#### "
 EOS_TOKEN = "<|endoftext|>"
 LEVELS = ("train", "heldout", "edge")
 SPLITS = ("train", "calib", "test", "heldout", "edge")
-# Half-open bucket ranges of sha256(prompt) % 100; "heldout" and "edge" share the test buckets (other difficulty).
+# Half-open bucket ranges of sha256(prompt) % 100; "heldout" and "edge" share the
+# test buckets (other difficulty).
 SPLIT_BUCKETS: dict[str, tuple[int, int]] = {
     "train": (0, 80),
     "calib": (80, 90),
@@ -64,11 +65,12 @@ class TaskFamily:
 
     @property
     def edge(self) -> Ranges:
-        """The hardest trained difficulty: every knob the held-out level changes at its training maximum (knobs it
-        keeps, like a conversion's base, keep their range). One step beyond it (the held-out level's first step) the
-        trained testbeds score 0% on add, sub, mul and base: length extrapolation fails, so harder-than-test problems
-        that a model can still solve sit here."""
-        return {k: (hi, hi) if self.heldout[k] != (lo, hi) else (lo, hi) for k, (lo, hi) in self.train.items()}
+        """The hardest trained difficulty: every knob the held-out level changes at its training maximum
+        (knobs it keeps, like a conversion's base, keep their range). One step beyond it (the held-out level's
+        first step) the trained testbeds score 0% on add, sub, mul and base: length extrapolation fails, so
+        harder-than-test problems that a model can still solve sit here."""
+        return {k: (hi, hi) if self.heldout[k] != (lo, hi) else (lo, hi)
+                for k, (lo, hi) in self.train.items()}
 
     def ranges(self, level: str = "train") -> Ranges:
         if level not in LEVELS:
@@ -341,9 +343,9 @@ def gen_novowel(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
 def gen_qa(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
     """Questions answered from a short passage.
 
-    The solution copies each fact in turn and marks whether it matches the question (`Name color animal yes|no`),
-    so the answer is read off the marked line: a two-hop lookup (find the fact, then its field) written out as
-    steps, the way the arithmetic families write out their carries.
+    The solution copies each fact in turn and marks whether it matches the question
+    (`Name color animal yes|no`), so the answer is read off the marked line: a two-hop lookup (find the fact,
+    then its field) written out as steps, the way the arithmetic families write out their carries.
     """
     k = d["facts"]
     names = rng.sample(NAMES, k)
@@ -362,7 +364,8 @@ def gen_qa(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
         question, answer = f"who has the {color} {animal}?", name
     else:
         question, answer = f"what pet does {name} have?", animal
-    steps = [f"{n} {c} {a} {'yes' if j == i else 'no'}" for j, (n, (c, a)) in enumerate(zip(names, pairs, strict=True))]
+    steps = [f"{n} {c} {a} {'yes' if j == i else 'no'}"
+             for j, (n, (c, a)) in enumerate(zip(names, pairs, strict=True))]
     return f"{passage}\nQ: {question}\n", _solution(steps, answer), answer
 
 
@@ -419,12 +422,13 @@ def make_split(
     """Deterministic, deduplicated samples of one split, grouped by family (shuffle them for training).
 
     Problems are re-drawn until their prompt hashes into the split's buckets, so splits never share a
-    problem. `difficulty` is "train", "heldout" or "edge" (default: the split's own level for the heldout and edge
-    splits, else "train"). The edge split (the hardest trained difficulty) excludes the test split's problems of the
-    same seed and size, with which it shares hash buckets.
+    problem. `difficulty` is "train", "heldout" or "edge" (default: the split's own level for the heldout and
+    edge splits, else "train"). The edge split (the hardest trained difficulty) excludes the test split's
+    problems of the same seed and size, with which it shares hash buckets.
     `allow_fewer`: a family with fewer distinct problems in the split gives all it has instead of an error
     (base conversions have about 1,400 calibration problems). `exclude`: prompts never to draw, e.g. another
-    sample of the same split, so that replication samples are disjoint (drawn from the same seeded stream otherwise).
+    sample of the same split, so that replication samples are disjoint (drawn from the same seeded stream
+    otherwise).
     """
     if split not in SPLIT_BUCKETS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
@@ -433,9 +437,11 @@ def make_split(
         raise ValueError(f"unknown difficulty {level!r}; expected one of {LEVELS}")
     lo, hi = SPLIT_BUCKETS[split]
     excluded = set(exclude)
-    if split == "edge":  # its problems are of trained sizes, in the test buckets: never one of the test sample's
+    # its problems are of trained sizes, in the test buckets: never one of the test sample's
+    if split == "edge":
         families = list(families) if families is not None else None
-        excluded |= {s.prompt for s in make_split("test", n_per_family, seed, families, domain, allow_fewer=True)}
+        excluded |= {s.prompt
+                     for s in make_split("test", n_per_family, seed, families, domain, allow_fewer=True)}
     max_attempts = 200 * n_per_family + 10_000
     samples = []
     for name in select_families(families, domain):

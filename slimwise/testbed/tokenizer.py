@@ -52,7 +52,8 @@ def learn_words(texts: Iterable[str], min_count: int = 20, max_words: int | None
 
 
 def _split_pattern(words: list[str]) -> str:
-    """Regex whose matches are the pre-tokens: the marker, a known word (only as a whole word), or one char."""
+    """Regex whose matches are the pre-tokens: the marker, a known word (only as
+    a whole word), or one char."""
 
     def alternation(ws: list[str]) -> str:
         return "|".join(sorted(ws, key=lambda w: (-len(w), w)))
@@ -95,9 +96,10 @@ def build_tokenizer(
 ) -> PreTrainedTokenizerFast:
     """Learn the word list from a generated corpus, save the tokenizer files to out_dir and reload them.
 
-    spaced_pairs=False drops the " Name" tokens (`drop_spaced_pairs`): qa passages and questions spell names with a
-    leading space and worked-solution lines without, so with both forms in the vocabulary copying a name from the
-    passage into a solution line means mapping one token onto another; without, it is a plain copy.
+    spaced_pairs=False drops the " Name" tokens (`drop_spaced_pairs`): qa passages and questions
+    spell names with a leading space and worked-solution lines without, so with both forms in the
+    vocabulary copying a name from the passage into a solution line means mapping one token onto
+    another; without, it is a plain copy.
     """
     words = learn_words(corpus_texts(seed, n_per_family), min_count=min_count)
     if not spaced_pairs:
@@ -134,9 +136,9 @@ def build_tokenizer(
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     """The saved testbed tokenizer, as saved.
 
-    Not AutoTokenizer: next to a model config of some families (qwen3_5_moe_text among them) AutoTokenizer replaces
-    the saved PreTrainedTokenizerFast with the family's own class, which rebuilds the pre-tokenizer and normaliser
-    and splits the testbed's template words into characters.
+    Not AutoTokenizer: next to a model config of some families (qwen3_5_moe_text among them) AutoTokenizer
+    replaces the saved PreTrainedTokenizerFast with the family's own class, which rebuilds the pre-tokenizer
+    and normaliser and splits the testbed's template words into characters.
     """
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 

@@ -1,29 +1,30 @@
-"""Train the embedded testbed backbones: tiny MoE models that solve the task suite, in under an hour on 2 CPU cores.
+"""Train the embedded testbed backbones: tiny MoE models that solve the task suite,
+in under an hour on 2 CPU cores.
 
 The backbones (a: Qwen3-MoE, b: Qwen2-MoE, c: hybrid Qwen3.5/3.6-MoE) are stock transformers architectures
 (`backbones.py`), so transformers and vLLM load the result as is.
 
-Recipe: data freshly generated from every task family of every domain (`make_split("train", ...)`, a new seed per
-step, so batch `i` is a pure function of (seed, i)); samples packed first-fit-decreasing into rows with position
-ids restarting at every sample (transformers turns that into a block-diagonal causal mask, so packed samples
-never see each other). The torch Gated-DeltaNet kernels transformers runs on a CPU ignore sample boundaries (the
-causal conv and the recurrent state would carry from one packed sample into the next), so hybrid backbones are
-packed only with `--packing packed`, which swaps in segment-aware versions of the two (`packed_linear_attention.py`:
-exact, a zero state at every sample; 1.22x the tokens/s of one sample per row on testbed-c); by default (`auto`)
-every hybrid sample gets its own right-padded row, in a few length-sorted micro-batches (`pack_rows`). Cross-entropy on
-the target tokens only (worked solution + EOS; the prompt is masked, it is random numbers and words); a
-Switch-style load-balancing loss E * sum_j f_j * P_j per MoE layer computed from the router logits captured by
-forward hooks; AdamW with linear warmup then cosine decay. `--minutes` is a hard wall-clock budget and the cosine
-runs on progress = max(step / max_steps, elapsed / budget), so a run always finishes its schedule inside the
-budget however busy the machine is.
+Recipe: data freshly generated from every task family of every domain (`make_split("train", ...)`, a new seed
+per step, so batch `i` is a pure function of (seed, i)); samples packed first-fit-decreasing into rows with
+position ids restarting at every sample (transformers turns that into a block-diagonal causal mask, so packed
+samples never see each other). The torch Gated-DeltaNet kernels transformers runs on a CPU ignore sample
+boundaries (the causal conv and the recurrent state would carry from one packed sample into the next), so
+hybrid backbones are packed only with `--packing packed`, which swaps in segment-aware versions of the two
+(`packed_linear_attention.py`: exact, a zero state at every sample; 1.22x the tokens/s of one sample per row
+on testbed-c); by default (`auto`) every hybrid sample gets its own right-padded row, in a few length-sorted
+micro-batches (`pack_rows`). Cross-entropy on the target tokens only (worked solution + EOS; the prompt is
+masked, it is random numbers and words); a Switch-style load-balancing loss E * sum_j f_j * P_j per MoE layer
+computed from the router logits captured by forward hooks; AdamW with linear warmup then cosine decay.
+`--minutes` is a hard wall-clock budget and the cosine runs on progress = max(step / max_steps,
+elapsed / budget), so a run always finishes its schedule inside the budget however busy the machine is.
 
-Gated-DeltaNet on a CPU: flash-linear-attention and causal-conv1d (the fast kernels transformers looks for) are
-CUDA/Triton packages, so transformers runs its torch fallbacks. For training it takes the chunked kernel
+Gated-DeltaNet on a CPU: flash-linear-attention and causal-conv1d (the fast kernels transformers looks for)
+are CUDA/Triton packages, so transformers runs its torch fallbacks. For training it takes the chunked kernel
 (`torch_chunk_gated_delta_rule`, chunk 64), which was 2-5x faster here than the per-token recurrent one
 (fwd + bwd of one 4-head layer, 5,616 positions: 278 ms chunked, 1,299 ms recurrent, outputs equal to 2e-7).
 
-Training uses a fast CPU experts implementation (`fast_experts.py`, `slimwise_sorted`); the model is switched back
-to the `eager` implementation before saving.
+Training uses a fast CPU experts implementation (`fast_experts.py`, `slimwise_sorted`); the model is switched
+back to the `eager` implementation before saving.
 
     python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0
     python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0 --resume
@@ -76,7 +77,8 @@ LOG_FILE = "train_log.jsonl"
 
 
 def step_samples(config: TrainConfig, step: int) -> list:
-    """The training samples of one step: a fresh make_split draw over every family, shuffled (seeded by step)."""
+    """The training samples of one step: a fresh make_split draw over every
+    family, shuffled (seeded by step)."""
     seed = config.seed * 1_000_003 + step
     samples = []
     for name in FAMILIES:
@@ -143,11 +145,11 @@ def make_batch(config: TrainConfig, tokenizer, step: int) -> dict[str, torch.Ten
 
 def pack_rows(encoded: Sequence[tuple[list[int], list[int]]], pad_id: int, prompt_weight: float = 0.0,
               groups: int = 3) -> list[dict[str, torch.Tensor]]:
-    """One sample per row, right-padded, in at most `groups` micro-batches of ceil(n / groups) samples sorted by
-    length (longest first).
+    """One sample per row, right-padded, in at most `groups` micro-batches of ceil(n / groups) samples
+    sorted by length (longest first).
 
-    Each micro-batch is as wide as its longest sample. Nothing of one sample reaches another, whatever the token
-    mixer: the rows are separate sequences and the padding comes after the real tokens.
+    Each micro-batch is as wide as its longest sample. Nothing of one sample reaches another, whatever the
+    token mixer: the rows are separate sequences and the padding comes after the real tokens.
     """
     order = sorted(encoded, key=lambda e: -(len(e[0]) + len(e[1])))
     size = max(1, math.ceil(len(order) / max(1, groups)))
@@ -169,9 +171,10 @@ def packing_of(config: TrainConfig, model_config=None) -> str:
     return "rows" if model_config is not None and is_hybrid(model_config) else "packed"
 
 
-def make_batches(config: TrainConfig, tokenizer, step: int, packing: str = "packed") -> list[dict[str, torch.Tensor]]:
-    """The micro-batches of one step: one packed batch, or `row_groups` batches of one sample per row (rounded up
-    to a multiple of the data-parallel ranks, so each rank gets as many)."""
+def make_batches(config: TrainConfig, tokenizer, step: int,
+                 packing: str = "packed") -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of one step: one packed batch, or `row_groups` batches of one sample per row (rounded
+    up to a multiple of the data-parallel ranks, so each rank gets as many)."""
     if packing == "packed":
         return [make_batch(config, tokenizer, step)]
     encoded = [encode_sample(tokenizer, s) for s in step_samples(config, step)]
@@ -226,13 +229,13 @@ def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, t
                     valid_total: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(total loss, weighted cross-entropy, mean aux loss over MoE layers) of one packed batch.
 
-    For one micro-batch of several: `weight_total` (the step's total loss weight) divides the cross-entropy sum
-    and the aux loss is scaled by this batch's share of `valid_total` real tokens, so the micro-batches' losses
-    add up to the step's loss.
+    For one micro-batch of several: `weight_total` (the step's total loss weight) divides the cross-entropy
+    sum and the aux loss is scaled by this batch's share of `valid_total` real tokens, so the micro-batches'
+    losses add up to the step's loss.
     """
     capture.clear()
-    # packed hybrid rows: the segment-aware linear attention (active in packed training) reads the samples from
-    # here; elsewhere the context is inert
+    # packed hybrid rows: the segment-aware linear attention (active in packed training) reads the samples
+    # from here; elsewhere the context is inert
     with packed_sequences(batch["position_ids"]):
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], attention_mask=None,
                     use_cache=False)
@@ -242,7 +245,8 @@ def training_losses(model: nn.Module, capture: RouterCapture, batch: dict[str, t
     w = batch["weights"].reshape(-1)
     ce = (ce * w).sum() / (w.sum().clamp_min(1e-9) if weight_total is None else max(weight_total, 1e-9))
     num_experts = model.config.num_experts
-    aux = torch.stack([load_balancing_loss(lg, idx, num_experts, batch["valid"]) for lg, idx in capture.records])
+    aux = torch.stack([load_balancing_loss(lg, idx, num_experts, batch["valid"])
+                       for lg, idx in capture.records])
     aux = aux.mean()
     if valid_total is not None:
         aux = aux * (int(batch["valid"].sum()) / max(1, valid_total))
@@ -254,8 +258,9 @@ def step_losses(model: nn.Module, capture: RouterCapture, batches: Sequence[dict
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward and backward over a step's micro-batches (gradients accumulate); the step's detached losses.
 
-    With `world` > 1 only data-parallel rank `rank`'s share (`rank_batches`) runs, normalised by the whole step's
-    totals, so the ranks' gradients and losses add up to the step's; a rank with no share returns zeros.
+    With `world` > 1 only data-parallel rank `rank`'s share (`rank_batches`) runs, normalised
+    by the whole step's totals, so the ranks' gradients and losses add up to the step's; a
+    rank with no share returns zeros.
     """
     if len(batches) == 1 and world == 1:
         loss, ce, aux = training_losses(model, capture, batches[0], aux_loss_coef)
@@ -295,11 +300,11 @@ def progress_of(config: TrainConfig, step: int, elapsed: float) -> float:
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (with `optimizer="muon"`: Muon on the matrices `muon.muon_parameters` picks, AdamW on the rest); weight
-    decay on matrices and expert tensors, none on norms, biases and embeddings.
+    """AdamW (with `optimizer="muon"`: Muon on the matrices `muon.muon_parameters` picks, AdamW on the rest);
+    weight decay on matrices and expert tensors, none on norms, biases and embeddings.
 
-    Fused (one kernel over all tensors): on testbed-c's 6.9M parameters a step took 12 ms instead of foreach's 53
-    (AVX2 EPYC, 1 thread), about 3% of a data-parallel step; same update up to float rounding."""
+    Fused (one kernel over all tensors): on testbed-c's 6.9M parameters a step took 12 ms instead of foreach's
+    53 (AVX2 EPYC, 1 thread), about 3% of a data-parallel step; same update up to float rounding."""
     if config.optimizer not in ("adamw", "muon"):
         raise ValueError(f"unknown optimizer {config.optimizer!r}; choose adamw or muon")
     on_muon = muon_parameters(model) if config.optimizer == "muon" else {}
@@ -309,7 +314,8 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
             by_blocks.setdefault(on_muon[name], []).append(p)
         else:
             (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
     fused = all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
     adamw = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=1e-8, fused=fused or None)
     if not on_muon:
@@ -332,11 +338,12 @@ _ARCH_KEYS = ("backbone", "model_overrides", "seed", "samples_per_family", "fami
 
 
 def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
-    try:  # weights_only: a crafted state file must not run code (tensors, numbers, strings, lists, dicts, tuples)
+    # weights_only: a crafted state file must not run code (tensors, numbers, strings, lists, dicts, tuples)
+    try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise SlimWiseError(f"training state {path} is unreadable ({type(exc).__name__}): delete it to start the run "
-                            "again, or resume from the directory that wrote it") from exc
+        raise SlimWiseError(f"training state {path} is unreadable ({type(exc).__name__}): delete it to start "
+                            "the run again, or resume from the directory that wrote it") from exc
     saved = state["config"]
     for key in _ARCH_KEYS:
         now = config.to_dict()[key]
@@ -356,7 +363,8 @@ def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
 def word_pairs(tokenizer) -> list[tuple[int, int]]:
     """(id of "word", id of " word") for every word the vocabulary holds in both forms (the qa names)."""
     vocab = tokenizer.get_vocab()
-    return sorted((vocab[w[1:]], i) for w, i in vocab.items() if w.startswith(" ") and len(w) > 2 and w[1:] in vocab)
+    return sorted((vocab[w[1:]], i)
+                  for w, i in vocab.items() if w.startswith(" ") and len(w) > 2 and w[1:] in vocab)
 
 
 @torch.no_grad()
@@ -376,7 +384,8 @@ def tie_pair_rows(model: nn.Module, pairs: Sequence[tuple[int, int]]) -> None:
 
 def build_model(config: TrainConfig, tokenizer) -> nn.Module:
     torch.manual_seed(config.seed)
-    overrides = {"router_aux_loss_coef": config.aux_loss_coef, **config.model_overrides}  # documents the recipe
+    # documents the recipe
+    overrides = {"router_aux_loss_coef": config.aux_loss_coef, **config.model_overrides}
     model_config = backbone_config(config.backbone, tokenizer, **overrides)
     model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
     if config.pair_init:
@@ -472,7 +481,8 @@ def _start_rank(lead: bool, config: TrainConfig, out: Path):
 
 
 def _train_step(model, optimizer, capture, batches, config: TrainConfig, lr: float, rank: int, world: int):
-    """One optimizer step on this rank's batches, gradients summed over the ranks: (loss, ce, aux, grad norm)."""
+    """One optimizer step on this rank's batches, gradients summed over the ranks:
+    (loss, ce, aux, grad norm)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
@@ -485,7 +495,8 @@ def _train_step(model, optimizer, capture, batches, config: TrainConfig, lr: flo
 
 
 def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
-    """The training loop of one data-parallel rank (rank 0 of 1 without data parallelism); rank 0 writes files."""
+    """The training loop of one data-parallel rank (rank 0 of 1 without data
+    parallelism); rank 0 writes files."""
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     lead = rank == 0
@@ -499,7 +510,8 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
     packing = packing_of(config, model.config)
     capture = RouterCapture(model)
     mixers = contextlib.ExitStack()
-    if packing == "packed" and is_hybrid(model.config):  # several samples per row: reset the GDN state at each
+    # several samples per row: reset the GDN state at each
+    if packing == "packed" and is_hybrid(model.config):
         mixers.enter_context(segment_aware_linear_attention())
     log = open(out / LOG_FILE if lead else os.devnull, "a")  # noqa: SIM115
     bar = tqdm(desc=f"train[{config.backbone}]", total=100, unit="%", disable=not (config.progress and lead),
@@ -517,7 +529,8 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
                 torch.set_num_threads(threads)
             t_step = time.perf_counter()
             batches = make_batches(config, tokenizer, run.step, packing)
-            loss, ce, aux, grad_norm = _train_step(model, optimizer, capture, batches, config, lr, rank, world)
+            loss, ce, aux, grad_norm = _train_step(model, optimizer, capture,
+                                                   batches, config, lr, rank, world)
             run.step += 1
             n_tok = sum(int(b["valid"].sum()) for b in batches)
             run.positions += sum(b["input_ids"].numel() for b in batches)
@@ -528,12 +541,14 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
             run.elapsed = dp.from_rank0(time.perf_counter() - t_start)  # every rank stops at rank 0's step
             rate = seg_tokens / max(1e-9, time.perf_counter() - seg_start)
             record = {"step": run.step, "loss": loss.item(), "ce": ce.item(), "aux": aux.item(), "lr": lr,
-                      "grad_norm": grad_norm.item(), "tokens": run.tokens, "tok_s": rate, "elapsed": run.elapsed,
-                      "threads": threads}
+                      "grad_norm": grad_norm.item(), "tokens": run.tokens, "tok_s": rate,
+                      "elapsed": run.elapsed, "threads": threads}
             _report_step(config, run, record, log, bar)
             due = time.perf_counter() - last_ckpt > 60 * config.checkpoint_minutes
-            if lead and (due or (config.checkpoint_every_steps and run.step % config.checkpoint_every_steps == 0)):
-                save_state(state_path, model, optimizer, config, run.step, run.elapsed, run.tokens, run.history)
+            if lead and (due or (config.checkpoint_every_steps
+                                 and run.step % config.checkpoint_every_steps == 0)):
+                save_state(state_path, model, optimizer, config, run.step, run.elapsed,
+                           run.tokens, run.history)
                 last_ckpt = time.perf_counter()
         dp.check_in_sync(model)
         if lead:
@@ -548,7 +563,8 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
         return out  # another rank, or interrupted on purpose: no final export
     summary = {"steps": run.step, "wall_seconds": run.elapsed, "tokens": run.tokens,
                "tokens_per_second": run.tokens / max(run.elapsed, 1e-9), "packing": packing,
-               "positions": run.positions if not config.resume else None, "final_loss": final_loss(run.history)}
+               "positions": run.positions if not config.resume else None,
+               "final_loss": final_loss(run.history)}
     atomic_write_text((out / "train_summary.json"), json.dumps(summary, indent=2) + "\n")
     model.eval()
     save_model(model, tokenizer, out)
@@ -561,8 +577,8 @@ def _report_step(config: TrainConfig, run: _Progress, record: dict, log, bar) ->
         run.history.append(record)
         log.write(json.dumps(record) + "\n")
         log.flush()
-    bar.set_postfix_str(f"step {run.step} loss {record['ce']:.3f} aux {record['aux']:.3f} lr {record['lr']:.2e} "
-                        f"{record['tok_s']:.0f} tok/s", refresh=False)
+    bar.set_postfix_str(f"step {run.step} loss {record['ce']:.3f} aux {record['aux']:.3f} lr "
+                        f"{record['lr']:.2e} {record['tok_s']:.0f} tok/s", refresh=False)
     bar.n = round(100 * min(1.0, progress_of(config, run.step, run.elapsed)), 1)
     if run.step % config.log_every == 0:
         bar.refresh()
