@@ -208,6 +208,7 @@ def test_kv_dir_cap_is_one_serve_option(capsys, monkeypatch):
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # three Python processes, one of them training
 def test_testbed_entry_points_run_as_modules(tmp_path):
     """`python -m slimwise.testbed.train` and `python -m slimwise.testbed.evaluate` (the commands model cards
     print) run as real processes: a tiny run without evaluation, then its evaluation, then its card."""

@@ -175,6 +175,7 @@ def card_eval(name: str) -> dict:
     return json.loads((embedded_model_dir(name) / "eval.json").read_text())
 
 
+@pytest.mark.slow  # re-evaluates each shipped model on its test split
 @pytest.mark.parametrize("name", NAMES)
 def test_the_card_is_the_model_and_meets_the_bars(name):
     """Re-run the card's own test evaluation (100 problems per family, seed 0, stock transformers classes and
@@ -342,6 +343,7 @@ def test_tensor_dtype_roundtrip_sanity():
         assert torch.equal(p, q.float()), n
 
 
+@pytest.mark.slow
 def test_small_eval_run_on_a_backbone(tmp_path):
     """`slimwise eval` end to end on a shipped backbone: report, plots, and the method's ordering on its
     headline plan (full >= SlimWise >= uniform at 50%, within the sample's noise)."""
