@@ -16,9 +16,9 @@ from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.evaluation.metrics import paired_difference
+from slimwise.expert_parallel import imbalance
 from slimwise.io import atomic_write_text
 from slimwise.models import load_model, load_tokenizer
-from slimwise.parallel import imbalance
 from slimwise.testbed import TARGET_DOMAIN, grade, make_split
 
 

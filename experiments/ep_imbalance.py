@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slimwise.parallel import imbalance
+from slimwise.expert_parallel import imbalance
 from slimwise.plan import PrunePlan
 
 ROOT = Path(__file__).resolve().parents[1] / "docs" / "results"

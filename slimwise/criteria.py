@@ -70,7 +70,7 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
                     ep_placement: str = "linear") -> PrunePlan:
     """Score experts with `criterion` and prune `ratio` of them; the plan inherits the stats' model
     fingerprint. `ep_size` > 1: keep the same number of experts in every expert-parallel rank's block
-    (`slimwise.parallel`)."""
+    (`slimwise.expert_parallel`)."""
     meta = stats.meta
     if "family" not in meta or "top_k" not in meta:
         raise SlimWiseError(
@@ -81,7 +81,7 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
                   phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
                   meta={"stats_tokens": stats.tokens.tolist(), "calibration": meta.get("config")})
     if ep_size > 1:
-        from slimwise.parallel import balanced_plan
+        from slimwise.expert_parallel import balanced_plan
 
         if scope != "layer":
             raise SlimWiseError("an EP-balanced plan prunes per layer: drop --global")

@@ -443,7 +443,7 @@ def server_env(env: dict[str, str], environ=None) -> dict[str, str]:
 
 
 def serve(cfg: ServeConfig) -> int:
-    from slimwise.parallel import ep_mismatch
+    from slimwise.expert_parallel import ep_mismatch
 
     cfg.served_model_name = served_name(cfg)  # from what the user typed, before preflight resolves the path
     plans = preflight(cfg)

@@ -1,4 +1,5 @@
-"""Expert-parallel placement and EP-balanced plans (slimwise/parallel.py), against vLLM's own expert map."""
+"""Expert-parallel placement and EP-balanced plans (slimwise/expert_parallel.py), against vLLM's own
+expert map."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from slimwise.errors import SlimWiseError
-from slimwise.parallel import (
+from slimwise.expert_parallel import (
     balanced_plan,
     ep_mismatch,
     imbalance,
