@@ -591,11 +591,7 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
     carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run
     gets one line and exit 2, and nothing is written."""
-    from slimwise.testbed import evaluate
-    from slimwise.testbed.card_cli import card_command
-
-    def card_main(argv):  # `python -m slimwise.testbed.evaluate ARGV`, in this process
-        return card_command(evaluate, argv)
+    from slimwise.testbed.evaluate import main as card_main
 
     bad = tmp_path / "empty"
     bad.mkdir()

@@ -9,13 +9,16 @@ tokens alone, i.e. what decode sees).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import math
 import os
 import re
+import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from string import Template
 
@@ -525,9 +528,67 @@ def ship(run_dir: str | os.PathLike, name: str) -> Path:
     return dst
 
 
+def build_card_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.evaluate",
+                                description="model cards of trained testbed backbones")
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("card",
+                       help="add the pruning regime from a `slimwise eval` report and rewrite README.md")
+    c.add_argument("model_dir")
+    c.add_argument("--pruning-report", help="report.json of `slimwise eval` on this model (target domain)")
+    c.add_argument("--pruning-command", default="slimwise eval", help="the command that wrote the report")
+    c.add_argument("--ship", metavar="NAME",
+                   help="then copy the model into the package as NAME (testbed-a|b|c)")
+    e = sub.add_parser("evaluate", help="evaluate a trained model directory (a run with --no-eval) and write "
+                                        "its eval.json and README.md")
+    e.add_argument("model_dir")
+    e.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="float32 on CPUs without bf16 units (the bf16 weights upcast exactly)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m slimwise.testbed.evaluate card|evaluate ...` with `argv` (default: sys.argv); the exit
+    code."""
+    args = build_card_parser().parse_args(argv)
+    out = Path(args.model_dir)
+    if args.command == "evaluate":
+        return _evaluate_run(out, args.dtype)
+    if args.pruning_report:
+        _add_pruning_regime(out, args.pruning_report, args.pruning_command)
+    print(write_card(out))
+    if args.ship:
+        print(ship(out, args.ship))
+    return 0
+
+
+def _evaluate_run(out: Path, dtype: str) -> int:
+    """`evaluate RUN`: evaluate a finished `--no-eval` training run and write its eval.json and card."""
+    config = out / "train_config.json"
+    if not (config.is_file() and (out / "train_summary.json").is_file()):
+        print(f"error: {out} has no train_config.json and train_summary.json: pass the --out directory of a "
+              "finished `python -m slimwise.testbed.train` run", file=sys.stderr)
+        return 2
+    result = evaluate_and_write_card(out, json.loads(config.read_text()), dtype=dtype)
+    t = result["test"]
+    domains = ", ".join(f"{d} {v['accuracy']:.1%}" for d, v in t["domains"].items())
+    weakest = min(t["families"], key=lambda f: t["families"][f]["accuracy"])
+    print(f"test: {domains}; weakest family {weakest} {t['families'][weakest]['accuracy']:.1%}")
+    print(out / "README.md")
+    return 0
+
+
+def _add_pruning_regime(out: Path, report: str, command: str) -> None:
+    """`card --pruning-report`: the pruning regime of a `slimwise eval` report, into the run's eval.json."""
+    ev_path = out / "eval.json"
+    ev = json.loads(ev_path.read_text())
+    ev["pruning"] = pruning_regime(json.loads(Path(report).read_text()), report, command)
+    atomic_write_text(ev_path, json.dumps(ev, indent=2) + "\n")
+    for phase, ph in ev["pruning"]["phases"].items():
+        band = "in" if ph["in_band"] else "NOT in"
+        print(f"{phase}: best {ph['best_criterion']}, uniform 50% costs {ph['uniform50_cost_points']:.1f} "
+              f"points, length {ph['uniform50_length_change_pct']:+.1f}% -> {band} band")
+
+
 if __name__ == "__main__":
-    import sys
-
-    from slimwise.testbed.card_cli import card_command
-
-    raise SystemExit(card_command(sys.modules[__name__]))  # this module's card functions (see card_cli)
+    raise SystemExit(main())
