@@ -28,10 +28,7 @@ from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_dir, refuse_existing
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan
-from slimwise.trainable import (
-    TRAINABLE_SETS,
-    SetState,
-)
+from slimwise.trainable import TRAINABLE_SETS, SetState
 
 DELTA_FORMAT = "slimwise-delta/1"
 TENSORS_FILE = "delta.safetensors"
@@ -43,8 +40,7 @@ DELTA_MODES = ("slimwise", "uniform")
 
 
 def plan_hash(plan: PrunePlan) -> str:
-    """Hash of what a delta depends on in a plan: the kept experts of each layer
-    and the weights they index."""
+    """Hash of what a delta depends on in a plan: each layer's kept experts and the weights they index."""
     key = {"family": plan.family, "num_experts": plan.num_experts, "fingerprint": plan.fingerprint,
            "kept": {str(k): v for k, v in sorted(plan.kept_experts.items())}}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
