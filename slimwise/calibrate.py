@@ -50,11 +50,15 @@ class ExpertObserver:
         self.adapter = adapter or get_adapter(model.config)
         self.phase = phase
         self.layers = self.adapter.moe_layers(model)
-        self.stats = ExpertStats.zeros(
+        self._stats = ExpertStats.zeros(
             [layer.index for layer in self.layers], self.adapter.num_experts(model.config)
         )
+        # per-layer sums kept on the layer's own device while the model runs (no host copy per token);
+        # `stats` folds them into the float64 ExpertStats on the host
+        self._pending: dict[int, torch.Tensor] = {}
         self.rows: torch.Tensor | None = None
-        self.counted_tokens = 0
+        self._rows_on: dict[torch.device, torch.Tensor] = {}
+        self._counted: torch.Tensor | int = 0
         self._wrappers = ForwardWrappers("calibration observer")
         for row, layer in enumerate(self.layers):
             # replaces the experts forward (an equivalent loop that measures)
@@ -66,11 +70,37 @@ class ExpertObserver:
         """phase is "prompt" or "decode"; rows marks real (non-padding, unfinished) tokens, flattened."""
         counts = self.phase == "all" or self.phase == phase
         self.rows = rows if counts else torch.zeros_like(rows)
-        self.counted_tokens += int(self.rows.sum())
+        self._rows_on = {self.rows.device: self.rows}
+        self._counted = self._counted + self.rows.sum()
+
+    @property
+    def counted_tokens(self) -> int:
+        """Tokens counted so far (reading it waits for the device)."""
+        return int(self._counted)
+
+    @property
+    def stats(self) -> ExpertStats:
+        """The statistics so far, on the host (folds in what the layers' devices hold)."""
+        fields = ("count", "gate_sum", "norm_sum", "norm_sq_sum", "gate_norm_sum")
+        for row, sums in self._pending.items():
+            sums = sums.cpu()
+            for i, name in enumerate(fields):
+                getattr(self._stats, name)[row] += sums[i]
+            self._stats.tokens[row] += sums[len(fields), 0]
+        self._pending.clear()
+        return self._stats
+
+    def _rows_for(self, device: torch.device) -> torch.Tensor | None:
+        """The counted-rows mask on a layer's device (a spread model's layers sit on several)."""
+        if self.rows is None:
+            return None
+        if device not in self._rows_on:
+            self._rows_on[device] = self.rows.to(device)
+        return self._rows_on[device]
 
     def _make_forward(self, row: int, layer: MoELayer):
-        experts, stats = layer.experts, self.stats
-        num_experts = stats.num_experts
+        experts = layer.experts
+        num_experts = self._stats.num_experts
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
             # Sorted by expert: one gather, one contiguous slice per hit expert, one scatter, and the
@@ -84,25 +114,30 @@ class ExpertObserver:
             expert_of = flat[order]
             token_of = order // top_k
             counts = torch.bincount(expert_of, minlength=num_experts)
-            rows = (
-                self.rows if self.rows is not None and self.rows.numel() == hidden_states.shape[0] else None
-            )
+            rows = self._rows_for(hidden_states.device)
+            if rows is not None and rows.numel() != hidden_states.shape[0]:
+                rows = None
             y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts.tolist(), rows)
             gate = top_k_weights.reshape(-1)[order]
             out = torch.zeros_like(hidden_states)
             out.index_add_(0, token_of, (y * gate[:, None]).to(out.dtype))
             if rows is not None:
-                keep = rows[token_of].double()
-                g = gate.double()
-                for name, w in (("count", keep), ("gate_sum", g * keep), ("norm_sum", norms * keep),
-                                ("norm_sq_sum", norms * norms * keep), ("gate_norm_sum", g * norms * keep)):
-                    getattr(stats, name)[row] += torch.bincount(
-                        expert_of, weights=w, minlength=num_experts
-                    ).to(getattr(stats, name).dtype)
-                stats.tokens[row] += rows.sum()
+                self._accumulate(row, expert_of, rows, token_of, gate, norms, num_experts)
             return out
 
         return forward
+
+    def _accumulate(self, row: int, expert_of: torch.Tensor, rows: torch.Tensor, token_of: torch.Tensor,
+                    gate: torch.Tensor, norms: torch.Tensor, num_experts: int) -> None:
+        """Add one forward's counted assignments to layer `row`'s sums, on the layer's device (float64)."""
+        keep = rows[token_of].double()
+        g = gate.double()
+        sums = torch.stack([torch.bincount(expert_of, weights=w, minlength=num_experts)
+                            for w in (keep, g * keep, norms * keep, norms * norms * keep, g * norms * keep)])
+        tokens = rows.sum().double().expand(1, num_experts)
+        update = torch.cat([sums, tokens])
+        pending = self._pending.get(row)
+        self._pending[row] = update if pending is None else pending + update
 
     def _expert_outputs(
         self,
@@ -118,7 +153,7 @@ class ExpertObserver:
         of all outputs at once costs more than the expert matmuls at long prompts)."""
         x = hidden_states[token_of]
         y = torch.empty_like(x)
-        norms = torch.empty(token_of.numel(), dtype=torch.float64)
+        norms = torch.empty(token_of.numel(), dtype=torch.float64, device=hidden_states.device)
         start = 0
         for e, n in enumerate(counts):
             if n:

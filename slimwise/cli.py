@@ -16,19 +16,34 @@ from slimwise.options import add_dataclass_options, config_from_args
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights dtype (default: as saved)")
+                   help="weights dtype (default auto: as saved on the CPU, bf16 on a GPU)")
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    from slimwise.devices import DEVICE_HELP, MAX_MEMORY_HELP
+
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--max-memory", default=None, metavar="DEV=SIZE,...", help=MAX_MEMORY_HELP)
+
+
+def _load(args, path=None, dtype=None):
+    """The model of a command, on its --device / --max-memory."""
+    from slimwise.models import load_model
+
+    return load_model(path or args.model, dtype=dtype or args.dtype, device=args.device,
+                      max_memory=args.max_memory)
 
 
 def cmd_calibrate(args) -> None:
     from slimwise.calibrate import CalibrationConfig, calibrate
     from slimwise.data import load_prompts
-    from slimwise.models import load_model, load_tokenizer
+    from slimwise.models import load_tokenizer
 
     refuse_blocked_parent(args.out)  # an unwritable output is refused before calibration runs, not after
     if Path(args.out).is_dir():
         raise SlimWiseError(f"output {args.out} is a directory; pass a file path (.safetensors)")
     prompts = load_prompts(args.data, limit=args.max_samples)
-    model = load_model(args.model, dtype=args.dtype)
+    model = _load(args)
     config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens,
                                batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed)
     stats = calibrate(model, prompts, load_tokenizer(args.model), config)
@@ -90,7 +105,7 @@ def cmd_generate(args) -> None:
     from slimwise.data import load_prompts
     from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
     from slimwise.export import load_pruned
-    from slimwise.models import load_model, load_tokenizer
+    from slimwise.models import load_tokenizer
     from slimwise.plan import PrunePlan
 
     # the cheap inputs first: a bad plan, prompt file or option is refused before any weights load
@@ -101,11 +116,12 @@ def cmd_generate(args) -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
                               batch_size=args.batch_size, progress=True)
-    model = load_model(args.model, dtype=args.dtype)
+    model = _load(args)
     tokenizer = load_tokenizer(args.model)
     decode_model = None
     if args.decode_model:
-        decode_model, decode_plan = load_pruned(args.decode_model, dtype=args.dtype)
+        decode_model, decode_plan = load_pruned(args.decode_model, dtype=args.dtype, device=args.device,
+                                                max_memory=args.max_memory)
         if plan is not None and decode_plan is not None and plan.kept_experts != decode_plan.kept_experts:
             raise SlimWiseError(f"--plan keeps other experts than the plan {args.decode_model} was exported "
                                 "with: drop --plan, or export the decode model from it (`slimwise prune`)")
@@ -155,8 +171,9 @@ def serve_plans(values: list[str]) -> tuple[str | None, dict[str, str]]:
 
 def cmd_distill(args) -> None:
     from slimwise.data import load_prompts
+    from slimwise.devices import resolve_device
     from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
-    from slimwise.models import load_model, load_tokenizer, resolve_model_dir
+    from slimwise.models import load_tokenizer, resolve_model_dir
     from slimwise.plan import PrunePlan
 
     out = Path(args.out)
@@ -168,7 +185,8 @@ def cmd_distill(args) -> None:
                             "the delta somewhere else")
     plan = PrunePlan.load(args.plan)
     prompts = load_prompts(args.data, limit=args.max_samples)
-    model = load_model(args.model, dtype=args.dtype)
+    # training defaults to float32 on the CPU (the published bars) and bf16 on a GPU
+    model = _load(args, dtype=args.dtype or ("float32" if resolve_device(args.device) == "cpu" else "auto"))
     checkpoint = out.with_name(out.name + ".ckpt.pt")
     config = config_from_args(DistillConfig, args, checkpoint=str(checkpoint))
     tokenizer = load_tokenizer(args.model)
@@ -194,7 +212,8 @@ def cmd_distill(args) -> None:
 def cmd_demo(args) -> None:
     from slimwise.demo import run_demo
 
-    run_demo(out_dir=args.out, samples=args.samples, seed=args.seed)
+    run_demo(out_dir=args.out, samples=args.samples, seed=args.seed, device=args.device,
+             max_memory=args.max_memory)
 
 
 def cmd_eval(args) -> None:
@@ -249,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="record per-expert routing statistics on calibration data")
     _add_model(p)
+    _add_device(p)
     p.add_argument("--data", required=True,
                    help="prompts: a .jsonl file ('prompt' field) or a directory of them")
     p.add_argument("--phase", default="decode", choices=["prompt", "decode", "all"],
@@ -291,6 +311,7 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate",
                        help="generate with full, uniform-pruned or SlimWise (full prefill, pruned decode)")
     _add_model(p)
+    _add_device(p)
     p.add_argument("--plan", help="prune plan (the pruned decoder is a masked view of the model)")
     p.add_argument("--decode-model", help="a pruned checkpoint to decode with instead of the masked view")
     p.add_argument("--mode", default="slimwise", choices=["full", "uniform", "slimwise"])
@@ -319,8 +340,9 @@ def _add_distill(sub) -> None:
                        help="distil a decode-only delta (router / norm / LoRA) so the pruned decoder "
                             "continues full-model caches like the full model")
     p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights dtype for training (default: float32)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights dtype for training (default: float32 on the CPU, bf16 on a GPU)")
+    _add_device(p)
     p.add_argument("--plan", required=True, help="the prune plan JSON to distil the decoder of")
     p.add_argument("--data", required=True,
                    help="calibration prompts: .jsonl ('prompt' field), .txt or a directory")
@@ -337,10 +359,10 @@ def _add_distill(sub) -> None:
 
 
 #: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
-EVAL_OPTIONS = (("dtype", "out_dir", "plans", "stats", "criteria", "ratios", "phases", "scope", "modes",
-                 "distilled", "engine", "data", "grader", "domain", "families", "split", "n_per_family",
-                 "max_samples", "calib_data", "calib_domain", "calib_per_family", "calib_max_new_tokens",
-                 "calib_seed", "calib_mixes"),
+EVAL_OPTIONS = (("dtype", "device", "max_memory", "out_dir", "plans", "stats", "criteria", "ratios", "phases",
+                 "scope", "modes", "distilled", "engine", "data", "grader", "domain", "families", "split",
+                 "n_per_family", "max_samples", "calib_data", "calib_domain", "calib_per_family",
+                 "calib_max_new_tokens", "calib_seed", "calib_mixes"),
                 ("other_domains", "other_per_family", "max_new_tokens", "batch_size", "seed", "threads", "kl",
                  "traffic", "plots", "cache", "cache_dir"))
 
@@ -393,6 +415,7 @@ def _add_demo(sub) -> None:
     p.add_argument("--out", default="runs/demo", help="where to write the report")
     p.add_argument("--samples", type=integer(1), default=64, help="test prompts per mode")
     p.add_argument("--seed", type=integer(0), default=0)
+    _add_device(p)
     p.set_defaults(func=cmd_demo)
 
 

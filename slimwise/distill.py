@@ -334,6 +334,7 @@ def _step_loss(engine: PhaseSplitEngine, installed: InstalledDelta, prompts: lis
         student = torch.cat([last[:, None, :], continue_on_cache(engine, "distilled", trainable_cache(cache),
                                                                 attention, positions, conts, width)], dim=1)
         first = 0
+    teacher = teacher.to(student.device)  # cached teacher log-probs live on the host
     span = torch.arange(first, width)
     valid = (span[None, :] < lengths[:, None]).to(student.device)
     loss = (divergence(teacher, student, config.loss) * valid).sum() / valid.sum()

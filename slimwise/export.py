@@ -121,12 +121,13 @@ def verify_export(path: Path, plan: PrunePlan, originals: dict[int, dict[str, to
                 )
 
 
-def load_pruned(path: str | Path, dtype: str | torch.dtype = "auto") -> tuple[nn.Module, PrunePlan | None]:
+def load_pruned(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+                max_memory: str | dict | None = None) -> tuple[nn.Module, PrunePlan | None]:
     """A pruned checkpoint and the plan it was exported from (None for a checkpoint SlimWise did not
     write)."""
     from slimwise.models import load_model
 
-    model = load_model(path, dtype=dtype)
+    model = load_model(path, dtype=dtype, device=device, max_memory=max_memory)
     plan_file = Path(path) / PLAN_FILE
     plan = PrunePlan.load(plan_file) if plan_file.is_file() else None
     model.slimwise_manifest = read_manifest(path)

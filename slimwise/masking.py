@@ -46,7 +46,7 @@ class ExpertMask:
                     return original(hidden_states, *args, **kwargs)
                 if self.token_mask is None:
                     return adapter.route(router, hidden_states, pruned)
-                rows = self.token_mask.reshape(-1, 1)
+                rows = self.token_mask.reshape(-1, 1).to(hidden_states.device)  # a spread model's layer
                 full = original(hidden_states, *args, **kwargs)
                 masked = adapter.route(router, hidden_states, pruned)
                 return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))

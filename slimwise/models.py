@@ -136,10 +136,17 @@ def _progress_on_terminal_only():
             hf_logging.enable_progress_bar()
 
 
-def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu") -> nn.Module:
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str = "cpu",
+               max_memory: str | dict | None = None) -> nn.Module:
     """Load a supported MoE checkpoint for inference; refuse dense or unknown models up front, and refuse
-    truncated, corrupt or mis-shaped weights in one line."""
+    truncated, corrupt or mis-shaped weights in one line.
+
+    `device` ("auto", "cpu", "cuda", "cuda:N") loads the weights straight onto that device; `max_memory`
+    spreads the model over several (`slimwise.devices`). `dtype="auto"` is the checkpoint's dtype on the CPU
+    and bf16 on a GPU (a half-precision checkpoint keeps its own)."""
     from safetensors import SafetensorError
+
+    from slimwise.devices import auto_dtype_on, placement
 
     model_dir = resolve_model_dir(path)
     config = load_config(model_dir)
@@ -150,10 +157,16 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
             f"{model_dir}/config.json routes top-{k} of {n} experts; top-k must be in [1, experts]: "
             "restore the checkpoint's config.json"
         )
+    where = placement(device, max_memory)
+    if dtype == "auto":
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        dtype = auto_dtype_on(where.device, getattr(text, "dtype", None) or getattr(config, "dtype", None)) \
+            or "auto"
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     try:
         with _progress_on_terminal_only():
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True,
+                                                         **where.from_pretrained_kwargs())
     except SafetensorError as exc:
         raise SlimWiseError(
             f"the weights in {model_dir} are truncated or corrupt ({_first_line(exc)}); copy the "
@@ -167,7 +180,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
             "the config.json written with these weights"
         ) from exc
     model.slimwise_source_dir = str(model_dir)
-    return model.to(device).eval()
+    return model.eval()
 
 
 def structure_model(path: str | Path) -> nn.Module:

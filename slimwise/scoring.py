@@ -73,7 +73,8 @@ def logprobs_along(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]],
     for start in range(0, len(prompts), batch_size):
         chunk = continuations[start:start + batch_size]
         lp = teacher_logprobs(engine, prompts[start:start + batch_size], chunk)
-        out += [lp[i, :len(c)].clone() for i, c in enumerate(chunk)]
+        # kept on the host: the teacher cache would otherwise hold GPU memory for the whole run
+        out += [lp[i, :len(c)].to("cpu", copy=True) for i, c in enumerate(chunk)]
     return out
 
 

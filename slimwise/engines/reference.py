@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from slimwise.adapters import get_adapter
 from slimwise.delta import apply_delta
+from slimwise.devices import input_device
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import fingerprints_match, model_fingerprint
 from slimwise.masking import ExpertMask
@@ -141,8 +142,9 @@ def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch
         drop = cum - torch.softmax(sorted_logits, dim=-1) > config.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # drawn on the CPU from the seeded CPU generator: the same seed samples the same tokens on every device
+    probs = torch.softmax(logits, dim=-1).float().cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
 
 
 @contextmanager
@@ -284,7 +286,7 @@ class PhaseSplitEngine:
 
         Returns (cache, last-position logits [B, V] float32, attention mask, position ids).
         """
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         width = max(len(p) for p in batch)
         input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long, device=device)
         attention = torch.zeros((len(batch), width), dtype=torch.long, device=device)
@@ -320,7 +322,7 @@ class PhaseSplitEngine:
         return out.logits.float()
 
     def _generate_batch(self, batch, mode, config, eos, generator, observer, keep_first_logits):
-        device = next(self.model.parameters()).device
+        device = input_device(self.model)
         cache, logits, attention, positions = self.prefill(batch, mode, observer)
         first_logits = logits.clone() if keep_first_logits else None
 

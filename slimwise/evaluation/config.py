@@ -103,6 +103,12 @@ class EvalConfig:
     dtype: str = field(default="auto", metadata={
         "choices": ["auto", "float32", "bfloat16", "float16"],
         "help": "auto: the checkpoint's dtype, float32 for bf16 on a CPU without bf16 matrix units"})
+    device: str = field(default="auto", metadata={
+        "help": "where the transformers model runs (calibration, --engine hf, KL): auto (CUDA when "
+                "present), cpu, cuda or cuda:N"})
+    max_memory: str | None = field(default=None, metadata={
+        "metavar": "DEV=SIZE,...", "help": "spread that model over devices within these bounds, e.g. "
+                                           "0=70GiB,1=70GiB,cpu=200GiB"})
     # 1 is fastest for tiny models on a busy box
     threads: int | None = field(default=None, metadata={
         "type": integer(1), "help": "torch CPU threads (default: torch's choice)"})

@@ -36,17 +36,24 @@ class EvaluatedModel:
     load_seconds: float  # weights, tokenizer and fingerprint; reported as timing load_s
 
 
-def load_evaluated_model(model: str | Path, dtype: str, engine: str) -> EvaluatedModel:
-    """Load `model` (a directory or an embedded testbed name) at the dtype `engine` runs for `dtype`."""
+def load_evaluated_model(model: str | Path, dtype: str, engine: str, device: str = "cpu",
+                         max_memory: str | None = None) -> EvaluatedModel:
+    """Load `model` (a directory or an embedded testbed name) at the dtype `engine` runs for `dtype`, on
+    `device`."""
+    from slimwise.devices import resolve_device
     from slimwise.hardware import resolve_dtype
     from slimwise.models import load_model, load_tokenizer, resolve_model_dir
 
     name = model_label(model)
     path = resolve_model_dir(model)
     t0 = time.perf_counter()
+    device = resolve_device(device)
     # "auto": the dtype this CPU runs fastest (slimwise.hardware): vLLM's for engine vllm, which the reference
-    # matches; for the HF engine float32 where bf16 would be emulated (4x slower on an AVX2-only CPU)
-    loaded = load_model(path, dtype=resolve_dtype(dtype, path, engine=engine)[0])
+    # matches; for the HF engine float32 where bf16 would be emulated (4x slower on an AVX2-only CPU). On a
+    # GPU, load_model's own auto (bf16).
+    if device == "cpu" and max_memory is None:
+        dtype = resolve_dtype(dtype, path, engine=engine)[0]
+    loaded = load_model(path, dtype=dtype, device=device, max_memory=max_memory)
     ran = str(loaded.dtype).removeprefix("torch.")
     tokenizer = load_tokenizer(path)
     adapter = get_adapter(loaded.config)

@@ -63,7 +63,8 @@ class Sweep:
         self.out_dir = Path(out_dir or config.out_dir)
         self.cache_dir = Path(config.cache_dir) / model_label(model) if config.cache_dir \
             else self.out_dir / "cache"
-        subject = self.subject = load_evaluated_model(model, config.dtype, config.engine)
+        subject = self.subject = load_evaluated_model(model, config.dtype, config.engine, config.device,
+                                                            config.max_memory)
         self.model_name, self.model_dir = subject.name, subject.path
         self.model, self.tokenizer, self.adapter = subject.model, subject.tokenizer, subject.adapter
         self.fingerprint = subject.fingerprint  # cache keys: stable across versions

@@ -1,0 +1,98 @@
+"""Devices: `--device` / `--max-memory` plumbing on the CPU, and the prepared GPU check's smoke run (what CI
+can run of it; the GPU run itself is published in docs/results/gpu.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimwise.devices import auto_dtype_on, input_device, parse_max_memory, placement, resolve_device
+from slimwise.errors import SlimWiseError
+from slimwise.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_device_names_resolve_or_are_refused_in_one_line():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("gpu", "cuda:x", "tpu:0", ""):
+        with pytest.raises(SlimWiseError, match="expected auto, cpu, cuda or cuda:N"):
+            resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(SlimWiseError, match="sees no CUDA device"):
+            resolve_device("cuda:0")
+
+
+def test_max_memory_parses_to_accelerates_dict():
+    assert parse_max_memory("0=70GiB, 1=70GiB,cpu=200GiB") == {0: "70GiB", 1: "70GiB", "cpu": "200GiB"}
+    assert parse_max_memory(None) is None
+    for bad in ("0:70GiB", "gpu=1GiB", "0=lots"):
+        with pytest.raises(SlimWiseError, match="expected DEVICE=SIZE"):
+            parse_max_memory(bad)
+
+
+def test_cpu_placement_is_the_plain_load_and_gpu_dtype_defaults_to_bf16():
+    assert placement("cpu").from_pretrained_kwargs() == {}
+    assert placement("cpu", "cpu=1GiB").from_pretrained_kwargs() == {"device_map": "auto",
+                                                                     "max_memory": {"cpu": "1GiB"}}
+    assert auto_dtype_on("cuda:0", "float32") == "bfloat16"
+    assert auto_dtype_on("cuda", "float16") == "float16"
+    assert auto_dtype_on("cpu", "bfloat16") is None
+
+
+def test_load_model_on_cpu_device_equals_the_default_load():
+    plain = load_model("testbed-a", dtype="float32")
+    placed = load_model("testbed-a", dtype="float32", device="cpu")
+    assert input_device(placed) == torch.device("cpu")
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), placed.state_dict().values(),
+                                                 strict=True))
+
+
+def test_commands_take_device_and_refuse_a_missing_gpu(tmp_path):
+    from slimwise.cli import build_parser
+
+    parser = build_parser()
+    for command in ("calibrate", "generate", "distill", "eval", "demo"):
+        sub = parser._subparsers._group_actions[0].choices[command]
+        options = {o for a in sub._actions for o in a.option_strings}
+        assert {"--device", "--max-memory"} <= options, command
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "add 1+2\\n"}\n')
+    proc = subprocess.run([sys.executable, "-m", "slimwise.cli", "calibrate", "testbed-a", "--data",
+                           str(prompts), "--out", str(tmp_path / "s.safetensors"), "--device", "cuda:99"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    [line] = proc.stderr.strip().splitlines()
+    assert re.fullmatch(r"slimwise: error: --device cuda:99: (this torch build sees no CUDA device; use "
+                        r"--device cpu|only \d+ CUDA device\(s\) visible)", line), line
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_gpu_check_smoke_runs_on_cpu(tmp_path):
+    """The prepared GPU check with tiny sizes on the CPU, as a user runs it: every section runs, every check
+    passes and the JSON names its environment (so the script cannot rot between GPU sessions)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu",
+                           "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["errors"]
+    assert set(report["sections"]) == {"testbed", "synthetic"}
+    assert len(report["checks"]) == 9 and all(c["ok"] for c in report["checks"])
+    tb = report["sections"]["testbed"]["device_float32"]
+    assert tb["stats_vs_cpu"]["counts_equal"] and tb["plan_vs_cpu"]["identical_share"] == 1.0
+    assert all(tb["tokens_vs_cpu"][m]["identical_share"] == 1.0 for m in ("full", "uniform", "slimwise"))
+    assert tb["distill"]["steps"] == 2
+
+
+def test_published_gpu_check_passed():
+    """The published H200 run: every check passed, on CUDA, and it is the schema this script writes."""
+    report = json.loads((ROOT / "docs/results/gpu/gpu_check_h200.json").read_text())
+    assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["smoke"]
+    assert report["env"]["gpu"] == "NVIDIA H200" and report["env"]["device"] == "cuda"
