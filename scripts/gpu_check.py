@@ -40,7 +40,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slimwise.calibrate import CalibrationConfig, calibrate  # noqa: E402
+from slimwise.calibrate import CalibrationConfig, calibrate, continuation_stats  # noqa: E402
 from slimwise.criteria import plan_from_stats  # noqa: E402
 from slimwise.devices import resolve_device, synchronize  # noqa: E402
 from slimwise.distill import DistillConfig, distill  # noqa: E402
@@ -244,7 +244,13 @@ def check_testbed(device: str, size: dict, checks: list) -> dict:
         "timings": timings(runs), "accuracy": accuracy(runs, tests),
         "tokens_vs_cpu": {m: compare_tokens([g.token_ids for g in cpu_runs[m]["gens"]],
                                             [g.token_ids for g in runs[m]["gens"]]) for m in MODES}}
+    conts = [g.token_ids for g in runs["full"]["gens"]]
+    section["device_float32"]["teacher_forced"] = teacher_forced_vs_generation(gpu, tokenizer, prompts, conts,
+                                                                               size, device)
     f32 = section["device_float32"]
+    checks.append(_check("testbed-c float32: the teacher-forced pass counts what generation counts",
+                         f32["teacher_forced"]["counts_equal"] and f32["teacher_forced"]["plans_identical"],
+                         "counts exact, plans identical"))
     checks.append(_check("testbed-c float32: calibration token counts equal the CPU's",
                          f32["stats_vs_cpu"]["tokens_equal"], "exact"))
     checks.append(_check("testbed-c float32: statistics sums within tolerance of the CPU's",
@@ -275,6 +281,23 @@ def check_testbed(device: str, size: dict, checks: list) -> dict:
     if device != "cpu":
         section["device_bfloat16"] = testbed_bf16(device, tokenizer, calib, prompts, tests, size)
     return section
+
+
+def teacher_forced_vs_generation(model, tokenizer, prompts, conts, size, device) -> dict:
+    """Decode-phase statistics counted while generating `conts` against one teacher-forced pass over them."""
+    config = CalibrationConfig(phase="decode", max_new_tokens=size["test_tokens"], batch_size=size["batch"])
+    with Clock(device) as gen_clock:
+        generated = calibrate(model, prompts, tokenizer, config, progress=False)
+    with Clock(device) as tf_clock:
+        forced = continuation_stats(model, prompts, conts, tokenizer, config, progress=False)
+    out = compare_stats(generated, forced)
+    out |= {"plans_identical": plan_from_stats(generated, "reap", 0.5).kept_experts
+            == plan_from_stats(forced, "reap", 0.5).kept_experts,
+            "counted_tokens": int(forced.tokens[0]),
+            "generation_pass_s": gen_clock.seconds, "teacher_forced_pass_s": tf_clock.seconds,
+            "generation_pass_tokens_per_s": round(generated.meta["tokens_processed"] / gen_clock.seconds, 1),
+            "teacher_forced_tokens_per_s": round(forced.meta["tokens_processed"] / tf_clock.seconds, 1)}
+    return out
 
 
 def testbed_bf16(device, tokenizer, calib, prompts, tests, size) -> dict:
@@ -339,9 +362,11 @@ def check_synthetic(device: str, size: dict, checks: list) -> dict:
     section["bfloat16"] = {"calibrate_s": clock.seconds, "calibrate_counted_tokens": counted,
                            "calibrate_tokens_per_s": round(stats.meta["tokens_processed"] / clock.seconds, 1)}
     plan = plan_from_stats(stats, "reap", 0.5)
-    runs = run_modes(model, None, plan, prompts,
-                     dict(size, test_tokens=size["synth_tokens"], batch=size["synth_prompts"]), device)
+    synth_size = dict(size, test_tokens=size["synth_tokens"], batch=size["synth_prompts"])
+    runs = run_modes(model, None, plan, prompts, synth_size, device)
     section["bfloat16"]["timings"] = timings(runs)
+    section["bfloat16"]["teacher_forced"] = teacher_forced_vs_generation(
+        model, None, prompts, [g.token_ids for g in runs["full"]["gens"]], synth_size, device)
     if device.startswith("cuda"):
         section["bfloat16"]["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     checks.append(_check("synthetic bf16: calibrate, plan and generate all modes", counted > 0, "runs"))

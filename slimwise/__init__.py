@@ -29,6 +29,8 @@ _API: dict[str, str] = {
     "MoEAdapter": "slimwise.adapters",
     "calibrate": "slimwise.calibrate",
     "CalibrationConfig": "slimwise.calibrate",
+    "continuation_stats": "slimwise.calibrate",
+    "footprint": "slimwise.footprint",
     "ExpertStats": "slimwise.stats",
     "CRITERIA": "slimwise.criteria",
     "register_criterion": "slimwise.criteria",

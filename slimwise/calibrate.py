@@ -21,6 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import MoEAdapter, MoELayer, get_adapter
+from slimwise.devices import input_device
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import model_fingerprint
@@ -103,36 +104,42 @@ class ExpertObserver:
         num_experts = self._stats.num_experts
 
         def forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-            # Sorted by expert: one gather, one contiguous slice per hit expert, one scatter, and the
-            # statistics of all experts from a handful of bincounts (no per-expert Python work beyond the
-            # matmuls).
+            # Sorted by expert: one gather, one grouped matmul per projection, one scatter, and the statistics
+            # of all experts from a handful of bincounts. No per-expert Python work and no host sync: EP and
+            # padding sentinels (ids outside [0, E)) sort last, as an extra group whose rows count nowhere.
             top_k = top_k_index.shape[-1]
             flat = top_k_index.reshape(-1)
-            # EP/padding sentinels drop out
-            valid = ((flat >= 0) & (flat < num_experts)).nonzero().squeeze(-1)
-            order = valid[torch.argsort(flat[valid], stable=True)]
-            expert_of = flat[order]
+            valid = (flat >= 0) & (flat < num_experts)
+            keyed = torch.where(valid, flat, num_experts)
+            expert_of, order = torch.sort(keyed)  # transformers' own sort: the same rows in each group's GEMM
             token_of = order // top_k
-            counts = torch.bincount(expert_of, minlength=num_experts)
+            real = valid[order]
+            counts = torch.bincount(expert_of, minlength=num_experts + 1)[:num_experts]
             rows = self._rows_for(hidden_states.device)
             if rows is not None and rows.numel() != hidden_states.shape[0]:
                 rows = None
-            y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts.tolist(), rows)
-            gate = top_k_weights.reshape(-1)[order]
-            out = torch.zeros_like(hidden_states)
-            out.index_add_(0, token_of, (y * gate[:, None]).to(out.dtype))
+            y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts, rows)
+            y = torch.where(real[:, None], y, 0)  # a sentinel's row is undefined
+            gate = top_k_weights.reshape(-1)[order] * real
+            # back to (token, slot) order and summed over the slots: transformers' own reduction, so the
+            # layer's output is bit-identical to the stock experts forward
+            weighted = torch.empty_like(y)
+            weighted[order] = y * gate[:, None]
+            out = weighted.view(-1, top_k, weighted.shape[-1]).sum(dim=1).to(hidden_states.dtype)
             if rows is not None:
-                self._accumulate(row, expert_of, rows, token_of, gate, norms, num_experts)
+                self._accumulate(row, expert_of, rows, rows[token_of] & real, gate, norms, num_experts)
             return out
 
         return forward
 
-    def _accumulate(self, row: int, expert_of: torch.Tensor, rows: torch.Tensor, token_of: torch.Tensor,
+    def _accumulate(self, row: int, expert_of: torch.Tensor, rows: torch.Tensor, counted: torch.Tensor,
                     gate: torch.Tensor, norms: torch.Tensor, num_experts: int) -> None:
-        """Add one forward's counted assignments to layer `row`'s sums, on the layer's device (float64)."""
-        keep = rows[token_of].double()
+        """Add one forward's counted assignments (`counted`, in expert order) of the counted tokens (`rows`)
+        to layer `row`'s sums, on the layer's device (float64)."""
+        keep = counted.double()
         g = gate.double()
-        sums = torch.stack([torch.bincount(expert_of, weights=w, minlength=num_experts)
+        norms = torch.where(counted, norms, 0)  # a sentinel's norm is undefined
+        sums = torch.stack([torch.bincount(expert_of, weights=w, minlength=num_experts + 1)[:num_experts]
                             for w in (keep, g * keep, norms * keep, norms * norms * keep, g * norms * keep)])
         tokens = rows.sum().double().expand(1, num_experts)
         update = torch.cat([sums, tokens])
@@ -145,23 +152,15 @@ class ExpertObserver:
         experts: nn.Module,
         hidden_states: torch.Tensor,
         token_of: torch.Tensor,
-        counts: list[int],
+        counts: torch.Tensor,
         rows: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """f_e(x) and ||f_e(x)|| (float64) for every (token, expert) assignment, sorted by expert: each hit
-        expert on its routed rows. The norm is taken per expert while its output is in cache (one float64 copy
-        of all outputs at once costs more than the expert matmuls at long prompts)."""
-        x = hidden_states[token_of]
-        y = torch.empty_like(x)
-        norms = torch.empty(token_of.numel(), dtype=torch.float64, device=hidden_states.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                y_e = self.adapter.expert_forward(experts, e, x[start:start + n])
-                y[start:start + n] = y_e
-                norms[start:start + n] = torch.linalg.vector_norm(y_e, dim=-1, dtype=torch.float64)
-                start += n
-        return y, norms
+        """f_e(x) and ||f_e(x)|| (float64) for every (token, expert) assignment, sorted by expert
+        (`counts[e]` rows of expert e, then any sentinel rows, whose values are undefined)."""
+        y = self.adapter.grouped_expert_outputs(experts, hidden_states[token_of], counts)
+        # in row blocks: a float64 copy of every routed output at once would cost more than the matmuls
+        norms = [torch.linalg.vector_norm(block, dim=-1, dtype=torch.float64) for block in y.split(4096)]
+        return y, torch.cat(norms) if norms else y.new_zeros(0, dtype=torch.float64)
 
     def remove(self) -> None:
         self._wrappers.remove()
@@ -200,11 +199,131 @@ def calibrate(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]]
             f"no {config.phase} tokens were counted (max_new_tokens={config.max_new_tokens}); "
             "use longer continuations or another phase"
         )
+    return _finish(observer, model, config, len(prompts), processed, t0)
+
+
+def _finish(observer: ExpertObserver, model: nn.Module, config: CalibrationConfig, prompts: int,
+            processed: int, t0: float) -> ExpertStats:
     stats = observer.stats
     adapter = observer.adapter
     stats.meta.update({"fingerprint": model_fingerprint(model), "family": adapter.family,
                        "top_k": adapter.top_k(model.config), "num_groups": adapter.num_groups(model.config),
                        "min_kept_per_group": adapter.min_kept_per_group(model.config),
-                       "config": asdict(config), "num_prompts": len(prompts), "tokens_processed": processed,
+                       "config": asdict(config), "num_prompts": prompts, "tokens_processed": processed,
                        "seconds": round(time.perf_counter() - t0, 3)})
     return stats
+
+
+def _teacher_forced_batch(prompts: list[list[int]], conts: list[list[int]], phase: str,
+                          pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompt + continuation[:-1] (the last generated token is never fed back), its attention
+    mask, and which positions `phase` counts; positions then run as in generation (cumsum of the mask)."""
+    seqs = [p + c[:-1] for p, c in zip(prompts, conts, strict=True)]
+    width = max(len(q) for q in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(seqs), width), dtype=torch.long)
+    counted = torch.zeros((len(seqs), width), dtype=torch.bool)
+    for row, (p, q) in enumerate(zip(prompts, seqs, strict=True)):
+        begin = width - len(q)
+        input_ids[row, begin:] = torch.tensor(q, dtype=torch.long)
+        attention[row, begin:] = 1
+        if phase in ("prompt", "all"):
+            counted[row, begin:begin + len(p)] = True
+        if phase in ("decode", "all"):
+            counted[row, begin + len(p):] = True
+    return input_ids, attention, counted
+
+
+@torch.inference_mode()
+def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]],
+                       continuations: Sequence[Sequence[int]], tokenizer=None,
+                       config: CalibrationConfig | None = None, progress: bool = True) -> ExpertStats:
+    """The statistics `calibrate` counts, from given continuations: one teacher-forced forward of prompt +
+    continuation per batch, counting the positions `config.phase` names.
+
+    What counts in phase `decode`: the continuation tokens the decoder is fed, i.e. every generated token but
+    the last (generation feeds a token back only to produce the next one), which is exactly what `calibrate`
+    counts while the full model generates. So for the same continuations the two agree: counts exactly and
+    the float sums within rounding (a causal forward over the whole sequence computes each position from the
+    same inputs, in other batch shapes). `prompt` counts prompt positions, `all` both. Batches are sorted by
+    length (less padding) and only the last position's logits are computed (no vocabulary-wide head per
+    token). This is how `slimwise calibrate --engine vllm` counts: vLLM generates, this pass observes."""
+    config = config or CalibrationConfig()
+    prompts = list(prompts)[: config.max_samples] if config.max_samples else list(prompts)
+    if len(continuations) < len(prompts):
+        raise SlimWiseError(f"{len(continuations)} continuations for {len(prompts)} prompts: give one each")
+    engine = PhaseSplitEngine(model, tokenizer)
+    ids = engine.encode(prompts)
+    conts = [list(c) for c in continuations[:len(ids)]]
+    observer = ExpertObserver(model, config.phase)
+    device = input_device(model)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]) + len(conts[i]), reverse=True)
+    t0, processed = time.perf_counter(), 0
+    bar = tqdm(total=len(ids), desc=f"statistics[{config.phase}]", unit="seq",
+               disable=None if progress else True)
+    try:
+        for start in range(0, len(order), config.batch_size):
+            batch = order[start:start + config.batch_size]
+            input_ids, attention, counted = _teacher_forced_batch([ids[i] for i in batch],
+                                                                  [conts[i] for i in batch], config.phase,
+                                                                  engine.pad_id)
+            input_ids, attention = input_ids.to(device), attention.to(device)
+            observer.before_forward(config.phase, counted.reshape(-1).to(device))
+            model(input_ids=input_ids, attention_mask=attention,
+                  position_ids=(attention.cumsum(-1) - 1).clamp_min(0), use_cache=False, logits_to_keep=1)
+            processed += int(attention.sum())
+            bar.update(len(batch))
+    finally:
+        bar.close()
+        observer.remove()
+        engine.close()
+    if observer.counted_tokens == 0:
+        raise SlimWiseError(f"no {config.phase} tokens were counted: the continuations are too short")
+    stats = _finish(observer, model, config, len(ids), processed, t0)
+    stats.meta["pass"] = "teacher-forced"
+    return stats
+
+
+def vllm_continuations(model_dir, prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer,
+                       config: CalibrationConfig, dtype: str = "auto",
+                       engine_kwargs: dict | None = None) -> list[list[int]]:
+    """The full model's greedy continuations of `prompts`, generated by vLLM (one engine, closed on return):
+    the generation half of `slimwise calibrate --engine vllm`; `continuation_stats` counts them. Token ids
+    include the EOS where a sequence stopped on it, as the reference engine's do. vLLM spawns workers: call
+    this under an `if __name__ == "__main__":` guard."""
+    from slimwise.engines.vllm_engine import VllmEngine
+    from slimwise.hardware import resolve_dtype
+
+    prompts = list(prompts)[: config.max_samples] if config.max_samples else list(prompts)
+    if config.phase == "prompt":
+        return [[] for _ in prompts]
+    engine = VllmEngine(model_dir, None, tokenizer, dtype=resolve_dtype(dtype, model_dir)[0],
+                        engine_kwargs=engine_kwargs)
+    try:
+        gen = GenerationConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                               seed=config.seed, batch_size=config.batch_size)
+        return [g.token_ids for g in engine.generate(prompts, mode="full", config=gen)]
+    finally:
+        engine.close()
+
+
+def vllm_engine_kwargs(options: Sequence[str]) -> dict:
+    """vLLM's own command-line options (`--tensor-parallel-size 2`, `--max-num-seqs=64`, `--enforce-eager`)
+    as `LLM(...)` keyword arguments; values are read as JSON where they parse (numbers, booleans, objects)."""
+    import json
+
+    kwargs: dict = {}
+    items = list(options)
+    while items:
+        option = items.pop(0)
+        if not option.startswith("--") or option == "--":
+            raise SlimWiseError(f"unexpected argument {option!r}: vLLM options look like --name VALUE")
+        name, eq, value = option[2:].partition("=")
+        if not eq:
+            value = items.pop(0) if items and not items[0].startswith("--") else "true"
+        try:
+            kwargs[name.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[name.replace("-", "_")] = value
+    return kwargs
+

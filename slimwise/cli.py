@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from slimwise.argtypes import OneLineParser, integer, number
+from slimwise.devices import parse_max_memory, resolve_device
 from slimwise.errors import SlimWiseError, run_command
 from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
 from slimwise.options import add_dataclass_options, config_from_args
@@ -34,19 +35,74 @@ def _load(args, path=None, dtype=None):
                       max_memory=args.max_memory)
 
 
+def _add_dry_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what the command holds in memory (computed from config.json on the meta "
+                        "device; MODEL may also be a full-size preset such as qwen3.6-35b-a3b) and exit "
+                        "without loading anything")
+
+
+def _dry_run(args, command: str, **sizes) -> bool:
+    """`--dry-run`: print the command's memory footprint (`slimwise.footprint`) and return True."""
+    if not getattr(args, "dry_run", False):
+        return False
+    from slimwise.footprint import footprint
+
+    gpus = sum(isinstance(k, int) for k in parse_max_memory(getattr(args, "max_memory", None)) or {})
+    print(footprint(args.model, command, dtype=_footprint_dtype(args, command), devices=max(1, gpus),
+                    **sizes).report())
+    return True
+
+
+def _footprint_dtype(args, command: str) -> str:
+    """The dtype the command would load in: --dtype, else its default on the chosen device."""
+    from slimwise.devices import auto_dtype_on
+    from slimwise.perf.presets import PRESETS
+
+    device = resolve_device(getattr(args, "device", "cpu"))
+    dtype = args.dtype or ("float32" if device == "cpu" else "auto")  # None: distill's device default
+    if dtype != "auto":
+        return dtype
+    if str(args.model) in PRESETS:
+        return "bfloat16"
+    from slimwise.models import load_config
+
+    config = load_config(args.model)
+    saved = str(getattr(config.get_text_config(), "dtype", None) or "float32").removeprefix("torch.")
+    return auto_dtype_on(device, saved) or saved
+
+
 def cmd_calibrate(args) -> None:
-    from slimwise.calibrate import CalibrationConfig, calibrate
+    from slimwise.calibrate import (
+        CalibrationConfig,
+        calibrate,
+        continuation_stats,
+        vllm_continuations,
+        vllm_engine_kwargs,
+    )
     from slimwise.data import load_prompts
-    from slimwise.models import load_tokenizer
+    from slimwise.models import load_tokenizer, resolve_model_dir
 
     refuse_blocked_parent(args.out)  # an unwritable output is refused before calibration runs, not after
     if Path(args.out).is_dir():
         raise SlimWiseError(f"output {args.out} is a directory; pass a file path (.safetensors)")
+    if args.vllm_args and args.engine != "vllm":
+        raise SlimWiseError(f"unrecognized arguments: {' '.join(args.vllm_args)} (vLLM options need "
+                            "--engine vllm)")
+    if _dry_run(args, "calibrate", batch_size=args.batch_size, max_new_tokens=args.max_new_tokens):
+        return
     prompts = load_prompts(args.data, limit=args.max_samples)
-    model = _load(args)
     config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens,
                                batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed)
-    stats = calibrate(model, prompts, load_tokenizer(args.model), config)
+    tokenizer = load_tokenizer(args.model)
+    if args.engine == "vllm":  # vLLM generates; one teacher-forced pass of the transformers model counts
+        engine_kwargs = vllm_engine_kwargs(args.vllm_args)
+        continuations = vllm_continuations(resolve_model_dir(args.model), prompts, tokenizer, config,
+                                           dtype=args.dtype, engine_kwargs=engine_kwargs)
+        stats = continuation_stats(_load(args), prompts, continuations, tokenizer, config)
+        stats.meta["engine"] = {"continuations": "vllm", "vllm_options": engine_kwargs}
+    else:
+        stats = calibrate(_load(args), prompts, tokenizer, config)
     stats.meta["data"] = str(args.data)
     stats.save(args.out)
     print(f"wrote {args.out}: {len(stats.layers)} MoE layers x {stats.num_experts} experts, "
@@ -94,6 +150,8 @@ def cmd_prune(args) -> None:
     from slimwise.models import load_model, resolve_model_dir
 
     plan = _plan_from_args(args)
+    if _dry_run(args, "prune", ratio=plan.ratio):
+        return
     model = load_model(args.model, dtype=args.dtype)
     out = export_pruned(model, plan, args.out, source_dir=resolve_model_dir(args.model), force=args.force,
                         delta=args.distilled)
@@ -172,33 +230,47 @@ def serve_plans(values: list[str]) -> tuple[str | None, dict[str, str]]:
 def cmd_distill(args) -> None:
     from slimwise.data import load_prompts
     from slimwise.devices import resolve_device
-    from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill
+    from slimwise.distill import DistillConfig, TeacherData, build_teacher, distill, teacher_from_parts
     from slimwise.models import load_tokenizer, resolve_model_dir
     from slimwise.plan import PrunePlan
 
     out = Path(args.out)
     refuse_existing(out, args.force)
     refuse_blocked_parent(out)  # before minutes of training, not after
+    if args.dry_run:
+        _dry_run(args, "distill", distill=config_from_args(DistillConfig, args),
+                 prompts=len(load_prompts(args.data, limit=args.max_samples)))
+        return
     source = resolve_model_dir(args.model).resolve()
     if out.resolve() == source or source in out.resolve().parents:
         raise SlimWiseError(f"output {out} is inside the source model {source}; write "
                             "the delta somewhere else")
     plan = PrunePlan.load(args.plan)
     prompts = load_prompts(args.data, limit=args.max_samples)
+    if args.vllm_args and args.teacher_engine != "vllm":
+        raise SlimWiseError(f"unrecognized arguments: {' '.join(args.vllm_args)} (vLLM options need "
+                            "--teacher-engine vllm)")
     # training defaults to float32 on the CPU (the published bars) and bf16 on a GPU
-    model = _load(args, dtype=args.dtype or ("float32" if resolve_device(args.device) == "cpu" else "auto"))
+    dtype = args.dtype or ("float32" if resolve_device(args.device) == "cpu" else "auto")
     checkpoint = out.with_name(out.name + ".ckpt.pt")
     config = config_from_args(DistillConfig, args, checkpoint=str(checkpoint))
     tokenizer = load_tokenizer(args.model)
+    shared = bool(args.teacher) and Path(args.teacher).is_file()
+    # vLLM builds the teacher data before the transformers model loads: the two never share the memory
+    from_vllm = _vllm_teacher_parts(args, prompts, tokenizer, config, dtype) \
+        if args.teacher_engine == "vllm" and not shared else None
+    model = _load(args, dtype=dtype)
     teacher = None
-    if args.teacher:  # shared between runs on the same model and prompts (other plans, ratios, the baseline)
-        if Path(args.teacher).is_file():
-            teacher = TeacherData.load(args.teacher)
-        else:
-            teacher = build_teacher(model, prompts, tokenizer, config)
-            teacher.save(args.teacher)
-            print(f"wrote teacher data {args.teacher} ({len(teacher.continuations)} prompts, "
-                  f"{teacher.seconds:.0f}s)")
+    if shared:  # shared between runs on the same model and prompts (other plans, ratios, the baseline)
+        teacher = TeacherData.load(args.teacher)
+    elif from_vllm is not None:
+        teacher = teacher_from_parts(model, *from_vllm, config)
+    elif args.teacher:
+        teacher = build_teacher(model, prompts, tokenizer, config)
+    if args.teacher and not shared:
+        teacher.save(args.teacher)
+        print(f"wrote teacher data {args.teacher} ({len(teacher.continuations)} prompts, "
+              f"{teacher.seconds:.0f}s)")
     delta = distill(model, plan, prompts, tokenizer, config, teacher=teacher)
     delta.save(out, force=args.force)
     checkpoint.unlink(missing_ok=True)
@@ -207,6 +279,23 @@ def cmd_distill(args) -> None:
           f"parameters ({100 * m['trainable_share']:.3f}% of the model), {m['steps']} steps, loss "
           f"{m['loss_history'][0]:.4f} -> {m['loss_history'][-1]:.4f}, {m['seconds']:.0f}s wall, peak memory "
           f"{m['peak_memory_mb']:.0f} MB")
+
+
+def _vllm_teacher_parts(args, prompts, tokenizer, config, dtype: str) -> tuple:
+    """(prompt ids, continuations, log-probs, source) of `--teacher-engine vllm`."""
+    from slimwise.calibrate import vllm_engine_kwargs
+    from slimwise.distill import vllm_teacher
+    from slimwise.models import load_config, resolve_model_dir
+
+    if tokenizer is None and any(isinstance(p, str) for p in prompts):
+        raise SlimWiseError(f"{args.model} has no tokenizer: give token-id prompts")
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+           for p in prompts]
+    vocab = int(load_config(args.model).get_text_config().vocab_size)
+    continuations, logprobs, source = vllm_teacher(
+        resolve_model_dir(args.model), ids, config, vocab, tokenizer, dtype=dtype,
+        engine_kwargs=vllm_engine_kwargs(args.vllm_args), top_k=args.teacher_top_k or -1)
+    return ids, continuations, logprobs, source
 
 
 def cmd_demo(args) -> None:
@@ -279,7 +368,13 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--batch-size", type=integer(1), default=16)
     p.add_argument("--max-samples", type=integer(1), default=None)
     p.add_argument("--seed", type=integer(0), default=0)
-    p.set_defaults(func=cmd_calibrate)
+    _add_dry_run(p)
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="who generates the decode-phase continuations: hf (the transformers model, observed "
+                        "as it generates) or vllm (vLLM generates, greedy; one teacher-forced pass of the "
+                        "transformers model then counts the same statistics). With vllm, unknown options "
+                        "(--tensor-parallel-size 2, ...) go to vLLM")
+    p.set_defaults(func=cmd_calibrate, vllm_args=[])
 
 
 def _add_plan(sub) -> None:
@@ -304,6 +399,7 @@ def _add_prune(sub) -> None:
                    help="a `slimwise distill` delta for this plan, folded in (pruned-and-distilled "
                         "decoder for the decode instance)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    _add_dry_run(p)
     p.set_defaults(func=cmd_prune)
 
 
@@ -354,8 +450,16 @@ def _add_distill(sub) -> None:
     p.add_argument("--teacher",
                    help="teacher-data file (.pt) shared between runs on the same model and data: "
                         "built and written there if absent, reused (and checked) if present")
+    p.add_argument("--teacher-engine", default="hf", choices=["hf", "vllm"],
+                   help="who builds the teacher data (the full model's continuations and log-probs): hf (the "
+                        "transformers model) or vllm (generation and teacher-forced log-probs in vLLM, "
+                        "before the student loads). With vllm, unknown options go to vLLM")
+    p.add_argument("--teacher-top-k", type=integer(1), default=None,
+                   help="with --teacher-engine vllm: keep vLLM's top K log-probs per position and spread the "
+                        "rest evenly (default: the whole vocabulary, exact)")
     p.add_argument("--force", action="store_true", help="replace a non-empty output")
-    p.set_defaults(func=cmd_distill)
+    _add_dry_run(p)
+    p.set_defaults(func=cmd_distill, vllm_args=[])
 
 
 #: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
@@ -423,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command != "serve":
+        if args.command not in ("serve", "calibrate", "distill"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.vllm_args = extra
     return run_command(lambda: args.func(args))

@@ -175,6 +175,9 @@ class TeacherData:
     continuations: list[list[int]]
     logprobs: list[torch.Tensor] | None
     seconds: float
+    # who computed it: {} for the transformers model, {"engine": "vllm", ...} for `vllm_teacher`; not part of
+    # the key, since both give the same data within rounding (docs/results/distillation.md)
+    source: dict = field(default_factory=dict)
 
     def check(self, key: dict) -> None:
         if self.key != key:
@@ -188,7 +191,7 @@ class TeacherData:
     def save(self, path: str | Path) -> Path:
         return atomic_torch_save({"format": TEACHER_FORMAT, "key": self.key,
                                   "continuations": self.continuations, "logprobs": self.logprobs,
-                                  "seconds": self.seconds}, path)
+                                  "seconds": self.seconds, "source": self.source}, path)
 
     @classmethod
     def load(cls, path: str | Path) -> TeacherData:
@@ -203,7 +206,8 @@ class TeacherData:
         key = dict(state["key"])
         if "batch_size" in key:  # written by older releases, whose training batch built the teacher data too
             key["teacher_batch_size"] = key.pop("batch_size")
-        return cls(key, state["continuations"], state["logprobs"], state["seconds"])
+        return cls(key, state["continuations"], state["logprobs"], state["seconds"],
+                   state.get("source") or {})
 
 
 def _teacher_key(model: nn.Module, ids: list[list[int]], config: DistillConfig) -> dict:
@@ -226,6 +230,57 @@ def _build_teacher(engine: PhaseSplitEngine, ids: list[list[int]], config: Disti
         logprobs = logprobs_along(engine, ids, continuations, config.teacher_batch_size)
     return TeacherData(_teacher_key(engine.model, ids, config), continuations, logprobs,
                        round(time.perf_counter() - t0, 2))
+
+
+def vllm_teacher(model_dir: str | Path, ids: list[list[int]], config: DistillConfig, vocab_size: int,
+                 tokenizer=None, *, dtype: str = "float32", engine_kwargs: dict | None = None,
+                 top_k: int = -1) -> tuple[list[list[int]], list[torch.Tensor], dict]:
+    """The teacher data's two parts from vLLM: the full model's greedy continuations of `ids` (EOS kept) and
+    its log-probs along them (one teacher-forced prefill of prompt + continuation per sequence). `top_k` -1
+    takes the whole vocabulary (exact); K > 0 keeps vLLM's top K per position and spreads the remaining
+    probability evenly over the other tokens (a bounded approximation that keeps the dense loss). Returns
+    (continuations, dense log-probs [len, vocab] per sequence, source record). vLLM spawns workers: call it
+    under an `if __name__ == "__main__":` guard."""
+    from slimwise.engines.vllm_engine import VllmEngine
+
+    t0 = time.perf_counter()
+    kwargs = {"max_logprobs": -1 if top_k < 0 else max(top_k, 20), **(engine_kwargs or {})}
+    engine = VllmEngine(model_dir, None, tokenizer, dtype=dtype, engine_kwargs=kwargs)
+    try:
+        gen = GenerationConfig(max_new_tokens=config.max_new_tokens, batch_size=config.teacher_batch_size,
+                               progress=config.progress)
+        continuations = [g.token_ids for g in engine.generate(ids, mode="full", config=gen)]
+        sparse = engine.prompt_logprobs([p + c for p, c in zip(ids, continuations, strict=True)],
+                                        [len(p) for p in ids], top_k=top_k)
+    finally:
+        engine.close()
+    logprobs = [_dense_logprobs(rows, values, vocab_size) for rows, values in sparse]
+    source = {"engine": "vllm", "dtype": dtype, "top_k": top_k, "engine_kwargs": engine_kwargs or {},
+              "seconds": round(time.perf_counter() - t0, 2)}
+    return continuations, logprobs, source
+
+
+def _dense_logprobs(ids: torch.Tensor, values: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[T, K] top-K log-probs → [T, vocab]: the K given, the rest sharing the remaining probability evenly
+    (exactly the given ones when K is the whole vocabulary)."""
+    finite = torch.isfinite(values)
+    mass = torch.where(finite, values.exp(), 0.0).sum(-1)
+    others = (vocab_size - finite.sum(-1)).clamp_min(1)
+    tail = torch.log((1.0 - mass).clamp_min(1e-12) / others)
+    dense = torch.cat([tail[:, None].expand(-1, vocab_size), tail[:, None]], dim=1)  # + a column for padding
+    dense.scatter_(1, torch.where(finite, ids, vocab_size), torch.where(finite, values, tail[:, None]))
+    return dense[:, :vocab_size].contiguous()
+
+
+def teacher_from_parts(model: nn.Module, ids: list[list[int]], continuations: list[list[int]],
+                       logprobs: list[torch.Tensor], source: dict, config: DistillConfig) -> TeacherData:
+    """Teacher data computed elsewhere (`vllm_teacher`), keyed to `model` like the transformers teacher's."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if logprobs and logprobs[0].shape[-1] != vocab:
+        raise SlimWiseError(f"the teacher's log-probs cover {logprobs[0].shape[-1]} tokens but the model's "
+                            f"head has {vocab}: build the teacher from the same checkpoint")
+    return TeacherData(_teacher_key(model, ids, config), continuations, logprobs, source.get("seconds", 0.0),
+                       source)
 
 
 def _distill_prompts(prompts: Sequence[str] | Sequence[Sequence[int]], config: DistillConfig) -> list:

@@ -37,11 +37,16 @@ def is_hybrid(config_or_dir) -> bool:
     return "linear_attention" in (text.get("layer_types") or [])
 
 
-def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int:
-    """Attention KV bytes one token adds to the cache (full-attention layers only; bf16/fp16 unless
-    float32)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
+def text_config_dict(config) -> dict:
+    """The (text) config as a dict, from a config object or dict (multimodal wrappers nest it)."""
+    d = config if isinstance(config, dict) else config.to_dict()
+    return d.get("text_config") or d
+
+
+def kv_bytes_per_token_of(config, dtype: str) -> int:
+    """Attention KV bytes one token adds, from a config object or dict (full-attention layers only; 4-byte
+    elements in float32, else 2)."""
+    text = text_config_dict(config)
     heads = text.get("num_attention_heads", 1)
     head_dim = text.get("head_dim") or text["hidden_size"] // heads
     kv_heads = text.get("num_key_value_heads", heads)
@@ -51,16 +56,30 @@ def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int:
     return 2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
 
 
-def state_bytes_per_layer(model_dir: str | Path) -> int:
-    """Conv + recurrent state of one linear-attention layer for one sequence (0 without such layers)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)
+def state_bytes_per_layer_of(config) -> int:
+    """Conv + recurrent state of one linear-attention layer for one sequence, from a config object or dict
+    (0 without such layers)."""
+    text = text_config_dict(config)
     if "linear_attention" not in (text.get("layer_types") or []):
         return 0
     nk, nv = text["linear_num_key_heads"], text["linear_num_value_heads"]
     dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
     ssm = 4 if str(text.get("mamba_ssm_dtype", "")).removeprefix("torch.") == "float32" else 2
     return nv * dk * dv * ssm + (2 * nk * dk + nv * dv) * (text.get("linear_conv_kernel_dim", 4) - 1) * 2
+
+
+def linear_attention_layers(config) -> int:
+    return sum(t == "linear_attention" for t in (text_config_dict(config).get("layer_types") or []))
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int:
+    """`kv_bytes_per_token_of` a checkpoint directory's config.json."""
+    return kv_bytes_per_token_of(json.loads((Path(model_dir) / "config.json").read_text()), dtype)
+
+
+def state_bytes_per_layer(model_dir: str | Path) -> int:
+    """`state_bytes_per_layer_of` a checkpoint directory's config.json."""
+    return state_bytes_per_layer_of(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
 def resolve_model_dir(path: str | Path) -> Path:

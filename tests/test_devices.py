@@ -84,7 +84,7 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["errors"]
     assert set(report["sections"]) == {"testbed", "synthetic"}
-    assert len(report["checks"]) == 9 and all(c["ok"] for c in report["checks"])
+    assert len(report["checks"]) == 10 and all(c["ok"] for c in report["checks"])
     tb = report["sections"]["testbed"]["device_float32"]
     assert tb["stats_vs_cpu"]["counts_equal"] and tb["plan_vs_cpu"]["identical_share"] == 1.0
     assert all(tb["tokens_vs_cpu"][m]["identical_share"] == 1.0 for m in ("full", "uniform", "slimwise"))

@@ -582,3 +582,18 @@ def test_teacher_and_checkpoint_files_never_run_code(setup, tmp_path):
         distill(model, plan, random_prompts(4, seed=9),
                 config=DistillConfig(checkpoint=str(ckpt), resume=True, **(FAST | {"steps": 1})))
     assert not marker.exists()
+
+
+def test_top_k_log_probs_keep_the_k_and_spread_the_rest():
+    """`--teacher-top-k K`: the K given log-probs stay as they are, the rest share the remaining mass evenly,
+    each row is a distribution (padding slots, -inf, are ignored)."""
+    ids = torch.tensor([[3, 1, 0], [2, 0, 0]])
+    values = torch.log(torch.tensor([[0.5, 0.25, 0.125], [0.9, 0.0, 0.0]]))
+    values[1, 1:] = float("-inf")
+    from slimwise.distill import _dense_logprobs
+
+    dense = _dense_logprobs(ids, values, vocab_size=6)
+    assert torch.allclose(dense.exp().sum(-1), torch.ones(2))
+    assert torch.allclose(dense[0, [3, 1, 0]], values[0]) and torch.allclose(dense[1, 2], values[1, 0])
+    assert torch.allclose(dense[0, [2, 4, 5]].exp(), torch.full((3,), 0.125 / 3))
+    assert torch.allclose(dense[1, [0, 1, 3, 4, 5]].exp(), torch.full((5,), 0.1 / 5))

@@ -18,6 +18,26 @@ from torch import nn
 from slimwise.errors import SlimWiseError
 
 
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, in] (rows sorted by group) @ weight [G, in, out] per group, groups ending at `offsets` (int32,
+    cumulative): torch's grouped matmul where this torch has one for this device and dtype, else one mm per
+    group (one host sync for the offsets)."""
+    fn = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    x = x.to(weight.dtype)
+    if fn is not None:
+        try:
+            return fn(x, weight, offs=offsets)
+        except (RuntimeError, NotImplementedError):
+            pass  # no kernel for this dtype / device in this torch
+    out = torch.zeros(x.shape[0], weight.shape[-1], dtype=x.dtype, device=x.device)
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(x[start:end], weight[g], out=out[start:end])
+        start = end
+    return out
+
+
 @dataclass(frozen=True)
 class MoELayer:
     """One sparse MoE block of a model, addressed by its decoder-layer index."""
@@ -116,6 +136,27 @@ class MoEAdapter:
         """Expert e's un-gated output f_e(x) for the rows of x (tokens routed to it)."""
         gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
         return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+
+    def grouped_expert_outputs(self, experts: nn.Module, x: torch.Tensor,
+                               counts: torch.Tensor) -> torch.Tensor:
+        """f_e(x) for rows sorted by expert, `counts[e]` rows of expert e in turn: one grouped matmul per
+        projection, as transformers' default ("grouped_mm") experts forward computes them, so an observer that
+        returns these outputs changes nothing the model computes (bit-identical to `expert_forward` per expert
+        on the CPU too). Rows past the last group are left undefined. Families whose experts differ from the
+        fused gate/up + down layout run `expert_forward` per hit expert instead (one host sync)."""
+        fused = (type(self).expert_forward is MoEAdapter.expert_forward
+                 and not getattr(experts, "is_transposed", False))
+        if fused and getattr(experts, "gate_up_proj", None) is not None and experts.gate_up_proj.dim() == 3:
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = grouped_mm(x, experts.gate_up_proj.transpose(-2, -1), offsets).chunk(2, dim=-1)
+            return grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), offsets)
+        y = torch.empty(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                y[start:start + n] = self.expert_forward(experts, e, x[start:start + n])
+                start += n
+        return y
 
     def expert_param_names(self, experts: nn.Module) -> list[str]:
         """Per-expert tensors (leading dim E) of the fused experts module."""

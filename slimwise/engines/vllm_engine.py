@@ -278,6 +278,33 @@ class VllmEngine:
         return results
 
 
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]], first: Sequence[int],
+                        top_k: int = -1, mode: str = "full") -> list[tuple]:
+        """Teacher-forced log-probs of `mode`'s model along each token sequence, from position `first[i]` on:
+        for each sequence, (ids [T, K] long, log-probs [T, K] float32) where row t is the distribution of
+        token first[i] + t given the tokens before it (vLLM's prompt log-probs: one prefill, no sampling).
+        `top_k` -1 keeps the whole vocabulary; the engine needs `max_logprobs` at least that large
+        (`engine_kwargs={"max_logprobs": -1}`)."""
+        import torch
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=top_k, detokenize=False)
+        outs = self._engine(mode).generate([{"prompt_token_ids": list(q)} for q in sequences], params,
+                                           use_tqdm=False)
+        results = []
+        for out, start in zip(outs, first, strict=True):
+            rows = out.prompt_logprobs[start:]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            values = torch.full((len(rows), width), float("-inf"))
+            for t, row in enumerate(rows):
+                ranked = sorted(row.items(), key=lambda kv: -kv[1].logprob)
+                ids[t, :len(ranked)] = torch.tensor([k for k, _ in ranked])
+                values[t, :len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+            results.append((ids, values))
+        return results
+
+
 def _with_plan(params, name: str):
     out = params.clone()
     out.extra_args = {**(out.extra_args or {}), REQUEST_PLAN_ARG: name}

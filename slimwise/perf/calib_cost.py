@@ -41,7 +41,7 @@ class AllExpertsObserver(ExpertObserver):
     def _expert_outputs(self, row, experts, hidden_states, token_of, counts, rows):
         y = torch.empty(token_of.numel(), hidden_states.shape[-1], dtype=hidden_states.dtype)
         start = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             y_all = self.adapter.expert_forward(experts, e, hidden_states)  # every token, routed or not
             if rows is not None:
                 self.all_norm_sum[row, e] += torch.linalg.vector_norm(
@@ -70,9 +70,31 @@ class ReapHookObserver(AllExpertsObserver):
         return forward
 
 
-#: name -> observer; "reap_hook" is the bar's baseline.
+class ExpertLoopObserver(ExpertObserver):
+    """The observer before the grouped one (the "before" of the statistics-pass benchmark): the hit experts in
+    a Python loop, one `expert_forward` and one norm per expert, `counts` copied to the host once per layer
+    and forward; the same statistics."""
+
+    def _expert_outputs(self, row, experts, hidden_states, token_of, counts, rows):
+        x = hidden_states[token_of]
+        y = torch.zeros_like(x)
+        norms = torch.zeros(token_of.numel(), dtype=torch.float64, device=x.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                y[start:start + n] = self.adapter.expert_forward(experts, e, x[start:start + n])
+                norms[start:start + n] = torch.linalg.vector_norm(y[start:start + n], dim=-1,
+                                                                  dtype=torch.float64)
+                start += n
+        return y, norms
+
+
+#: name -> observer run while the full model generates; "reap_hook" is the bar's baseline, "expert_loop" the
+#: observer the grouped one replaced. "teacher_forced" (below) is the pass `calibrate --engine vllm` runs.
 OBSERVERS: dict[str, type[ExpertObserver]] = {"ours": ExpertObserver, "reap_hook": ReapHookObserver,
-                                              "all_experts": AllExpertsObserver}
+                                              "all_experts": AllExpertsObserver,
+                                              "expert_loop": ExpertLoopObserver}
+TEACHER_FORCED = "teacher_forced"
 
 
 @dataclass
@@ -123,6 +145,31 @@ def observe(model, prompts: Sequence[Sequence[int]], observer_cls: type, config:
             "tokens_per_s": processed / seconds, "stats": observer.stats, "observer": observer}
 
 
+def teacher_forced(model, prompts: Sequence[Sequence[int]], continuations: list[list[int]],
+                   config: CalibCostConfig) -> dict:
+    """The teacher-forced statistics pass over given continuations (`continuation_stats`), timed like
+    `observe`: the same tokens processed (prompt + continuation[:-1] per sequence), the same statistics."""
+    from slimwise.calibrate import CalibrationConfig, continuation_stats
+
+    t0 = time.perf_counter()
+    stats = continuation_stats(model, prompts, continuations, None,
+                               CalibrationConfig(phase=config.phase, batch_size=config.batch_size),
+                               progress=False)
+    seconds = time.perf_counter() - t0
+    processed = stats.meta["tokens_processed"]
+    return {"tokens": processed, "counted": int(stats.tokens[0]), "seconds": seconds,
+            "tokens_per_s": processed / seconds, "stats": stats}
+
+
+def _continuations(model, prompts, config: CalibCostConfig) -> list[list[int]]:
+    from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+
+    new = 0 if config.phase == "prompt" else config.max_new_tokens
+    gen = GenerationConfig(max_new_tokens=new, batch_size=config.batch_size, eos_token_id=-1)
+    with PhaseSplitEngine(model, None) as engine:
+        return [g.token_ids for g in engine.generate(prompts, mode="full", config=gen)]
+
+
 def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = None) -> dict:
     """Alternate ours / all-experts for `repetitions` rounds; return tokens/s medians, the ratio and the
     bar."""
@@ -155,12 +202,14 @@ def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = 
         f"x {config.prompt_len} tokens, phase {config.phase}, batch {config.batch_size}"
     )
     observe(model, prompts[: config.batch_size], ExpertObserver, config)  # warm-up
-    names = list(OBSERVERS)
+    continuations = _continuations(model, prompts, config)  # untimed: vLLM's job in `--engine vllm`
+    names = [*OBSERVERS, TEACHER_FORCED]
     rates: dict[str, list[float]] = {name: [] for name in names}
     last: dict[str, dict] = {}
     for r in range(config.repetitions):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order every round
-            m = observe(model, prompts, OBSERVERS[name], config)
+            m = teacher_forced(model, prompts, continuations, config) if name == TEACHER_FORCED \
+                else observe(model, prompts, OBSERVERS[name], config)
             rates[name].append(m["tokens_per_s"])
             last[name] = m
             log(f"  round {r} {name:<12} {m['tokens_per_s']:9.1f} tokens/s ({m['tokens']} tokens in "
@@ -189,6 +238,12 @@ def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = 
         "same_routed_stats": same,
     }
     log(
+        f"statistics pass: {medians['expert_loop']:.1f} tokens/s with the per-expert loop observer (before), "
+        f"{medians['ours']:.1f} grouped ({speedup['expert_loop']['median']:.2f}x), "
+        f"{medians[TEACHER_FORCED]:.1f} teacher-forced over the same continuations "
+        f"({medians[TEACHER_FORCED] / medians['expert_loop']:.2f}x)"
+    )
+    log(
         f"ours {medians['ours']:.1f} tokens/s vs REAP's hook observer {medians['reap_hook']:.1f}: "
         f"{ratio:.2f}x (bar (E/k)/2 = {target:.1f}x: {'met' if ratio >= target else 'NOT met'}); vs the "
         f"fused all-experts pass {medians['all_experts']:.1f}: {speedup['all_experts']['median']:.2f}x; "
@@ -202,9 +257,12 @@ def run_calib_cost(config: CalibCostConfig, log: Callable[[str], None] | None = 
 
 __all__ = [
     "OBSERVERS",
+    "TEACHER_FORCED",
     "AllExpertsObserver",
+    "ExpertLoopObserver",
     "CalibCostConfig",
     "ReapHookObserver",
     "observe",
     "run_calib_cost",
+    "teacher_forced",
 ]
