@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import MoEAdapter, MoELayer, get_adapter
-from slimwise.devices import input_device
+from slimwise.devices import input_device, onloaded
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import model_fingerprint
@@ -118,7 +118,8 @@ class ExpertObserver:
             rows = self._rows_for(hidden_states.device)
             if rows is not None and rows.numel() != hidden_states.shape[0]:
                 rows = None
-            y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts, rows)
+            with onloaded(experts):  # an offloaded layer's experts are only there while it runs
+                y, norms = self._expert_outputs(row, experts, hidden_states, token_of, counts, rows)
             y = torch.where(real[:, None], y, 0)  # a sentinel's row is undefined
             gate = top_k_weights.reshape(-1)[order] * real
             # back to (token, slot) order and summed over the slots: transformers' own reduction, so the

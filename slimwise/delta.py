@@ -186,6 +186,11 @@ class InstalledDelta:
 
     def __init__(self, model: nn.Module, delta: Delta, mask: ExpertMask, plan: PrunePlan,
                  trainable: bool = False):
+        from slimwise.devices import is_offloaded
+
+        if any(is_offloaded(m) for m in model.modules()):
+            raise SlimWiseError("a distilled delta needs every weight resident on a device, and accelerate "
+                                "offloads part of this model: raise --max-memory (or add GPUs)")
         self.model, self.mask, self.plan = model, mask, plan
         self.adapter = mask.adapter
         self.mode = delta.mode

@@ -13,7 +13,9 @@ Invariant: `placement` never changes what the model computes on the CPU: `device
 
 from __future__ import annotations
 
+import contextlib
 import re
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -78,11 +80,22 @@ class Placement:
         none (the plain load every CPU result was produced with)."""
         if self.spread:
             require_accelerate("--max-memory")
-            return {"device_map": "auto", "max_memory": dict(self.max_memory)}
+            # what does not fit the budgets goes to disk (accelerate's offload folder, removed at exit)
+            return {"device_map": "auto", "max_memory": dict(self.max_memory),
+                    "offload_folder": _offload_dir()}
         if self.device == "cpu":
             return {}
         require_accelerate(f"--device {self.device}")
         return {"device_map": self.device}  # straight to the GPU: never the whole model in host RAM
+
+
+def _offload_dir() -> str:
+    import atexit
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="slimwise-offload-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def placement(device: str = "cpu", max_memory: str | dict | None = None) -> Placement:
@@ -99,11 +112,46 @@ def require_accelerate(why: str) -> None:
 
 
 def input_device(model: nn.Module) -> torch.device:
-    """Where a model's input ids go: its input embedding's device (the first device of a spread model)."""
+    """Where a model's input ids go: its input embedding's (execution) device, the first device of a spread
+    model."""
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embeddings is not None and embeddings.weight.device.type != "meta":
-        return embeddings.weight.device
+    if embeddings is not None:
+        return execution_device(embeddings)
     return next(p.device for p in model.parameters() if p.device.type != "meta")
+
+
+def is_offloaded(module: nn.Module) -> bool:
+    """Whether accelerate keeps this module's own weights off its execution device between forwards (CPU or
+    disk offload of a spread model: the parameters are on the meta device until the module runs)."""
+    hook = getattr(module, "_hf_hook", None)
+    return bool(getattr(hook, "offload", False)) or any(
+        p.device.type == "meta" for p in module.parameters(recurse=False))
+
+
+def execution_device(module: nn.Module) -> torch.device:
+    """The device a module computes on: where its weights are, or, for an offloaded module, where accelerate
+    brings them when it runs."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None and getattr(hook, "execution_device", None) is not None:
+        return torch.device(hook.execution_device)
+    for p in module.parameters(recurse=False):
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def onloaded(module: nn.Module):
+    """The module's own weights on its execution device for the block, as accelerate's hook does around its
+    forward (SlimWise's mask and observer replace some forwards and read weights directly); a no-op for a
+    module whose weights stay put."""
+    if getattr(getattr(module, "_hf_hook", None), "offload", False):
+        from accelerate.utils import align_module_device
+
+        with align_module_device(module):
+            yield
+    else:
+        yield
 
 
 def auto_dtype_on(device: str, checkpoint_dtype: str | None) -> str | None:
@@ -121,5 +169,6 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["DEVICE_HELP", "MAX_MEMORY_HELP", "Placement", "auto_dtype_on", "input_device", "parse_max_memory",
-           "placement", "require_accelerate", "resolve_device", "synchronize"]
+__all__ = ["DEVICE_HELP", "MAX_MEMORY_HELP", "Placement", "auto_dtype_on", "execution_device",
+           "input_device", "is_offloaded", "onloaded", "parse_max_memory", "placement", "require_accelerate",
+           "resolve_device", "synchronize"]

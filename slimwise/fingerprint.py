@@ -135,17 +135,40 @@ def memory_fingerprint(fingerprint: dict) -> dict:
     return {k: v for k, v in fingerprint.items() if k != "files_sha256"}
 
 
+def _sample(tensor: torch.Tensor, samples_per_tensor: int) -> bytes:
+    flat = tensor.detach().reshape(-1)
+    step = max(1, flat.numel() // samples_per_tensor)
+    return flat[::step][:samples_per_tensor].to(torch.float32).cpu().numpy().tobytes()
+
+
+def _samples(model: nn.Module, samples_per_tensor: int) -> list[tuple[str, tuple, bytes]]:
+    """(name, shape, strided sample) of every state-dict tensor. A model accelerate offloads (parts on disk
+    or in host memory between forwards) is read module by module while each is on its execution device, so
+    its fingerprint is the same as the same weights held in memory."""
+    from slimwise.devices import is_offloaded, onloaded
+
+    if not any(is_offloaded(m) for m in model.modules()):
+        return [(name, tuple(t.shape), _sample(t, samples_per_tensor))
+                for name, t in model.state_dict().items()]
+    out = []
+    for prefix, module in model.named_modules():
+        with onloaded(module):
+            tensors = [(n, t) for n, t in module._parameters.items() if t is not None]
+            tensors += [(n, t) for n, t in module._buffers.items()
+                        if t is not None and n not in module._non_persistent_buffers_set]
+            out += [(f"{prefix}.{n}" if prefix else n, tuple(t.shape), _sample(t, samples_per_tensor))
+                    for n, t in tensors]
+    return out
+
+
 def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[str, str]:
     """Config hash + a checksum over a strided sample of every weight (float32 view, so dtype upcasts agree),
     and for a model `load_model` read from a directory, that checkpoint's `checkpoint_fingerprint`."""
     config_hash = config_fingerprint(model.config.to_dict())
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // samples_per_tensor)
-        sample = flat[::step][:samples_per_tensor].to(torch.float32).cpu().numpy().tobytes()
+    for name, shape, sample in sorted(_samples(model, samples_per_tensor)):
         h.update(name.encode())
-        h.update(str(tuple(tensor.shape)).encode())
+        h.update(str(shape).encode())
         h.update(sample)
     fingerprint = {"config_sha256": config_hash, "weights_sha256": h.hexdigest()[:16]}
     source = getattr(model, "slimwise_source_dir", None)

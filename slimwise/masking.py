@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
+from slimwise.devices import execution_device, onloaded
 from slimwise.hooks import ForwardWrappers
 from slimwise.plan import PrunePlan
 
@@ -31,7 +32,7 @@ class ExpertMask:
         plan.validate(self.adapter.min_kept_per_group(model.config))
         plan.check_model(model, self.adapter)
         for layer in self.adapter.moe_layers(model):
-            pruned = torch.ones(num_experts, dtype=torch.bool, device=layer.router.weight.device)
+            pruned = torch.ones(num_experts, dtype=torch.bool, device=execution_device(layer.router))
             pruned[plan.kept(layer.index)] = False
             if not pruned.any():
                 continue  # nothing pruned: this layer always runs its stock router
@@ -45,10 +46,12 @@ class ExpertMask:
                 if not self.active:
                     return original(hidden_states, *args, **kwargs)
                 if self.token_mask is None:
-                    return adapter.route(router, hidden_states, pruned)
+                    with onloaded(router):  # an offloaded router's weight is only there while it runs
+                        return adapter.route(router, hidden_states, pruned)
                 rows = self.token_mask.reshape(-1, 1).to(hidden_states.device)  # a spread model's layer
                 full = original(hidden_states, *args, **kwargs)
-                masked = adapter.route(router, hidden_states, pruned)
+                with onloaded(router):
+                    masked = adapter.route(router, hidden_states, pruned)
                 return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))
 
             return forward

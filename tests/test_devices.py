@@ -40,8 +40,8 @@ def test_max_memory_parses_to_accelerates_dict():
 
 def test_cpu_placement_is_the_plain_load_and_gpu_dtype_defaults_to_bf16():
     assert placement("cpu").from_pretrained_kwargs() == {}
-    assert placement("cpu", "cpu=1GiB").from_pretrained_kwargs() == {"device_map": "auto",
-                                                                     "max_memory": {"cpu": "1GiB"}}
+    spread = placement("cpu", "cpu=1GiB").from_pretrained_kwargs()
+    assert spread.pop("offload_folder") and spread == {"device_map": "auto", "max_memory": {"cpu": "1GiB"}}
     assert auto_dtype_on("cuda:0", "float32") == "bfloat16"
     assert auto_dtype_on("cuda", "float16") == "float16"
     assert auto_dtype_on("cpu", "bfloat16") is None
@@ -96,3 +96,42 @@ def test_published_gpu_check_passed():
     report = json.loads((ROOT / "docs/results/gpu/gpu_check_h200.json").read_text())
     assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["smoke"]
     assert report["env"]["gpu"] == "NVIDIA H200" and report["env"]["device"] == "cuda"
+
+
+def test_a_model_spread_over_memory_and_disk_computes_what_the_whole_model_does():
+    """The two placements accelerate allows on a CPU: testbed-c under a 20 MiB --max-memory keeps the
+    embeddings and two layers in memory and offloads the other two layers and the head to disk (their
+    weights come back only while they run). Calibration, the fingerprint, the masked (pruned) decoder and
+    generation in every mode equal the whole model's, bit for bit; a distilled delta, which needs resident
+    weights, is refused in one line."""
+    from slimwise.calibrate import CalibrationConfig, calibrate
+    from slimwise.criteria import plan_from_stats
+    from slimwise.distill import DistillConfig, init_delta
+    from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+    from slimwise.fingerprint import model_fingerprint
+    from slimwise.models import load_tokenizer
+    from slimwise.testbed import make_split
+
+    whole = load_model("testbed-c", dtype="float32")
+    spread = load_model("testbed-c", dtype="float32", max_memory="cpu=20MiB")
+    assert set(spread.hf_device_map.values()) == {"cpu", "disk"}
+    assert model_fingerprint(spread) == model_fingerprint(whole)
+    tok = load_tokenizer("testbed-c")
+    prompts = [s.prompt for s in make_split("calib", 1, seed=0, domain="arithmetic")]
+    config = CalibrationConfig(max_new_tokens=16, batch_size=8)
+    stats = [calibrate(m, prompts, tok, config, progress=False) for m in (whole, spread)]
+    assert torch.equal(stats[0].count, stats[1].count) and torch.equal(stats[0].tokens, stats[1].tokens)
+    for field in ("gate_sum", "norm_sum"):
+        torch.testing.assert_close(getattr(stats[1], field), getattr(stats[0], field), rtol=1e-6, atol=0)
+    plan = plan_from_stats(stats[0], "reap", 0.5)
+    assert plan_from_stats(stats[1], "reap", 0.5).kept_experts == plan.kept_experts
+    gen = GenerationConfig(max_new_tokens=16, batch_size=8)
+    for mode in ("full", "uniform", "slimwise"):
+        tokens = []
+        for model in (whole, spread):
+            with PhaseSplitEngine(model, tok, plan=plan) as engine:
+                tokens.append([g.token_ids for g in engine.generate(prompts, mode, gen)])
+        assert tokens[0] == tokens[1], mode
+    delta = init_delta(whole, plan, DistillConfig())
+    with pytest.raises(SlimWiseError, match="needs every weight resident"):
+        PhaseSplitEngine(spread, tok, plan=plan, delta=delta)
