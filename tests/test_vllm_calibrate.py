@@ -33,7 +33,12 @@ def calibrate(tmp_path, name, *extra):
 def test_vllm_calibration_counts_what_the_reference_counts(tmp_path):
     prompts = [s.prompt for s in make_split("calib", 3, seed=0, domain="arithmetic")]
     (tmp_path / "calib.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    hf, _ = calibrate(tmp_path, "hf")
+    # the reference side in this process (the same main() a process runs; the vLLM side is a real process)
+    from slimwise.cli import main
+
+    assert main(["calibrate", "testbed-a", "--data", str(tmp_path / "calib.jsonl"), "--out",
+                 str(tmp_path / "hf.safetensors"), "--dtype", "float32", "--max-new-tokens", "40"]) == 0
+    hf = ExpertStats.load(tmp_path / "hf.safetensors")
     vllm, proc = calibrate(tmp_path, "vllm", "--engine", "vllm", "--max-num-seqs", "8")
     assert "decode tokens counted per layer" in proc.stdout
     assert vllm.meta["engine"] == {"continuations": "vllm", "vllm_options": {"max_num_seqs": 8}}
