@@ -41,6 +41,8 @@ _API: dict[str, str] = {
     "ExpertMask": "slimwise.masking",
     "export_pruned": "slimwise.export",
     "load_pruned": "slimwise.export",
+    "export_checkpoint": "slimwise.export_stream",
+    "stream_pruned": "slimwise.export_stream",
     "PhaseSplitEngine": "slimwise.engines.reference",
     "GenerationConfig": "slimwise.engines.reference",
     "Generation": "slimwise.engines.reference",
@@ -85,6 +87,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the real names
     from slimwise.errors import SlimWiseError  # noqa: F401
     from slimwise.evaluation import EvalConfig, Sweep, run_eval  # noqa: F401
     from slimwise.export import export_pruned, load_pruned  # noqa: F401
+    from slimwise.export_stream import export_checkpoint, stream_pruned  # noqa: F401
     from slimwise.masking import ExpertMask  # noqa: F401
     from slimwise.models import load_model, load_tokenizer, resolve_model_dir  # noqa: F401
     from slimwise.plan import PrunePlan, make_plan  # noqa: F401

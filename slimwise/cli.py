@@ -146,15 +146,15 @@ def cmd_plan(args) -> None:
 
 
 def cmd_prune(args) -> None:
-    from slimwise.export import export_pruned
-    from slimwise.models import load_model, resolve_model_dir
+    """Streamed from the safetensors files (`slimwise.export_stream`); in memory with --distilled or for a
+    checkpoint streaming cannot reproduce exactly (it says so in one line)."""
+    from slimwise.export_stream import export_checkpoint
 
     plan = _plan_from_args(args)
     if _dry_run(args, "prune", ratio=plan.ratio):
         return
-    model = load_model(args.model, dtype=args.dtype)
-    out = export_pruned(model, plan, args.out, source_dir=resolve_model_dir(args.model), force=args.force,
-                        delta=args.distilled)
+    out = export_checkpoint(args.model, plan, args.out, dtype=args.dtype, force=args.force,
+                            delta=args.distilled)
     print(f"wrote {out}: {plan.num_kept} of {plan.num_experts} experts per layer, verified against the source"
           + (f", distilled delta {args.distilled} folded in" if args.distilled else ""))
 
@@ -391,13 +391,17 @@ def _add_plan(sub) -> None:
 
 
 def _add_prune(sub) -> None:
-    p = sub.add_parser("prune", help="write a pruned checkpoint that stock transformers and vLLM load")
+    p = sub.add_parser("prune", help="write a pruned checkpoint that stock transformers and vLLM load",
+                       description="Write the pruned checkpoint tensor by tensor from the source's "
+                                   "safetensors files, without loading the model (at most two 64 MiB "
+                                   "chunks of tensor data held); checkpoints it cannot reproduce exactly, "
+                                   "and --distilled, are exported in memory, which loads the whole model.")
     _add_model(p)
     _add_plan_source(p)
     p.add_argument("--out", required=True, help="new directory for the pruned checkpoint")
     p.add_argument("--distilled",
                    help="a `slimwise distill` delta for this plan, folded in (pruned-and-distilled "
-                        "decoder for the decode instance)")
+                        "decoder for the decode instance); exported in memory: loads the whole model")
     p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
     _add_dry_run(p)
     p.set_defaults(func=cmd_prune)

@@ -15,8 +15,8 @@ from rich.console import Console
 
 from slimwise.evaluation import EvalConfig, Sweep
 from slimwise.evaluation.report import console_table
-from slimwise.export import export_pruned
-from slimwise.models import load_model, resolve_model_dir
+from slimwise.export_stream import export_checkpoint
+from slimwise.models import resolve_model_dir
 from slimwise.testbed import TARGET_DOMAIN, families_in_domain
 
 MODES = ("full", "uniform", "slimwise")
@@ -65,7 +65,7 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
     console.rule("[bold]2/4 decode-aware calibration and plan")
     spec = sweep.build_plans()[0]
     plan = spec.plan
-    export_pruned(load_model(model_dir), plan, out_dir / "pruned", source_dir=model_dir, force=True)
+    export_checkpoint(model_dir, plan, out_dir / "pruned", force=True)
     console.print(
         f"plan: {criterion} at {ratio:.0%} keeps {plan.num_kept}/{plan.num_experts} experts per layer "
         f"({spec.path}); pruned checkpoint in {out_dir / 'pruned'}"

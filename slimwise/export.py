@@ -6,6 +6,10 @@ original ids are written beside the weights. The result is written to a temporar
 checked expert by expert against the source, and only then renamed into place. With a distilled delta
 (`slimwise.distill`), the delta is folded in first (trained router rows and norms, merged LoRA): the result is
 the pruned-and-distilled decoder, to serve as the decode instance behind the full model's prefill.
+
+This is the in-memory path: it needs the loaded model. `slimwise prune` streams the same checkpoint from the
+safetensors files instead (`slimwise.export_stream`) and comes here only for a distilled delta or a checkpoint
+streaming cannot reproduce exactly.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from slimwise.io import atomic_dir, refuse_existing
 from slimwise.models import MANIFEST_FILE, PLAN_FILE, read_manifest
 from slimwise.plan import PrunePlan
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                    "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+#: files copied from the source directory beside the weights (unless the writer already wrote one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
 
 
 def check_output_dir(out_dir: Path, source_dir: Path | None, force: bool) -> None:
@@ -76,22 +81,36 @@ def export_pruned(model: nn.Module, plan: PrunePlan, out_dir: str | Path, *, tok
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         elif source_dir is not None:
-            for name in _TOKENIZER_FILES:
-                if (source_dir / name).is_file() and not (tmp / name).exists():
-                    shutil.copy2(source_dir / name, tmp / name)
-        plan.save(tmp / PLAN_FILE)
-        manifest = {
-            "format": "slimwise-pruned/1",
-            "source_fingerprint": source_fp,
-            "source_dir": str(source_dir) if source_dir else None,
-            "source_num_experts": plan.num_experts,
-            "num_experts": n_keep,
-            "kept_original_ids": {str(k): v for k, v in plan.kept_experts.items()},
-            "delta": delta_info,
-        }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+            copy_tokenizer_files(source_dir, tmp)
+        write_plan_and_manifest(tmp, plan, source_fp, source_dir, delta_info)
         verify_export(tmp, plan, originals)
     return out_dir
+
+
+def copy_tokenizer_files(source_dir: str | Path, out_dir: Path) -> None:
+    """Copy the source's tokenizer (and generation config) files that `out_dir` does not have yet."""
+    source_dir = Path(source_dir)
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).is_file() and not (out_dir / name).exists():
+            shutil.copy2(source_dir / name, out_dir / name)
+
+
+def write_plan_and_manifest(out_dir: Path, plan: PrunePlan, source_fingerprint: dict | None,
+                            source_dir: str | Path | None, delta_info: dict | None = None) -> None:
+    """The plan beside the weights and the manifest (`slimwise-pruned/1`): the source's fingerprint, the
+    kept original ids of every layer (new id i is the i-th of them) and the folded delta, if any. The one
+    writer of both files, whichever export wrote the weights."""
+    plan.save(out_dir / PLAN_FILE)
+    manifest = {
+        "format": "slimwise-pruned/1",
+        "source_fingerprint": source_fingerprint,
+        "source_dir": str(source_dir) if source_dir else None,
+        "source_num_experts": plan.num_experts,
+        "num_experts": plan.num_kept,
+        "kept_original_ids": {str(k): v for k, v in plan.kept_experts.items()},
+        "delta": delta_info,
+    }
+    (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def verify_export(path: Path, plan: PrunePlan, originals: dict[int, dict[str, torch.Tensor]]) -> None:

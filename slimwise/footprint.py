@@ -322,8 +322,10 @@ def _prune(job: _Job) -> tuple[list, list[str], tuple[str, ...]]:
     rows = [("weights (whole model)", c.params * b),
             ("sliced copies of the kept experts", round(kept_share * c.routed_params) * b),
             ("reloaded pruned checkpoint (export check)", pruned)]
-    notes = [f"slimwise prune loads the whole model on the CPU ({c.params * b / GIB:.2f} GiB of host RAM) "
-             "whatever --device; the source experts stay referenced until the export check has compared them",
+    notes = [f"the rows are the in-memory export (--distilled, or a checkpoint the streamed export cannot "
+             f"reproduce exactly): it loads the whole model on the CPU ({c.params * b / GIB:.2f} GiB of host "
+             "RAM) whatever --device, and the source experts stay referenced until the export check has "
+             "compared them; the default streamed export holds two 64 MiB chunks of tensor data at most",
              f"disk: the pruned checkpoint's tensors are {pruned:,} bytes ({pruned / GIB:.2f} GiB, "
              f"{pruned / 1e9:.1f} GB): {kept_share:.0%} of the routed experts and every other tensor, "
              "written to a temporary sibling of --out first"]

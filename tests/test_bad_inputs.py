@@ -500,7 +500,7 @@ def test_the_corpus_is_large_and_covers_every_subcommand():
 def test_a_refusal_after_the_weights_load_is_one_line_in_a_real_process(env):
     """The one subprocess of the corpus: stderr piped as in logs and CI (transformers' loading bar
     and import-time warnings would show here, not under capsys), with a refusal that comes only
-    once the weights are loaded."""
+    once the checkpoint's files are read (their checksum against the plan's)."""
     import subprocess
     import sys
 

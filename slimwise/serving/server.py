@@ -224,8 +224,7 @@ def _kv_config(role: str, kv_dir: str) -> str:
 def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
     if cfg.decode_model:
         return cfg.decode_model
-    from slimwise.export import export_pruned
-    from slimwise.models import load_model
+    from slimwise.export_stream import export_checkpoint
 
     delta_key = str(Path(cfg.delta).resolve()) if cfg.delta else None
     key = hashlib.sha256(json.dumps([plan.fingerprint, plan.kept_experts, delta_key],
@@ -234,8 +233,8 @@ def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
     if not (out / "config.json").is_file():
         print(f"exporting the pruned{'-and-distilled' if cfg.delta else ''} decode checkpoint to {out}",
               flush=True)
-        kwargs = {"delta": cfg.delta} if cfg.delta else {}
-        export_pruned(load_model(cfg.model), plan, out, source_dir=cfg.model, **kwargs)
+        export_checkpoint(cfg.model, plan, out, delta=cfg.delta or None,
+                          note=lambda line: print(line, flush=True))
     return str(out)
 
 
