@@ -151,7 +151,7 @@ def cmd_prune(args) -> None:
     from slimwise.export_stream import export_checkpoint
 
     plan = _plan_from_args(args)
-    if _dry_run(args, "prune", ratio=plan.ratio):
+    if _dry_run(args, "prune", ratio=plan.ratio, in_memory=bool(args.distilled)):
         return
     out = export_checkpoint(args.model, plan, args.out, dtype=args.dtype, force=args.force,
                             delta=args.distilled)

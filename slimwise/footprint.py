@@ -218,6 +218,7 @@ class _Job:
     ratio: float
     prompts: int | None
     distill: object = None  # DistillConfig for `distill`
+    in_memory: bool = False  # `prune`: the in-memory export (--distilled) instead of the streamed one
 
     @property
     def bytes(self) -> int:
@@ -319,6 +320,20 @@ def _prune(job: _Job) -> tuple[list, list[str], tuple[str, ...]]:
     c, b = job.census, job.bytes
     kept_share = _pruned_routed_share(job)
     pruned = _pruned_params(job) * b
+    disk = (f"disk: the pruned checkpoint's tensors are {pruned:,} bytes ({pruned / GIB:.2f} GiB, "
+            f"{pruned / 1e9:.1f} GB): {kept_share:.0%} of the routed experts and every other tensor, "
+            "written to a temporary sibling of --out first")
+    if not job.in_memory:
+        from slimwise.export_stream import CHUNK_BYTES
+
+        rows = [("tensor data in flight (streamed export)", 2 * CHUNK_BYTES)]
+        notes = ["the default streamed export reads the safetensors files tensor by tensor and never builds "
+                 "the model: at most two chunks of tensor data are held at once, whatever the model's size; "
+                 "the process itself (Python, torch, transformers) comes on top",
+                 "--distilled, or a checkpoint the streamed export cannot reproduce exactly, exports in "
+                 f"memory instead (the whole model on the CPU: {c.params * b / GIB:.2f} GiB of host RAM and "
+                 "more; footprint(..., in_memory=True))", disk]
+        return rows, notes, tuple(name for name, _ in rows)
     rows = [("weights (whole model)", c.params * b),
             ("sliced copies of the kept experts", round(kept_share * c.routed_params) * b),
             ("reloaded pruned checkpoint (export check)", pruned)]
@@ -326,9 +341,7 @@ def _prune(job: _Job) -> tuple[list, list[str], tuple[str, ...]]:
              f"reproduce exactly): it loads the whole model on the CPU ({c.params * b / GIB:.2f} GiB of host "
              "RAM) whatever --device, and the source experts stay referenced until the export check has "
              "compared them; the default streamed export holds two 64 MiB chunks of tensor data at most",
-             f"disk: the pruned checkpoint's tensors are {pruned:,} bytes ({pruned / GIB:.2f} GiB, "
-             f"{pruned / 1e9:.1f} GB): {kept_share:.0%} of the routed experts and every other tensor, "
-             "written to a temporary sibling of --out first"]
+             disk]
     return rows, notes, tuple(name for name, _ in rows)
 
 
@@ -454,14 +467,15 @@ def _distill_config(distill, batch_size: int | None, max_new_tokens: int | None)
 
 def footprint(model: str | Path, command: str, *, dtype: str = "bfloat16", batch_size: int | None = None,
               prompt_len: int = 512, max_new_tokens: int | None = None, devices: int = 1, distill=None,
-              ratio: float = 0.5, prompts: int | None = None) -> Footprint:
+              ratio: float = 0.5, prompts: int | None = None, in_memory: bool = False) -> Footprint:
     """What `slimwise COMMAND MODEL` holds in memory at `dtype`, from the config alone.
 
     `model`: a checkpoint directory, an embedded testbed name or a `perf.presets` name (full size). The
     batch and continuation length default to 16 and 96 (calibration's defaults), and for `distill` to the
     `DistillConfig`'s (`distill`, or its defaults: 16 and 128); passed explicitly, they override both.
     `prompts` (the data file's prompt count) decides whether distill's teacher cache is held; None gives
-    its cap. `ratio` sizes prune's output and generate's --decode-model. Every refusal is one line."""
+    its cap. `ratio` sizes prune's output and generate's --decode-model; `in_memory` sizes prune's in-memory
+    export (`--distilled`) instead of the default streamed one. Every refusal is one line."""
     if command not in COMMANDS:
         raise SlimWiseError(f"unknown command {command!r} for a footprint; choose one of "
                             f"{', '.join(COMMANDS)}")
@@ -471,11 +485,11 @@ def footprint(model: str | Path, command: str, *, dtype: str = "bfloat16", batch
     name, config = resolve_config(model)
     d = _distill_config(distill, batch_size, max_new_tokens) if command == "distill" else None
     job = _Job(config, census(config), dtype, d.batch_size if d else batch_size or DEFAULT_BATCH, prompt_len,
-               d.max_new_tokens if d else max_new_tokens or DEFAULT_NEW_TOKENS, ratio, prompts, d)
+               d.max_new_tokens if d else max_new_tokens or DEFAULT_NEW_TOKENS, ratio, prompts, d, in_memory)
     rows, notes, host = _BUILDERS[command](job)
     settings = {"batch": job.batch, "prompt": prompt_len, "new tokens": job.new_tokens}
     if command == "prune":
-        settings = {"ratio": ratio}
+        settings = {"ratio": ratio, "export": "in memory" if in_memory else "streamed"}
     return Footprint(command, name, dtype, rows, devices, notes, host, settings, _step_bytes(job))
 
 

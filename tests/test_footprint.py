@@ -29,7 +29,8 @@ def test_weights_row_is_the_loaded_models_bytes(testbed_a):
     real = sum(p.numel() * p.element_size() for p in testbed_a.parameters())
     for command in ("calibrate", "generate", "eval", "distill"):
         assert footprint("testbed-a", command, dtype="float32").bytes_of("weights") == real
-    assert footprint("testbed-a", "prune", dtype="float32").bytes_of("weights (whole model)") == real
+    in_memory = footprint("testbed-a", "prune", dtype="float32", in_memory=True)
+    assert in_memory.bytes_of("weights (whole model)") == real
 
 
 @pytest.mark.parametrize("name", ["testbed-a", "testbed-b", "testbed-c"])
@@ -95,13 +96,23 @@ def test_teacher_cache_is_all_or_nothing():
     assert many.bytes_of("teacher's copy of the KV cache") == few.bytes_of("KV cache")
 
 
+def test_streamed_prune_holds_two_chunks_whatever_the_model():
+    from slimwise.export_stream import CHUNK_BYTES
+
+    for model in (PRESET, "testbed-a"):
+        fp = footprint(model, "prune", ratio=0.5)
+        assert fp.total == fp.host_total == 2 * CHUNK_BYTES and fp.device_total == 0
+        assert any(note.startswith("disk: ") for note in fp.notes)
+
+
 def test_prune_is_host_ram_and_names_the_disk_bytes():
-    fp = footprint(PRESET, "prune", ratio=0.5)
+    fp = footprint(PRESET, "prune", ratio=0.5, in_memory=True)
     assert fp.device_total == 0 and fp.host_total == fp.total > fp.bytes_of("weights (whole model)")
     disk = fp.bytes_of("reloaded pruned checkpoint (export check)")
     assert fp.bytes_of("weights (whole model)") / 2 < disk < fp.bytes_of("weights (whole model)")
     assert any("disk" in note and f"{disk:,} bytes" in note for note in fp.notes)
-    assert footprint(PRESET, "prune", ratio=0.25).bytes_of("reloaded pruned checkpoint (export check)") > disk
+    assert footprint(PRESET, "prune", ratio=0.25, in_memory=True).bytes_of(
+        "reloaded pruned checkpoint (export check)") > disk
 
 
 def test_table_and_per_device_split():
