@@ -306,25 +306,3 @@ def vllm_continuations(model_dir, prompts: Sequence[str] | Sequence[Sequence[int
         return [g.token_ids for g in engine.generate(prompts, mode="full", config=gen)]
     finally:
         engine.close()
-
-
-def vllm_engine_kwargs(options: Sequence[str]) -> dict:
-    """vLLM's own command-line options (`--tensor-parallel-size 2`, `--max-num-seqs=64`, `--enforce-eager`)
-    as `LLM(...)` keyword arguments; values are read as JSON where they parse (numbers, booleans, objects)."""
-    import json
-
-    kwargs: dict = {}
-    items = list(options)
-    while items:
-        option = items.pop(0)
-        if not option.startswith("--") or option == "--":
-            raise SlimWiseError(f"unexpected argument {option!r}: vLLM options look like --name VALUE")
-        name, eq, value = option[2:].partition("=")
-        if not eq:
-            value = items.pop(0) if items and not items[0].startswith("--") else "true"
-        try:
-            kwargs[name.replace("-", "_")] = json.loads(value)
-        except json.JSONDecodeError:
-            kwargs[name.replace("-", "_")] = value
-    return kwargs
-

@@ -78,7 +78,6 @@ def cmd_calibrate(args) -> None:
         calibrate,
         continuation_stats,
         vllm_continuations,
-        vllm_engine_kwargs,
     )
     from slimwise.data import load_prompts
     from slimwise.models import load_tokenizer, resolve_model_dir
@@ -96,6 +95,8 @@ def cmd_calibrate(args) -> None:
                                batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
     if args.engine == "vllm":  # vLLM generates; one teacher-forced pass of the transformers model counts
+        from slimwise.engines.vllm_engine import vllm_engine_kwargs
+
         engine_kwargs = vllm_engine_kwargs(args.vllm_args)
         continuations = vllm_continuations(resolve_model_dir(args.model), prompts, tokenizer, config,
                                            dtype=args.dtype, engine_kwargs=engine_kwargs)
@@ -283,8 +284,8 @@ def cmd_distill(args) -> None:
 
 def _vllm_teacher_parts(args, prompts, tokenizer, config, dtype: str) -> tuple:
     """(prompt ids, continuations, log-probs, source) of `--teacher-engine vllm`."""
-    from slimwise.calibrate import vllm_engine_kwargs
     from slimwise.distill import vllm_teacher
+    from slimwise.engines.vllm_engine import vllm_engine_kwargs
     from slimwise.models import load_config, resolve_model_dir
 
     if tokenizer is None and any(isinstance(p, str) for p in prompts):

@@ -297,12 +297,30 @@ class VllmEngine:
             width = max(len(r) for r in rows)
             ids = torch.zeros(len(rows), width, dtype=torch.long)
             values = torch.full((len(rows), width), float("-inf"))
-            for t, row in enumerate(rows):
-                ranked = sorted(row.items(), key=lambda kv: -kv[1].logprob)
-                ids[t, :len(ranked)] = torch.tensor([k for k, _ in ranked])
-                values[t, :len(ranked)] = torch.tensor([v.logprob for _, v in ranked])
+            for t, row in enumerate(rows):  # order does not matter: the ids say where each value goes
+                ids[t, :len(row)] = torch.tensor(list(row))
+                values[t, :len(row)] = torch.tensor([v.logprob for v in row.values()])
             results.append((ids, values))
         return results
+
+
+def vllm_engine_kwargs(options: Sequence[str]) -> dict:
+    """vLLM's own command-line options (`--tensor-parallel-size 2`, `--max-num-seqs=64`, `--enforce-eager`)
+    as `LLM(...)` keyword arguments; values are read as JSON where they parse (numbers, booleans, objects)."""
+    kwargs: dict = {}
+    items = list(options)
+    while items:
+        option = items.pop(0)
+        if not option.startswith("--") or option == "--":
+            raise SlimWiseError(f"unexpected argument {option!r}: vLLM options look like --name VALUE")
+        name, eq, value = option[2:].partition("=")
+        if not eq:
+            value = items.pop(0) if items and not items[0].startswith("--") else "true"
+        try:
+            kwargs[name.replace("-", "_")] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[name.replace("-", "_")] = value
+    return kwargs
 
 
 def _with_plan(params, name: str):
