@@ -55,11 +55,13 @@ MODES = ("full", "uniform", "slimwise")
 FULL = dict(calib_per_family=8, calib_tokens=48, test_per_family=8, test_tokens=64, batch=32,
             distill_steps=50, distill_prompts=64, distill_tokens=48,
             synth_layers=4, synth_prompts=64, synth_prompt_len=128, synth_tokens=32, synth_cpu_prompts=4,
-            synth_cpu_tokens=8, synth_overrides={})
+            synth_cpu_tokens=8, synth_distill_prompts=32, synth_distill_batch=16, synth_distill_steps=4,
+            rounds=3, synth_overrides={})
 SMOKE = dict(calib_per_family=1, calib_tokens=8, test_per_family=1, test_tokens=8, batch=8,
              distill_steps=2, distill_prompts=4, distill_tokens=6,
              synth_layers=4, synth_prompts=4, synth_prompt_len=8, synth_tokens=4, synth_cpu_prompts=2,
-             synth_cpu_tokens=4,
+             synth_cpu_tokens=4, synth_distill_prompts=4, synth_distill_batch=2, synth_distill_steps=2,
+             rounds=2,
              synth_overrides=dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
                                   linear_num_value_heads=4, moe_intermediate_size=32,
@@ -278,9 +280,36 @@ def check_testbed(device: str, size: dict, checks: list) -> dict:
     checks.append(_check("testbed-c float32: distillation runs and its loss is finite",
                          all(v == v for v in history), "no NaN"))
     del gpu
+    section["spread"] = spread_vs_whole(device, tokenizer, calib, prompts, size, cpu_plan, stats, runs)
+    spread = section["spread"]
+    checks.append(_check("testbed-c float32 spread: calibration counts equal the whole model's",
+                         spread["placements"] > 1 and spread["stats_vs_whole"]["counts_equal"], "exact"))
+    for mode in ("full", "slimwise"):
+        share = spread["tokens_vs_whole"][mode]["identical_share"]
+        checks.append(_check(f"testbed-c float32 spread {mode}: tokens equal the whole model's",
+                             share >= SEQ_AGREEMENT, f">= {SEQ_AGREEMENT:.0%} of sequences identical"))
     if device != "cpu":
         section["device_bfloat16"] = testbed_bf16(device, tokenizer, calib, prompts, tests, size)
     return section
+
+
+def spread_vs_whole(device, tokenizer, calib, prompts, size, plan, whole_stats, whole_runs) -> dict:
+    """testbed-c under `--max-memory` small enough to spread it (accelerate's device_map): on a GPU, some
+    layers there and the rest offloaded to host memory (run on the GPU, weights brought over per module); on
+    the CPU, memory and disk. Calibration and generation against the whole model on `device`."""
+    budget = "cpu=20MiB" if device == "cpu" else f"{torch.device(device).index or 0}=20MiB,cpu=1GiB"
+    model = load_model("testbed-c", dtype="float32", device=device, max_memory=budget)
+    _float32_experts(model, device)
+    placed = sorted({str(v) for v in model.hf_device_map.values()})
+    stats, _, seconds = calibrated(model, tokenizer, calib, size, device)
+    runs = run_modes(model, tokenizer, plan, prompts, dict(size), device)
+    out = {"max_memory": budget, "device_map": {k: str(v) for k, v in model.hf_device_map.items()},
+           "placements": len(placed), "calibrate_s": seconds, "timings": timings(runs),
+           "stats_vs_whole": compare_stats(whole_stats, stats),
+           "tokens_vs_whole": {m: compare_tokens([g.token_ids for g in whole_runs[m]["gens"]],
+                                                 [g.token_ids for g in runs[m]["gens"]]) for m in MODES}}
+    del model
+    return out
 
 
 def teacher_forced_vs_generation(model, tokenizer, prompts, conts, size, device) -> dict:
@@ -365,13 +394,85 @@ def check_synthetic(device: str, size: dict, checks: list) -> dict:
     synth_size = dict(size, test_tokens=size["synth_tokens"], batch=size["synth_prompts"])
     runs = run_modes(model, None, plan, prompts, synth_size, device)
     section["bfloat16"]["timings"] = timings(runs)
-    section["bfloat16"]["teacher_forced"] = teacher_forced_vs_generation(
-        model, None, prompts, [g.token_ids for g in runs["full"]["gens"]], synth_size, device)
+    conts = [g.token_ids for g in runs["full"]["gens"]]
+    section["bfloat16"]["teacher_forced"] = teacher_forced_vs_generation(model, None, prompts, conts,
+                                                                         synth_size, device)
+    section["bfloat16"]["statistics_rounds"] = statistics_rounds(model, prompts, conts, size, device)
     if device.startswith("cuda"):
         section["bfloat16"]["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     checks.append(_check("synthetic bf16: calibrate, plan and generate all modes", counted > 0, "runs"))
+    section["bfloat16"]["distill"] = distill_memory(model, plan, prompts[:size["synth_distill_prompts"]],
+                                                    size, device)
+    dist = section["bfloat16"]["distill"]
+    checks.append(_check("synthetic bf16: activation checkpointing trains the same delta",
+                         dist["first_loss_equal"] and dist["loss_max_rel_diff"] <= 0.05,
+                         "first loss equal, later losses within 5% (CUDA's atomic gradient sums are not "
+                         "deterministic)"))
     del model
     return section
+
+
+def distill_memory(model, plan, prompts, size, device) -> dict:
+    """Distillation steps with and without activation checkpointing of the MoE blocks (one shared teacher),
+    in `rounds` rounds of alternating order: peak device memory above the weights, seconds per step, and the
+    loss histories."""
+    from slimwise.distill import build_teacher
+
+    base = dict(steps=size["synth_distill_steps"], batch_size=size["synth_distill_batch"],
+                teacher_batch_size=size["synth_distill_batch"], max_new_tokens=size["synth_tokens"],
+                progress=False)
+    teacher = build_teacher(model, prompts, None, DistillConfig(**base))
+    out: dict = {"prompts": len(prompts), "steps": base["steps"], "batch": base["batch_size"],
+                 "new_tokens": base["max_new_tokens"], "rounds": size["rounds"]}
+    cuda = device.startswith("cuda")
+    histories: dict[bool, list] = {False: [], True: []}
+    for r in range(size["rounds"]):
+        for on in ((False, True) if r % 2 == 0 else (True, False)):
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            resident = torch.cuda.memory_allocated(device) if cuda else 0
+            delta = distill(model, plan, prompts, None, DistillConfig(**base, activation_checkpointing=on),
+                            teacher=teacher)
+            row = out.setdefault("checkpointing" if on else "plain", {"seconds_per_step": []})
+            row["seconds_per_step"].append(round(delta.manifest["train_seconds"] / base["steps"], 3))
+            row["peak_gib_above_weights"] = round((torch.cuda.max_memory_allocated(device) - resident)
+                                                  / 2**30, 3) if cuda else None
+            row["loss_history"] = delta.manifest["loss_history"]
+            histories[on].append(delta.manifest["loss_history"])
+    first = [h[0] for h in histories[False] + histories[True]]
+    out["first_loss_equal"] = len(set(first)) == 1
+    out["loss_max_rel_diff"] = max(abs(a - b) / max(abs(a), 1e-12)
+                                   for h in histories[True] + histories[False][1:]
+                                   for a, b in zip(histories[False][0], h, strict=True))
+    return out
+
+
+def statistics_rounds(model, prompts, conts, size, device) -> dict:
+    """The decode-phase statistics pass counted while generating against the teacher-forced pass over the
+    same continuations, `rounds` rounds in alternating order (the first call of a shape pays for kernel
+    selection), and on CUDA a profile of one teacher-forced pass (top operations by device time)."""
+    config = CalibrationConfig(phase="decode", max_new_tokens=size["synth_tokens"], batch_size=len(prompts))
+    passes = {"generation": lambda: calibrate(model, prompts, None, config, progress=False),
+              "teacher_forced": lambda: continuation_stats(model, prompts, conts, None, config,
+                                                           progress=False)}
+    out: dict = {name: {"seconds": [], "tokens_per_s": []} for name in passes}
+    for r in range(size["rounds"]):
+        for name in (passes if r % 2 == 0 else reversed(list(passes))):
+            with Clock(device) as clock:
+                stats = passes[name]()
+            out[name]["seconds"].append(clock.seconds)
+            out[name]["tokens_per_s"].append(round(stats.meta["tokens_processed"] / clock.seconds, 1))
+    if device.startswith("cuda"):
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            passes["teacher_forced"]()
+            synchronize(device)
+        table = prof.key_averages().table
+        out["teacher_forced_profile"] = table(sort_by="self_cuda_time_total", row_limit=15)
+        out["teacher_forced_profile_cpu"] = table(sort_by="self_cpu_time_total", row_limit=15)
+    return out
 
 
 def _first_logits_and_tokens(model, plan, prompts, config):

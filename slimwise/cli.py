@@ -431,7 +431,8 @@ def _add_generate(sub) -> None:
 #: the options of `slimwise distill` from DistillConfig, in --help's order (--max-samples between the two)
 DISTILL_OPTIONS = (("params", "mode", "steps", "max_minutes", "batch_size", "teacher_batch_size", "lr",
                     "lora_lr", "loss", "ce_weight", "on_policy", "max_new_tokens"),
-                   ("lora_rank", "lora_alpha", "lora_targets", "seed", "checkpoint_every", "resume"))
+                   ("lora_rank", "lora_alpha", "lora_targets", "seed", "checkpoint_every", "resume",
+                    "activation_checkpointing"))
 
 
 def _add_distill(sub) -> None:

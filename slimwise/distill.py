@@ -30,6 +30,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from tqdm.auto import tqdm
 
 from slimwise.adapters import get_adapter
 from slimwise.argtypes import comma_list, integer, number
+from slimwise.checkpointing import checkpointed_moe_blocks
 from slimwise.delta import DELTA_FORMAT, DELTA_MODES, Delta, InstalledDelta, fingerprint_of, plan_hash
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
@@ -68,8 +70,8 @@ class DistillConfig:
     the recipe the published bars were run with (docs/results/distillation.md): all three sets, because
     router + norm alone did not meet the accuracy bar on both testbed backbones, with the LoRA where it
     recovered most: on the shared expert if there is one. Every knob but the run's plumbing (`max_minutes`,
-    `max_samples`, `checkpoint`, `checkpoint_every`, `resume`, `teacher_cache_mb`, `progress`) is in a
-    checkpoint's run key (`_run_key`): a run resumed with another value is refused."""
+    `max_samples`, `checkpoint`, `checkpoint_every`, `resume`, `teacher_cache_mb`, `activation_checkpointing`,
+    `progress`) is in a checkpoint's run key (`_run_key`): a run resumed with another value is refused."""
 
     # slimwise.trainable's sets
     params: tuple[str, ...] = field(default=("router", "norm", "lora"), metadata={
@@ -127,6 +129,10 @@ class DistillConfig:
         "help": "continue an interrupted run from OUT.ckpt.pt"})
     # cache the full model's log-probs below this size, else recompute per step
     teacher_cache_mb: float = 1024.0
+    # slimwise.checkpointing: the same gradients (bit for bit on the CPU, tests/test_checkpointing.py)
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute the MoE blocks in the backward pass instead of keeping their activations (less "
+                "memory, one more MoE forward per step)"})
     progress: bool = True  # progress bar and one-line reports (tqdm.write)
 
     def validate(self) -> None:
@@ -578,13 +584,18 @@ def distill(model: nn.Module, plan: PrunePlan, prompts: Sequence[str] | Sequence
         trainable, total = installed.trainable_count(), sum(p.numel() for p in model.parameters())
         say(_start_line(trainable, total, installed, ids, teacher, config))
         run = _Run.begin(installed, config, state)
+        blocks = [layer.block for layer in get_adapter(model.config).moe_layers(model)]
+        switches = [(engine.mask, ("active", "token_mask")), (installed, ("on",))]
+        recompute = (lambda: checkpointed_moe_blocks(blocks, switches)) if config.activation_checkpointing \
+            else nullcontext
         bar = tqdm(total=config.steps, initial=run.step, desc=f"distill[{'+'.join(config.params)}]",
                    unit="step", disable=None if config.progress else True)  # a terminal only
         while run.step < config.steps:
             if run.time_is_up(config, say):
                 break
             lr = config.lr * _lr_factor(config, run.step)
-            run.history.append(_train_step(engine, run, ids, teacher, config))
+            with recompute():
+                run.history.append(_train_step(engine, run, ids, teacher, config))
             run.step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{run.history[-1]:.4f}", lr=f"{lr:.1e}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import nullcontext, suppress
 
 import numpy as np
 import pytest
@@ -597,3 +598,53 @@ def test_top_k_log_probs_keep_the_k_and_spread_the_rest():
     assert torch.allclose(dense[0, [3, 1, 0]], values[0]) and torch.allclose(dense[1, 2], values[1, 0])
     assert torch.allclose(dense[0, [2, 4, 5]].exp(), torch.full((3,), 0.125 / 3))
     assert torch.allclose(dense[1, [0, 1, 3, 4, 5]].exp(), torch.full((5,), 0.1 / 5))
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_activation_checkpointing_gives_the_same_delta(setup, family):
+    """Recomputing the MoE blocks in the backward pass (slimwise.checkpointing) trains the same delta: the
+    recomputation sees the mask and delta switches of its forward, not those of the backward pass (they
+    differ: the engine has left decode by then). Both modes; float32 CPU, bit for bit. Without the captured
+    switches the slimwise mode's gradients differ (the recomputed block routes with every expert)."""
+    model, plan = setup(family)
+    prompts = random_prompts(8, seed=4)
+    for mode in ("slimwise", "uniform"):
+        deltas = [distill(model, plan, prompts, config=DistillConfig(
+            mode=mode, activation_checkpointing=on, **(FAST | {"steps": 2}))) for on in (False, True)]
+        assert deltas[0].tensors.keys() == deltas[1].tensors.keys()
+        for name, tensor in deltas[0].tensors.items():
+            assert torch.equal(tensor, deltas[1].tensors[name]), (family, mode, name)
+    from slimwise.adapters import get_adapter
+
+    # the wrappers are gone after the run
+    assert all("forward" not in layer.block.__dict__ for layer in get_adapter(model.config).moe_layers(model))
+
+
+def test_activation_checkpointing_needs_the_switches_it_saw(setup):
+    """The premise of the captured switches: recomputing with the switches of the backward pass (mask off)
+    is another computation than the forward's: torch refuses it (other saved shapes) or the gradients
+    differ."""
+    from torch.utils.checkpoint import CheckpointError
+
+    from slimwise.adapters import get_adapter
+    from slimwise.checkpointing import checkpointed_moe_blocks
+
+    model, plan = setup("qwen3_moe")
+    engine = PhaseSplitEngine(model, plan=plan)
+
+    def grad(switches):
+        x = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0),
+                        requires_grad=True)
+        with checkpointed_moe_blocks([block], switches) if switches is not None else nullcontext(), \
+                engine.mask.pruned():
+            out = block(x)
+        return torch.autograd.grad((out[0] if isinstance(out, tuple) else out).sum(), x)[0]
+
+    try:
+        block = get_adapter(model.config).moe_layers(model)[0].block
+        want = grad(None)
+        assert torch.equal(grad([(engine.mask, ("active", "token_mask"))]), want)
+        with suppress(CheckpointError):
+            assert not torch.equal(grad(()), want)
+    finally:
+        engine.close()
