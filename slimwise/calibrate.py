@@ -70,9 +70,14 @@ class ExpertObserver:
     def before_forward(self, phase: str, rows: torch.Tensor) -> None:
         """phase is "prompt" or "decode"; rows marks real (non-padding, unfinished) tokens, flattened."""
         counts = self.phase == "all" or self.phase == phase
-        self.rows = rows if counts else torch.zeros_like(rows)
-        self._rows_on = {self.rows.device: self.rows}
+        self.set_rows(rows if counts else torch.zeros_like(rows))
         self._counted = self._counted + self.rows.sum()
+
+    def set_rows(self, rows: torch.Tensor) -> None:
+        """The counted rows of the next forward, without adding them to `counted_tokens` (the layer-streamed
+        pass runs one batch through the layers one call at a time: `before_forward` once, then this)."""
+        self.rows = rows
+        self._rows_on = {rows.device: rows}
 
     @property
     def counted_tokens(self) -> int:
@@ -200,10 +205,10 @@ def calibrate(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]]
             f"no {config.phase} tokens were counted (max_new_tokens={config.max_new_tokens}); "
             "use longer continuations or another phase"
         )
-    return _finish(observer, model, config, len(prompts), processed, t0)
+    return finished_stats(observer, model, config, len(prompts), processed, t0)
 
 
-def _finish(observer: ExpertObserver, model: nn.Module, config: CalibrationConfig, prompts: int,
+def finished_stats(observer: ExpertObserver, model: nn.Module, config: CalibrationConfig, prompts: int,
             processed: int, t0: float) -> ExpertStats:
     stats = observer.stats
     adapter = observer.adapter
@@ -215,7 +220,18 @@ def _finish(observer: ExpertObserver, model: nn.Module, config: CalibrationConfi
     return stats
 
 
-def _teacher_forced_batch(prompts: list[list[int]], conts: list[list[int]], phase: str,
+def checked_continuations(model: nn.Module, continuations: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The continuations as lists; refused unless each is non-empty, with ids in the model's vocabulary."""
+    vocab = model.get_input_embeddings().num_embeddings
+    out = [list(c) for c in continuations]
+    for i, c in enumerate(out):
+        if not c or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in c):
+            raise SlimWiseError(f"continuation {i + 1}: expected a non-empty list of token ids in "
+                                f"[0, {vocab}) (this model's vocabulary)")
+    return out
+
+
+def teacher_forced_batch(prompts: list[list[int]], conts: list[list[int]], phase: str,
                           pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded prompt + continuation[:-1] (the last generated token is never fed back), its attention
     mask, and which positions `phase` counts; positions then run as in generation (cumsum of the mask)."""
@@ -255,7 +271,7 @@ def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Seque
         raise SlimWiseError(f"{len(continuations)} continuations for {len(prompts)} prompts: give one each")
     engine = PhaseSplitEngine(model, tokenizer)
     ids = engine.encode(prompts)
-    conts = [list(c) for c in continuations[:len(ids)]]
+    conts = checked_continuations(model, continuations[:len(ids)])
     observer = ExpertObserver(model, config.phase)
     device = input_device(model)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]) + len(conts[i]), reverse=True)
@@ -265,7 +281,7 @@ def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Seque
     try:
         for start in range(0, len(order), config.batch_size):
             batch = order[start:start + config.batch_size]
-            input_ids, attention, counted = _teacher_forced_batch([ids[i] for i in batch],
+            input_ids, attention, counted = teacher_forced_batch([ids[i] for i in batch],
                                                                   [conts[i] for i in batch], config.phase,
                                                                   engine.pad_id)
             input_ids, attention = input_ids.to(device), attention.to(device)
@@ -280,7 +296,7 @@ def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Seque
         engine.close()
     if observer.counted_tokens == 0:
         raise SlimWiseError(f"no {config.phase} tokens were counted: the continuations are too short")
-    stats = _finish(observer, model, config, len(ids), processed, t0)
+    stats = finished_stats(observer, model, config, len(ids), processed, t0)
     stats.meta["pass"] = "teacher-forced"
     return stats
 

@@ -73,12 +73,7 @@ def _footprint_dtype(args, command: str) -> str:
 
 
 def cmd_calibrate(args) -> None:
-    from slimwise.calibrate import (
-        CalibrationConfig,
-        calibrate,
-        continuation_stats,
-        vllm_continuations,
-    )
+    from slimwise.calibrate import CalibrationConfig, vllm_continuations
     from slimwise.data import load_prompts
     from slimwise.models import load_tokenizer, resolve_model_dir
 
@@ -94,20 +89,73 @@ def cmd_calibrate(args) -> None:
     config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens,
                                batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed)
     tokenizer = load_tokenizer(args.model)
-    if args.engine == "vllm":  # vLLM generates; one teacher-forced pass of the transformers model counts
+    continuations, source = None, None
+    if args.continuations:
+        if args.engine == "vllm":
+            raise SlimWiseError("--continuations and --engine vllm both give the continuations: pick one")
+        continuations, source = _read_continuations(args.continuations, len(prompts)), {
+            "continuations": str(args.continuations)}
+    elif args.engine == "vllm" and args.phase != "prompt":  # vLLM generates; the transformers model counts
         from slimwise.engines.vllm_engine import vllm_engine_kwargs
 
         engine_kwargs = vllm_engine_kwargs(args.vllm_args)
         continuations = vllm_continuations(resolve_model_dir(args.model), prompts, tokenizer, config,
                                            dtype=args.dtype, engine_kwargs=engine_kwargs)
-        stats = continuation_stats(_load(args), prompts, continuations, tokenizer, config)
-        stats.meta["engine"] = {"continuations": "vllm", "vllm_options": engine_kwargs}
-    else:
-        stats = calibrate(_load(args), prompts, tokenizer, config)
+        source = {"continuations": "vllm", "vllm_options": engine_kwargs}
+    model = _load(args)
+    stats = _statistics(model, prompts, continuations, tokenizer, config)
+    if source is not None:
+        stats.meta["engine"] = source
     stats.meta["data"] = str(args.data)
     stats.save(args.out)
     print(f"wrote {args.out}: {len(stats.layers)} MoE layers x {stats.num_experts} experts, "
           f"{int(stats.tokens[0])} {args.phase} tokens counted per layer in {stats.meta['seconds']:.1f}s")
+
+
+def _statistics(model, prompts, continuations, tokenizer, config):
+    """calibrate's pass: layer-streamed when --max-memory left decoder layers offloaded and no generation is
+    needed; else the teacher-forced pass over given continuations, or counting while the model generates."""
+    from slimwise.calibrate import calibrate, continuation_stats
+    from slimwise.sequential import offloaded_share, streamed_statistics
+
+    offloaded, layers = offloaded_share(model)
+    if offloaded and (continuations is not None or config.phase == "prompt"):
+        print(f"calibrate: {offloaded} of {layers} decoder layers do not fit --max-memory: the statistics "
+              "pass runs one layer at a time (each layer's weights read once)", file=sys.stderr)
+        return streamed_statistics(model, prompts, continuations, tokenizer, config)
+    if offloaded:
+        print(f"calibrate: {offloaded} of {layers} decoder layers do not fit --max-memory, and generation "
+              "needs every layer for every token: their weights are brought in per forward (slow). "
+              "--engine vllm or --continuations FILE count in one layer-streamed pass instead",
+              file=sys.stderr)
+    if continuations is not None:
+        return continuation_stats(model, prompts, continuations, tokenizer, config)
+    return calibrate(model, prompts, tokenizer, config)
+
+
+def _read_continuations(path: str, n: int) -> list[list[int]]:
+    """Token ids of earlier continuations, one JSON object per line in prompt order: `slimwise generate
+    --out`'s files (field token_ids)."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SlimWiseError(f"--continuations {path}: cannot read it ({exc.__class__.__name__})") from exc
+    out = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line).get("token_ids")
+        except (json.JSONDecodeError, AttributeError):
+            ids = None
+        if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+            raise SlimWiseError(f"--continuations {path} line {lineno}: expected an object with a non-empty "
+                                "'token_ids' list of token ids (what `slimwise generate --out` writes)")
+        out.append(ids)
+    if len(out) < n:
+        raise SlimWiseError(f"--continuations {path} has {len(out)} continuations for {n} prompts: give one "
+                            "per prompt, in the same order")
+    return out
 
 
 def _plan_from_args(args):
@@ -375,6 +423,13 @@ def _add_calibrate(sub) -> None:
                         "as it generates) or vllm (vLLM generates, greedy; one teacher-forced pass of the "
                         "transformers model then counts the same statistics). With vllm, unknown options "
                         "(--tensor-parallel-size 2, ...) go to vLLM")
+    p.add_argument("--continuations", metavar="FILE",
+                   help="count over continuations made earlier instead of generating: JSONL with token_ids "
+                        "per prompt, in order (`slimwise generate --out`)")
+    p.epilog = ("With --max-memory too small for the model, the statistics pass runs one decoder layer at a "
+                "time (each layer's weights read once) for --phase prompt, --engine vllm and "
+                "--continuations. Generation cannot be streamed (every token needs every layer): --engine hf "
+                "decode-phase calibration then brings offloaded weights in per forward.")
     p.set_defaults(func=cmd_calibrate, vllm_args=[])
 
 

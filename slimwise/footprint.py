@@ -420,10 +420,10 @@ def _distill(job: _Job) -> tuple[list, list[str], tuple[str, ...]]:
     rows += [("training activations (every layer)", act * job.layers),
              ("loss log-probs", tokens * job.vocab * per_elem)]
     ckpt = tokens * job.hidden * job.bytes * job.layers + act
-    notes += [f"training activations: rough, {tokens:,} trained positions x hidden x {TRAINING_ACTIVATION} "
-              f"elements x {job.layers} layers; --activation-checkpointing recomputes the MoE blocks, which keep "
-              f"most of them (measured on an H200: docs/results/gpu.md); whole layers checkpointed would "
-              f"keep {ckpt / GIB:.2f} GiB",
+    notes += [f"training activations: rough, {tokens:,} trained positions x hidden x "
+              f"{TRAINING_ACTIVATION} elements x {job.layers} layers; --activation-checkpointing "
+              f"recomputes the MoE blocks, which keep most of them (measured on an H200: "
+              f"docs/results/gpu.md); whole layers checkpointed would keep {ckpt / GIB:.2f} GiB",
               f"loss: {tokens:,} positions x vocab {job.vocab:,} x {per_elem} bytes"]
     per_prompt = d.max_new_tokens * job.vocab * 4
     teacher, tnotes, cached = _teacher_rows(job, per_prompt)

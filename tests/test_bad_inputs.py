@@ -124,6 +124,11 @@ def _broken_prompts(root) -> None:
     (data / "garbage-dir" / "a.jsonl").write_bytes(GARBAGE)
     (data / "eval-no-answer.jsonl").write_text('{"prompt": "1 + 2 ="}\n')
     (data / "nul.jsonl").write_bytes(b'{"prompt": "a"}\n\x00\x00\x00\n')
+    # continuations (calibrate --continuations): one line is too few for data.jsonl; the rest, 64 lines each
+    (data / "cont-too-few.jsonl").write_text('{"token_ids": [5, 6]}\n')
+    for name, ids in (("out-of-vocab", [10**9]), ("negative", [-1]), ("bool", [True]), ("empty-ids", []),
+                      ("float", [5.0]), ("string", "5 6")):
+        (data / f"cont-{name}.jsonl").write_text((json.dumps({"token_ids": ids}) + "\n") * 64)
 
 
 def _broken_plans(root, plan) -> None:
@@ -266,6 +271,10 @@ case("calibrate-out-on-proc", [*CAL, "--out", IN_PROC], IN_PROC)
 case("calibrate-out-is-dir", [*CAL, "--out", "{root}/emptydir"], "{root}/emptydir")
 case("calibrate-no-out", [*CAL], None)
 case("calibrate-unknown-option", [*CAL, "--out", OUT, "--frobnicate"])
+for f in [*BAD_PROMPTS, "cont-too-few.jsonl", "cont-out-of-vocab.jsonl", "cont-negative.jsonl",
+          "cont-bool.jsonl", "cont-empty-ids.jsonl", "cont-float.jsonl", "cont-string.jsonl"]:
+    case(f"calibrate-continuations-{f}", [*CAL, "--continuations", f"{{root}}/data/{f}", "--out", OUT])
+case("calibrate-continuations-and-vllm", [*CAL, "--engine", "vllm", "--continuations", D, "--out", OUT])
 
 # ----- plan -------------------------------------------------------------------------------------------------
 PLAN = ["plan", "--stats", "{root}/stats.safetensors"]

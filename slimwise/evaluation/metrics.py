@@ -96,7 +96,20 @@ def teacher_forced_kl(engine: PhaseSplitEngine, prompts: Sequence[Sequence[int]]
                       reference_cache: dict[int, torch.Tensor] | None = None) -> list[float]:
     """Per sample, mean over the full model's continuation positions of KL(full || mode).
 
-    `reference_cache` (batch start -> full log-probs) avoids recomputing the full model across plans."""
+    `reference_cache` (batch start -> full log-probs) avoids recomputing the full model across plans. A model
+    loaded with decoder layers offloaded (`--max-memory`) is scored one layer at a time instead, the full
+    model and the mode in one pass (`slimwise.sequential.streamed_logprobs`; equal within 1e-4 per log-prob).
+    """
+    from slimwise.sequential import offloaded_share, streamed_logprobs
+
+    if mode != "full" and offloaded_share(engine.model)[0]:
+        scored = [i for i, c in enumerate(continuations) if len(c)]
+        lp = streamed_logprobs(engine.model, [prompts[i] for i in scored], [continuations[i] for i in scored],
+                               modes=("full", mode), plan=engine.plan, tokenizer=engine.tokenizer,
+                               batch_size=batch_size, progress=False)
+        pairs = zip(scored, lp["full"], lp[mode], strict=True)
+        kls = {i: float(kl_divergence(f, m).mean()) for i, f, m in pairs}
+        return [kls.get(i, 0.0) for i in range(len(continuations))]
     out: list[float] = []
     for start in range(0, len(prompts), batch_size):
         p, c = prompts[start:start + batch_size], continuations[start:start + batch_size]
