@@ -221,13 +221,14 @@ def finished_stats(observer: ExpertObserver, model: nn.Module, config: Calibrati
 
 
 def checked_continuations(model: nn.Module, continuations: Sequence[Sequence[int]]) -> list[list[int]]:
-    """The continuations as lists; refused unless each is non-empty, with ids in the model's vocabulary."""
+    """The continuations as lists; refused unless every id is in the model's vocabulary (an empty one, a
+    sequence that generated nothing, counts nothing)."""
     vocab = model.get_input_embeddings().num_embeddings
     out = [list(c) for c in continuations]
     for i, c in enumerate(out):
-        if not c or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in c):
-            raise SlimWiseError(f"continuation {i + 1}: expected a non-empty list of token ids in "
-                                f"[0, {vocab}) (this model's vocabulary)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in c):
+            raise SlimWiseError(f"continuation {i + 1}: expected token ids in [0, {vocab}) (this model's "
+                                "vocabulary)")
     return out
 
 
