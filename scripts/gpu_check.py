@@ -10,8 +10,9 @@ image runs it from a copy of the repository.
 Two models:
 - testbed-c, the shipped hybrid (Gated-DeltaNet + attention, top-k + shared expert): decode-phase calibration,
   a REAP 50% plan, and full / uniform / slimwise generation on the device, each compared with the CPU float32
-  run (statistics, plan and tokens); 50 distillation steps on the device; the same in bf16 (the GPU default)
-  for timings and accuracy.
+  run (statistics, plan and tokens); 50 distillation steps on the device; the same model spread over two
+  placements (`--max-memory`) against the whole, with the layer-streamed passes; the same in bf16 (the GPU
+  default) for timings and accuracy.
 - a synthetic Qwen3.6-35B-A3B-shaped model (the real widths, 256 experts, top-8, the real vocabulary, 4 of the
   40 layers, random weights): calibration, plan and generation throughput in bf16, and the float32 device
   run's first-token logits and tokens against the CPU's.
@@ -288,6 +289,13 @@ def check_testbed(device: str, size: dict, checks: list) -> dict:
         share = spread["tokens_vs_whole"][mode]["identical_share"]
         checks.append(_check(f"testbed-c float32 spread {mode}: tokens equal the whole model's",
                              share >= SEQ_AGREEMENT, f">= {SEQ_AGREEMENT:.0%} of sequences identical"))
+    streamed = spread["streamed"]
+    checks.append(_check("testbed-c float32 spread: layer-streamed statistics equal the in-memory pass",
+                         streamed["offloaded_layers"] > 0 and streamed["vs_in_memory"]["counts_equal"]
+                         and max(streamed["vs_in_memory"][f"{n}_max_rel"] for n in ("gate_sum", "norm_sum"))
+                         <= STATS_RTOL, f"counts exact, sums within {STATS_RTOL}"))
+    checks.append(_check("testbed-c float32 spread: layer-streamed log-probs equal the in-memory scoring",
+                         streamed["logprobs_max_abs_diff"] <= 1e-3, "max |diff| <= 1e-3"))
     if device != "cpu":
         section["device_bfloat16"] = testbed_bf16(device, tokenizer, calib, prompts, tests, size)
     return section
@@ -308,8 +316,38 @@ def spread_vs_whole(device, tokenizer, calib, prompts, size, plan, whole_stats, 
            "stats_vs_whole": compare_stats(whole_stats, stats),
            "tokens_vs_whole": {m: compare_tokens([g.token_ids for g in whole_runs[m]["gens"]],
                                                  [g.token_ids for g in runs[m]["gens"]]) for m in MODES}}
+    conts = [g.token_ids for g in runs["full"]["gens"]]
+    out["streamed"] = streamed_vs_in_memory(model, tokenizer, prompts, conts, plan, size, device)
     del model
     return out
+
+
+def streamed_vs_in_memory(model, tokenizer, prompts, conts, plan, size, device) -> dict:
+    """The layer-streamed passes (slimwise.sequential) on the spread model against the in-memory passes on the
+    same model: decode-phase statistics over the full model's continuations, and full / SlimWise log-probs."""
+    from slimwise.scoring import continuation_logprobs
+    from slimwise.sequential import offloaded_share, streamed_logprobs, streamed_statistics
+
+    config = CalibrationConfig(phase="decode", max_new_tokens=size["test_tokens"], batch_size=size["batch"])
+    with Clock(device) as clock:
+        streamed = streamed_statistics(model, prompts, conts, tokenizer, config, progress=False)
+    with Clock(device) as in_clock:
+        in_memory = continuation_stats(model, prompts, conts, tokenizer, config, progress=False)
+    few, few_conts = prompts[:8], conts[:8]
+    engine = PhaseSplitEngine(model, tokenizer, plan=plan)
+    try:
+        ids = engine.encode(few)
+        want = {m: continuation_logprobs(engine, ids, few_conts, m).float().cpu()
+                for m in ("full", "slimwise")}
+    finally:
+        engine.close()
+    got = streamed_logprobs(model, few, few_conts, modes=("full", "slimwise"), plan=plan,
+                            tokenizer=tokenizer, batch_size=len(few), progress=False)
+    diff = max(float((got[m][i] - want[m][i, :len(c)]).abs().max())
+               for m in got for i, c in enumerate(few_conts))
+    return {"offloaded_layers": offloaded_share(model)[0], "statistics_s": clock.seconds,
+            "in_memory_statistics_s": in_clock.seconds, "vs_in_memory": compare_stats(in_memory, streamed),
+            "logprobs_max_abs_diff": diff}
 
 
 def teacher_forced_vs_generation(model, tokenizer, prompts, conts, size, device) -> dict:

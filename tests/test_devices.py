@@ -84,7 +84,7 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["errors"]
     assert set(report["sections"]) == {"testbed", "synthetic"}
-    assert len(report["checks"]) == 14 and all(c["ok"] for c in report["checks"])
+    assert len(report["checks"]) == 16 and all(c["ok"] for c in report["checks"])
     tb = report["sections"]["testbed"]["device_float32"]
     assert tb["stats_vs_cpu"]["counts_equal"] and tb["plan_vs_cpu"]["identical_share"] == 1.0
     assert all(tb["tokens_vs_cpu"][m]["identical_share"] == 1.0 for m in ("full", "uniform", "slimwise"))
@@ -92,6 +92,9 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     spread = report["sections"]["testbed"]["spread"]  # memory + disk on the CPU
     assert spread["placements"] == 2 and spread["stats_vs_whole"]["counts_equal"]
     assert all(spread["tokens_vs_whole"][m]["identical_share"] == 1.0 for m in ("full", "slimwise"))
+    streamed = spread["streamed"]  # the layer-streamed passes on the spread model: the CPU is deterministic
+    assert streamed["offloaded_layers"] == 2 and streamed["vs_in_memory"]["norm_sum_max_rel"] == 0.0
+    assert streamed["logprobs_max_abs_diff"] <= 1e-4
     dist = report["sections"]["synthetic"]["bfloat16"]["distill"]
     assert dist["first_loss_equal"] and dist["loss_max_rel_diff"] == 0.0  # the CPU is deterministic
 
