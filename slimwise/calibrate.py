@@ -252,6 +252,21 @@ def teacher_forced_batch(prompts: list[list[int]], conts: list[list[int]], phase
     return input_ids, attention, counted
 
 
+def teacher_forced_batches(ids: list[list[int]], conts: list[list[int]], phase: str, pad_id: int,
+                           batch_size: int) -> list[tuple[list[int], torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]]:
+    """(row indices, input ids, attention mask, counted positions) per batch of `teacher_forced_batch`,
+    longest sequences first (less padding). The teacher-forced and the layer-streamed passes both batch this
+    way: the same shapes give the same sums."""
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]) + len(conts[i]), reverse=True)
+    out = []
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        out.append((rows, *teacher_forced_batch([ids[i] for i in rows], [conts[i] for i in rows], phase,
+                                                pad_id)))
+    return out
+
+
 @torch.inference_mode()
 def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]],
                        continuations: Sequence[Sequence[int]], tokenizer=None,
@@ -275,16 +290,12 @@ def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Seque
     conts = checked_continuations(model, continuations[:len(ids)])
     observer = ExpertObserver(model, config.phase)
     device = input_device(model)
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]) + len(conts[i]), reverse=True)
     t0, processed = time.perf_counter(), 0
     bar = tqdm(total=len(ids), desc=f"statistics[{config.phase}]", unit="seq",
                disable=None if progress else True)
     try:
-        for start in range(0, len(order), config.batch_size):
-            batch = order[start:start + config.batch_size]
-            input_ids, attention, counted = teacher_forced_batch([ids[i] for i in batch],
-                                                                  [conts[i] for i in batch], config.phase,
-                                                                  engine.pad_id)
+        for batch, input_ids, attention, counted in teacher_forced_batches(ids, conts, config.phase,
+                                                                           engine.pad_id, config.batch_size):
             input_ids, attention = input_ids.to(device), attention.to(device)
             observer.before_forward(config.phase, counted.reshape(-1).to(device))
             model(input_ids=input_ids, attention_mask=attention,

@@ -40,7 +40,7 @@ from slimwise.calibrate import (
     ExpertObserver,
     checked_continuations,
     finished_stats,
-    teacher_forced_batch,
+    teacher_forced_batches,
 )
 from slimwise.devices import input_device, is_offloaded
 from slimwise.engines.reference import PhaseSplitEngine
@@ -92,23 +92,12 @@ class _Captured(Exception):
 
 @dataclass
 class _Batch:
+    rows: list[int]  # indices of the prompts in this batch, in row order
     input_ids: torch.Tensor
     attention: torch.Tensor
-    positions: torch.Tensor
-    counted: torch.Tensor  # bool [B, T]: positions the statistics count
+    counted: torch.Tensor  # bool [B, T]: positions the statistics count (phase decode: the decoder's tokens)
     hidden: torch.Tensor | None = None
     calls: list | None = None  # per layer: (args after hidden_states, kwargs)
-
-
-def _batches(engine: PhaseSplitEngine, ids: list[list[int]], conts: list[list[int]], phase: str,
-             batch_size: int, order: list[int]) -> list[_Batch]:
-    out = []
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        input_ids, attention, counted = teacher_forced_batch(
-            [ids[i] for i in rows], [conts[i] for i in rows], phase, engine.pad_id)
-        out.append(_Batch(input_ids, attention, (attention.cumsum(-1) - 1).clamp_min(0), counted))
-    return out
 
 
 def _capture(model: nn.Module, layers: nn.ModuleList, batches: list[_Batch]) -> None:
@@ -138,8 +127,9 @@ def _capture(model: nn.Module, layers: nn.ModuleList, batches: list[_Batch]) -> 
                 current.clear()
                 seen.clear()
                 with contextlib.suppress(_Captured):
+                    positions = (batch.attention.cumsum(-1) - 1).clamp_min(0)  # as in generation
                     model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention.to(device),
-                          position_ids=batch.positions.to(device), use_cache=False, logits_to_keep=1)
+                          position_ids=positions.to(device), use_cache=False, logits_to_keep=1)
                 batch.hidden, batch.calls = seen[0], list(current)
     finally:
         wrappers.remove()
@@ -164,8 +154,10 @@ def _run_layers(layers: nn.ModuleList, streams: dict[str, list[torch.Tensor]], b
         bar.close()
 
 
-def _prepare(model, prompts, continuations, tokenizer, phase: str, batch_size: int, max_samples):
-    engine = PhaseSplitEngine(model, tokenizer)
+def _prepare(engine: PhaseSplitEngine, prompts, continuations, phase: str, batch_size: int, max_samples):
+    """Token ids, continuations and the batches of `calibrate.continuation_stats` (the same shapes, so the
+    same sums)."""
+    model = engine.model
     prompts = list(prompts)[:max_samples] if max_samples else list(prompts)
     ids = engine.encode(prompts)
     if continuations is None:
@@ -174,9 +166,8 @@ def _prepare(model, prompts, continuations, tokenizer, phase: str, batch_size: i
         if len(continuations) < len(ids):
             raise SlimWiseError(f"{len(continuations)} continuations for {len(ids)} prompts: give one each")
         conts = checked_continuations(model, continuations[:len(ids)])
-    # the order and batches of calibrate.continuation_stats: the same shapes, so the same sums
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]) + len(conts[i]), reverse=True)
-    return engine, ids, conts, order, _batches(engine, ids, conts, phase, batch_size, order)
+    parts = teacher_forced_batches(ids, conts, phase, engine.pad_id, batch_size)
+    return ids, conts, [_Batch(*batch) for batch in parts]
 
 
 @torch.inference_mode()
@@ -190,10 +181,11 @@ def streamed_statistics(model: nn.Module, prompts: Sequence[str] | Sequence[Sequ
         raise SlimWiseError(f"the layer-streamed pass counts phase {config.phase!r} over given continuations "
                             "(from vLLM or an earlier run): generation needs every layer for every token")
     t0 = time.perf_counter()
-    engine, ids, _, _, batches = _prepare(model, prompts, continuations, tokenizer, config.phase,
-                                          config.batch_size, config.max_samples)
+    engine = PhaseSplitEngine(model, tokenizer)
     observer = ExpertObserver(model, config.phase)
     try:
+        ids, _, batches = _prepare(engine, prompts, continuations, config.phase, config.batch_size,
+                                   config.max_samples)
         layers = get_adapter(model.config).decoder_layers(model)
         _capture(model, layers, batches)
         for batch in batches:  # counts each batch's tokens once, as one forward per batch does
@@ -229,48 +221,41 @@ def streamed_logprobs(model: nn.Module, prompts: Sequence[str] | Sequence[Sequen
     layer. KL between modes: `scoring.kl_divergence`."""
     if any(m != "full" for m in modes) and plan is None:
         raise SlimWiseError("a pruned mode needs a plan")
-    engine, ids, conts, order, batches = _prepare(model, prompts, continuations, tokenizer, "decode",
-                                                  batch_size, None)
-    mask_engine = PhaseSplitEngine(model, tokenizer, plan=plan) if plan is not None else None
+    engine = PhaseSplitEngine(model, tokenizer, plan=plan)
     try:
+        ids, conts, batches = _prepare(engine, prompts, continuations, "decode", batch_size, None)
         layers = get_adapter(model.config).decoder_layers(model)
         _capture(model, layers, batches)
-        pruned = {b: (batch.counted & batch.attention.bool()).reshape(-1) for b, batch in enumerate(batches)}
 
         def masked(stream: str, b: int):
             if stream == "full":
                 return contextlib.nullcontext()
-            token_mask = pruned[b].to(batches[b].hidden.device) if stream == "slimwise" else None
-            return mask_engine.mask.pruned(True, token_mask)
+            # slimwise: the counted (decode-phase) positions are the ones the pruned decoder runs
+            token_mask = batches[b].counted.reshape(-1).to(batches[b].hidden.device) if stream == "slimwise" \
+                else None
+            return engine.mask.pruned(True, token_mask)
 
         streams = {m: [batch.hidden for batch in batches] for m in modes}
         _run_layers(layers, streams, batches, masked, "log-probs by layer", progress)
-        return {m: _head(model, layers, streams[m], batches, ids, conts, order) for m in modes}
+        return {m: _head(model, streams[m], batches, conts) for m in modes}
     finally:
-        if mask_engine is not None:
-            mask_engine.close()
         engine.close()
 
 
-def _head(model, layers, hidden, batches, ids, conts, order) -> list[torch.Tensor]:
+def _head(model, hidden, batches, conts) -> list[torch.Tensor]:
     """Step 3: final norm and output head at each sequence's continuation positions, log-softmax."""
     inner = getattr(model, "model", model)
     norm, head = inner.norm, model.get_output_embeddings()
-    out: list[torch.Tensor | None] = [None] * len(ids)
+    out: list[torch.Tensor | None] = [None] * len(conts)
     with resident(norm), resident(head):
         for b, batch in enumerate(batches):
             width = batch.input_ids.shape[1]
-            for r, i in enumerate(_rows_of(batches, b, order)):
+            for r, i in enumerate(batch.rows):
                 n = len(conts[i])
                 # positions of prompt[-1] .. prompt + cont[:-1][-1]: the last n positions of the row
                 h = hidden[b][r, width - n:]
                 out[i] = torch.log_softmax(head(norm(h[None]))[0].float(), dim=-1).cpu()
     return out
-
-
-def _rows_of(batches: list[_Batch], b: int, order: list[int]) -> list[int]:
-    start = sum(len(x.input_ids) for x in batches[:b])
-    return order[start:start + len(batches[b].input_ids)]
 
 
 __all__ = ["offloaded_share", "resident", "streamed_logprobs", "streamed_statistics"]
