@@ -129,7 +129,9 @@ class ExpertObserver:
             gate = top_k_weights.reshape(-1)[order] * real
             # back to (token, slot) order and summed over the slots: transformers' own reduction, so the
             # layer's output is bit-identical to the stock experts forward
-            weighted = torch.empty_like(y)
+            # (y's dtype unless the experts are stored in another dtype than the model computes in:
+            # transformers decompresses compressed-tensors experts into bf16 whatever it loads the rest in)
+            weighted = torch.empty(y.shape, dtype=torch.promote_types(y.dtype, gate.dtype), device=y.device)
             weighted[order] = y * gate[:, None]
             out = weighted.view(-1, top_k, weighted.shape[-1]).sum(dim=1).to(hidden_states.dtype)
             if rows is not None:

@@ -23,9 +23,14 @@ bytes), plus the same config edits, plan, manifest and tokenizer files:
   A tensor is cast only where the prediction's dtype differs from the stored one (`--dtype`, keep-in-fp32).
   Stored tensors the model does not load (a vision tower, MTP layers) are not written, as the loaded model
   the in-memory export saves does not have them.
-- Whatever does not map exactly (another layout, a quantized or .bin checkpoint, a tensor the model needs
-  that the files lack) raises `StreamingUnsupported` before anything is written; `export_checkpoint` then says
-  so in one line and exports in memory. A distilled delta (`--distilled`) changes weights of the loaded model
+- A quantized checkpoint (FP8 block-wise, compressed-tensors: `slimwise.quantized`) is predicted from its
+  unquantized structure; every stored tensor follows the weight it belongs to (scales, zero points, packed
+  weights, g_idx) and is copied as stored, never cast or dequantized; its `quantization_config` is rewritten
+  for the renumbered experts.
+- Whatever does not map exactly (another layout, a .bin checkpoint, a tensor the model needs that the files
+  lack) raises `StreamingUnsupported` before anything is written; `export_checkpoint` then says so in one line
+  and exports in memory, except for a quantized checkpoint, which it refuses (in memory it would be written
+  dequantized). A distilled delta (`--distilled`) changes weights of the loaded model
   (trained router rows and norms, merged LoRA) before slicing: `export_checkpoint` always exports it in
   memory.
 
@@ -53,6 +58,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from slimwise import quantized
 from slimwise.adapters import MoEAdapter, get_adapter
 from slimwise.errors import SlimWiseError
 from slimwise.export import check_output_dir, copy_tokenizer_files, export_pruned, write_plan_and_manifest
@@ -138,6 +144,7 @@ class _Job:
     entries: list[_Entry]
     dropped: tuple[str, ...]
     fingerprint: dict[str, str]
+    quantization_config: dict | None = None  # the pruned model's, for a quantized checkpoint
 
 
 # ----- reading safetensors files ----------------------------------------------------------------------------
@@ -413,6 +420,59 @@ def _map_tensors(stored: dict[str, _Stored], whole: dict, sliced: dict,
     return entries, tuple(dropped)
 
 
+def _with_packed(stored: dict[str, _Stored]) -> dict[str, _Stored]:
+    """`stored` plus, for each weight stored packed, the weight under its own name with its logical shape
+    (read from `<weight>_shape`), so the layout transformers loads can be matched against the files."""
+    aliases = quantized.packed_weights(stored)
+    view = dict(stored)
+    with _Reader() as reader:
+        for weight, shape_name in aliases.items():
+            packed, shape = stored[weight + quantized.PACKED_SUFFIX], stored.get(shape_name)
+            if shape is None or shape.dtype not in ("I64", "I32") or len(shape.shape) != 1:
+                raise SlimWiseError(f"{weight}{quantized.PACKED_SUFFIX} has no 1-D integer {shape_name}; the "
+                                    "checkpoint is not a valid packed one")
+            raw = reader.read(shape.file, shape.start, shape.nbytes)
+            dims = torch.frombuffer(raw, dtype=_DTYPES[shape.dtype])
+            view[weight] = _Stored(packed.file, packed.dtype, tuple(int(d) for d in dims), packed.start,
+                                   packed.nbytes)
+    return view
+
+
+def _map_quantized(stored: dict[str, _Stored], whole: dict, sliced: dict,
+                   plan: PrunePlan) -> tuple[list[_Entry], tuple[str, ...]]:
+    """`_map_tensors` for a quantized checkpoint: every stored tensor follows the weight it belongs to
+    (`quantized.owner`): dropped with a pruned expert, renamed with a kept one, its expert rows kept where the
+    weight's are; bytes as stored, never cast."""
+    entries, dropped, written, covered = [], [], set(), set()
+    for name, src in sorted(stored.items(), key=lambda item: (str(item[1].file), item[1].start)):
+        weight = quantized.owner(name, whole)
+        if weight is None:
+            dropped.append(name)
+            continue
+        out, weight_out = _output_name(name, plan), _output_name(weight, plan)
+        if out is None:
+            continue
+        if weight_out not in sliced or out in written:
+            raise StreamingUnsupported(f"tensor {name} has no place in the pruned checkpoint as {out}")
+        shape = src.shape
+        if whole[weight][0] != sliced[weight_out][0]:  # the weight keeps expert rows: so do all its tensors
+            kept = len(plan.kept(_layer_of(name)))
+            if src.shape[:1] != (plan.num_experts,) or sliced[weight_out][0][:1] != (kept,):
+                raise StreamingUnsupported(f"tensor {name} {list(src.shape)} belongs to {weight}, whose "
+                                           "expert rows are kept, but is not stored one row per expert")
+            shape = (kept, *src.shape[1:])
+        if src.dtype not in _DTYPES:
+            raise StreamingUnsupported(f"tensor {name} is stored as {src.dtype}, which this export cannot "
+                                       "copy")
+        entries.append(_Entry(out, name, shape, src.dtype, src.dtype, _pieces(name, src, shape, plan)))
+        written.add(out)
+        covered.add(weight_out)
+    missing = sorted(set(sliced) - written - covered)
+    if missing:
+        raise StreamingUnsupported(f"the pruned model needs {missing[0]}, which no stored tensor gives")
+    return entries, tuple(dropped)
+
+
 # ----- the plan against these files -------------------------------------------------------------------------
 
 def _check_plan(plan: PrunePlan, source_dir: Path, model: nn.Module, adapter: MoEAdapter) -> dict[str, str]:
@@ -440,20 +500,29 @@ def _prepare(source_dir: Path, plan: PrunePlan, dtype: str | torch.dtype | None)
     """Check the plan and decide every output tensor, reading only the config and the files' headers."""
     config = load_config(source_dir)
     adapter = get_adapter(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None):
-        raise StreamingUnsupported("the checkpoint is quantized (transformers converts it on load)")
+    qconfig = quantized.quantization_config(config)
+    if qconfig is not None:  # the structure is the unquantized model's; the files say how it is stored
+        quantized.check_prunable(qconfig, dtype)
+        config = quantized.without_quantization(config)
     structure = _meta_model(config, None)
     files = weight_files(source_dir)
     stored = stored_tensors(files)
     fingerprint = _check_plan(plan, source_dir, structure, adapter)
     n_keep = plan.num_kept  # refuses a non-uniform plan in one line
     model = _meta_model(config, _load_dtype(dtype, structure.config, stored, files[0]))
-    conversions, whole = _matching_conversions(model, stored)
+    conversions, whole = _matching_conversions(model, stored if qconfig is None else _with_packed(stored))
     for layer in adapter.moe_layers(model):
         adapter.slice_layer(layer, torch.tensor(plan.kept(layer.index), dtype=torch.long))
-    entries, dropped = _map_tensors(stored, whole, _saved_layout(model, conversions), plan)
-    return _Job(source_dir, plan, n_keep, adapter, model, entries, dropped, fingerprint)
+    sliced = _saved_layout(model, conversions)
+    if qconfig is None:
+        entries, dropped = _map_tensors(stored, whole, sliced, plan)
+    else:
+        entries, dropped = _map_quantized(stored, whole, sliced, plan)
+        qconfig = quantized.pruned_config(
+            qconfig, lambda layer: plan.kept(layer) if layer in plan.kept_experts else None,
+            before=(n.rpartition(".")[0] for n in stored if n not in dropped),
+            after=(e.name.rpartition(".")[0] for e in entries))
+    return _Job(source_dir, plan, n_keep, adapter, model, entries, dropped, fingerprint, qconfig)
 
 
 # ----- writing and checking ---------------------------------------------------------------------------------
@@ -524,8 +593,10 @@ def _write_config(out_dir: Path, job: _Job) -> None:
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out_dir)
     path = out_dir / "config.json"
-    path.write_text(json.dumps(job.adapter.config_dict_fixups(json.loads(path.read_text()), n_keep), indent=2)
-                    + "\n")
+    saved = job.adapter.config_dict_fixups(json.loads(path.read_text()), n_keep)
+    if job.quantization_config is not None:
+        saved["quantization_config"] = job.quantization_config
+    path.write_text(json.dumps(saved, indent=2) + "\n")
     if model.can_generate():
         try:
             generation = GenerationConfig.from_pretrained(job.source_dir, local_files_only=True)
@@ -608,11 +679,19 @@ def export_checkpoint(source_dir: str | Path, plan: PrunePlan, out_dir: str | Pa
     saying why). With a distilled `delta` the export is always in memory: the delta changes the loaded
     weights before they are sliced."""
     source = resolve_model_dir(source_dir)
+    quantized_as = (quantized.quantization_config(load_config(source)) or {}).get("quant_method")
+    if quantized_as is not None and delta is not None:
+        raise SlimWiseError(f"a distilled delta cannot be exported into a {quantized_as} checkpoint: folding "
+                            "it changes weights that are stored quantized; serve the delta with the plan "
+                            "instead")
     if delta is None:
         try:
             done = stream_pruned(source, plan, out_dir, dtype=dtype, force=force,
                                  max_shard_bytes=max_shard_bytes)
         except StreamingUnsupported as exc:
+            if quantized_as is not None:  # in memory would write the dequantized weights: another format
+                raise SlimWiseError(f"cannot prune this {quantized_as} checkpoint from its files "
+                                    f"({exc})") from exc
             note(f"streaming export not possible ({exc}); exporting in memory, which loads the whole model")
         else:
             if done.dropped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -182,16 +183,28 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         dtype = auto_dtype_on(where.device, getattr(text, "dtype", None) or getattr(config, "dtype", None)) \
             or "auto"
     torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    dequantize = _dequantized_on_load(config)
     try:
-        with _progress_on_terminal_only():
+        with _progress_on_terminal_only(), warnings.catch_warnings():
+            # the checkpoint's own quantization_config, loaded dequantized: not the mix-up this warns about
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, local_files_only=True,
-                                                         **where.from_pretrained_kwargs())
+                                                         **where.from_pretrained_kwargs(), **dequantize)
     except SafetensorError as exc:
         raise SlimWiseError(
             f"the weights in {model_dir} are truncated or corrupt ({_first_line(exc)}); copy the "
             "checkpoint again"
         ) from exc
     except RuntimeError as exc:
+        if dequantize and "conversion of the weights" in str(exc):
+            from slimwise.quantized import quantization_config
+
+            method = quantization_config(config)["quant_method"]
+            raise SlimWiseError(
+                f"transformers cannot load the {method} checkpoint in {model_dir} (its loader found no "
+                "conversion for some quantized tensors, see the report above); SlimWise can still prune it "
+                "from its files (`slimwise prune`) and vLLM may serve it"
+            ) from exc
         if "mismatched" not in str(exc) and "size mismatch" not in str(exc):
             raise
         raise SlimWiseError(
@@ -200,6 +213,26 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
         ) from exc
     model.slimwise_source_dir = str(model_dir)
     return model.eval()
+
+
+def _dequantized_on_load(config) -> dict:
+    """`from_pretrained` arguments that dequantize a quantized checkpoint as it loads, on every device: the
+    observers, masks and trained deltas read expert weights as tensors in the model's dtype, and transformers'
+    compressed-tensors modules left compressed replace `weight_packed` by `weight` at their first forward (the
+    weights' checksum would change under a plan). Quantized kernels are the server's (vLLM)."""
+    from slimwise.quantized import quantization_config
+
+    found = quantization_config(config)
+    method = (found or {}).get("quant_method")
+    if method == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        return {"quantization_config": FineGrainedFP8Config.from_dict({**found, "dequantize": True})}
+    if method == "compressed-tensors":
+        from transformers import CompressedTensorsConfig
+
+        return {"quantization_config": CompressedTensorsConfig.from_dict({**found, "dequantize": True})}
+    return {}
 
 
 def structure_model(path: str | Path) -> nn.Module:

@@ -97,6 +97,12 @@ def _broken_checkpoints(root, model_dir) -> None:
     broken("config-topk-zero", lambda d: _edit_json(d / "config.json", num_experts_per_tok=0))
     broken("config-topk-huge", lambda d: _edit_json(d / "config.json", num_experts_per_tok=99))
     broken("config-hidden-wrong", lambda d: _edit_json(d / "config.json", hidden_size=48))
+    # quantized copies: block-wise FP8 (pruned from the files) and a format `prune` does not slice
+    from quantized import fp8_checkpoint
+
+    fp8_checkpoint(model_dir, root / "fp8", (32, 32))
+    broken("gptq", lambda d: _edit_json(d / "config.json", quantization_config={"quant_method": "gptq",
+                                                                                "bits": 4}))
     # a pruned checkpoint whose config contradicts its weights (llm-compressor 0.14 writes such configs)
     shutil.copytree(root / "pruned", root / "pruned-contradicts")
     _edit_json(root / "pruned-contradicts" / "config.json", num_experts=32, num_local_experts=64)
@@ -305,6 +311,11 @@ case("prune-out-is-file", ["prune", M, "--plan", P, "--out", "{root}/afile"], "{
 case("prune-ratio-nan", ["prune", M, "--stats", "{root}/stats.safetensors", "--ratio", "nan", "--out", OUT])
 case("prune-distilled-missing", ["prune", M, "--plan", P, "--distilled", "{root}/nope", "--out", OUT])
 case("prune-distilled-not-a-delta", ["prune", M, "--plan", P, "--distilled", "{root}/emptydir", "--out", OUT])
+case("prune-quantized-dtype", ["prune", "{root}/fp8", "--plan", P, "--dtype", "float32", "--out", OUT])
+case("prune-quantized-distilled", ["prune", "{root}/fp8", "--plan", P, "--distilled", "{root}/emptydir",
+                                   "--out", OUT])
+case("prune-quantized-other-weights", ["prune", "{root}/fp8", "--plan", P, "--out", OUT])
+case("prune-quantized-unsupported", ["prune", "{root}/gptq", "--plan", P, "--out", OUT])
 
 # ----- generate ---------------------------------------------------------------------------------------------
 GEN = ["generate", M, "--prompts", "{root}/prompts.txt", "--max-new-tokens", "2"]
