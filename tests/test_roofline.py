@@ -307,6 +307,43 @@ def test_cli_prints_paper_reference_and_writes_files(tmp_path, capsys):
     assert (tmp_path / "roofline_qwen3.6-35b-a3b.png").stat().st_size > 1000
 
 
+def test_quantized_linear_layers_count_their_bytes_and_pruning_buys_less(tmp_path, capsys):
+    """`--quant`: experts, shared experts and mixer projections at the format's bytes per weight, scales
+    included (fp8 block 128: 1 + 4/128^2; w4a16 group 128: 0.5 + 2/128), the rest in bf16; with fewer expert
+    bytes per step, 50% pruning buys less (H200, Qwen3.6-35B-A3B): the speedup at batch 64 and 256 and the
+    weights-only ceiling fall from bf16 to fp8 to w4a16. (At batch 1 every token's 8 experts are read either
+    way and pruning saves only router rows, which stay bf16: a larger share of a quantized step.)"""
+    from slimwise.perf.presets import preset_config
+    from slimwise.perf.roofline import QUANT_BYTES, RooflineConfig, resident_bytes
+
+    config = preset_config("qwen3.6-35b-a3b")
+    plain = RooflineConfig.from_hf(config)
+    for quant, per_weight in (("fp8", 1 + 4 / 128**2), ("w4a16", 0.5 + 2 / 128)):
+        rc = RooflineConfig.from_hf(config, quant=quant)
+        assert rc.expert_bytes == QUANT_BYTES[quant] == per_weight and rc.weight_bytes == 2.0
+        quantized = rc.routed_params + rc.shared_params + rc.mixer_params
+        assert resident_bytes(rc) == pytest.approx(quantized * per_weight
+                                                   + (rc.total_params - quantized) * 2.0, rel=1e-12)
+        union = 37.5
+        split = rc.bytes_split(64, 1024, union)
+        assert split["expert_weights"] == rc.moe_layers * union * rc.expert_params * per_weight
+        assert split["other_weights"] == pytest.approx(plain.bytes_split(64, 1024, union)["other_weights"]
+                                                       - (rc.shared_params + rc.mixer_params)
+                                                       * (2.0 - per_weight), rel=1e-12)
+    peaks = {}
+    for quant in (None, "fp8", "w4a16"):
+        out = tmp_path / (quant or "bf16")
+        _run(["roofline", "--preset", "qwen3.6-35b-a3b", "--hardware", "h200", "--ratio", "0.5",
+              "--batch", "1", "64", "256", "--out", str(out), *(["--quant", quant] if quant else [])])
+        report = json.loads((out / "roofline_qwen3.6-35b-a3b.json").read_text())
+        peaks[quant] = [p["speedup"] for p in report["hardware"]["h200"]["predictions"]]
+        peaks[quant].append(report["weights_only_limit"])
+    printed = capsys.readouterr().out
+    assert "GB bfloat16, linear layers fp8)" in printed and "GB bfloat16, linear layers w4a16)" in printed
+    for b16, f8, w4 in zip(peaks[None][1:], peaks["fp8"][1:], peaks["w4a16"][1:], strict=True):
+        assert b16 > f8 > w4 > 1.0
+
+
 def test_cli_reads_a_config_json(tmp_path, capsys):
     cfg = tiny_config("qwen3_moe").to_dict()
     (tmp_path / "c.json").write_text(json.dumps(cfg))

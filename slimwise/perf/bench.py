@@ -547,7 +547,7 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
         if rc is None:
             rc = RooflineConfig.from_dir(model_dir, config.dtype)
         with engines_closed_on_sigterm():
-            result["traffic"] = count_traffic(config, variants, kwargs, rc.expert_params * rc.weight_bytes,
+            result["traffic"] = count_traffic(config, variants, kwargs, rc.expert_params * rc.expert_bytes,
                                               plan.top_k, log)
     if preds is not None:
         result["roofline"] = {"hardware": hw.name, "note": hw.note, "bandwidth": hw.bandwidth,

@@ -90,7 +90,6 @@ def cmd_roofline(args) -> None:
         capacity_comparison,
         format_table,
         get_hardware,
-        kept_experts,
         plot_speedup,
         predict,
         weights_only_limit,
@@ -104,7 +103,7 @@ def cmd_roofline(args) -> None:
         path = Path(args.config)
         config, name = _load_config(args.config), path.stem if path.is_file() else path.name
     rc = RooflineConfig.from_hf(config, name=name, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                                state_dtype=args.state_dtype)
+                                state_dtype=args.state_dtype, quant=args.quant)
     shares = None
     if args.stats:
         from slimwise.stats import ExpertStats
@@ -118,11 +117,7 @@ def cmd_roofline(args) -> None:
         _sensitivity(args, rc, name, target, ref)
         return
     limit = weights_only_limit(rc, args.ratio)
-    print(f"{name}: {rc.total_params / 1e9:.2f}B params ({rc.total_params * rc.weight_bytes / 1e9:.1f} GB "
-          f"{args.dtype}), {rc.moe_layers} MoE layers x {rc.num_experts} experts top-{rc.top_k}, "
-          f"{rc.active_params() / 1e9:.2f}B active per token; ratio {args.ratio} keeps "
-          f"{kept_experts(rc.num_experts, args.ratio, rc.top_k)}; context {args.context}; "
-          f"routing {'measured shares: ' + args.stats if args.stats else 'uniform'}")
+    print(_roofline_header(rc, args, name))
     print(f"weights-only ceiling (every expert touched, no KV/state, memory-bound): {limit:.3f}x")
     curves, report = {}, {"model": name, "config": rc.__dict__, "ratio": args.ratio,
                           "context_len": args.context, "stats": args.stats,
@@ -210,6 +205,17 @@ def _sensitivity(args, rc, name: str, target: float | None, ref) -> None:
         print(f"wrote {png}" + (f" and {out}/sensitivity_{name}.json/.md" if out else ""))
 
 
+def _roofline_header(rc, args, name: str) -> str:
+    from slimwise.perf.roofline import kept_experts, resident_bytes
+
+    stored = f"{args.dtype}, linear layers {args.quant}" if args.quant else args.dtype
+    return (f"{name}: {rc.total_params / 1e9:.2f}B params ({resident_bytes(rc) / 1e9:.1f} GB "
+            f"{stored}), {rc.moe_layers} MoE layers x {rc.num_experts} experts top-{rc.top_k}, "
+            f"{rc.active_params() / 1e9:.2f}B active per token; ratio {args.ratio} keeps "
+            f"{kept_experts(rc.num_experts, args.ratio, rc.top_k)}; context {args.context}; "
+            f"routing {'measured shares: ' + args.stats if args.stats else 'uniform'}")
+
+
 def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
     """Register `slimwise roofline` on an argparse subparsers object (cheap: heavy imports happen on run)."""
     p = subparsers.add_parser("roofline",
@@ -231,6 +237,11 @@ def add_roofline_parser(subparsers) -> argparse.ArgumentParser:
                    help="calibration stats: use the measured expert usage shares instead of uniform")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"],
                    help="weight dtype")
+    p.add_argument("--quant", default=None, choices=["fp8", "w4a16"],
+                   help="linear layers (experts, shared experts, attention) stored quantized, scales "
+                        "included: fp8 = e4m3 + a float32 scale per 128x128 block (the official FP8 "
+                        "releases), w4a16 = int4 + a bf16 scale per group of 128 (llm-compressor W4A16); "
+                        "embeddings, LM head, norms and routers stay in --dtype")
     p.add_argument("--kv-dtype", default=None, choices=["bfloat16", "float16", "float32", "fp8"],
                    help="KV cache dtype (default: --dtype)")
     p.add_argument("--state-dtype", default=None, choices=["bfloat16", "float16", "float32"],

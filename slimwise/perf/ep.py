@@ -85,7 +85,7 @@ def _gpu_step(config: RooflineConfig, hw: Hardware, link: Interconnect, batch: i
     """(time, all-to-all time, busiest GPU's expert bytes) of one decode step on the busiest GPU."""
     per_gpu = batch / ep
     touched = experts_on_busiest * (expected_union(kept_total, config.top_k, batch) / kept_total)
-    expert_bytes = config.moe_layers * touched * config.expert_params * config.weight_bytes
+    expert_bytes = config.moe_layers * touched * config.expert_params * config.expert_bytes
     dense = config.weight_bytes_step(per_gpu, 0.0, kept_total)  # replicated weights, this GPU's lm_head rows
     cache = config.cache_bytes_step(1, context_len) * per_gpu
     flops = 2.0 * per_gpu * config.active_params(kept_total)

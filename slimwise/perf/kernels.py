@@ -216,7 +216,7 @@ def bench_kernel_roofline(
     )
     samples = measure_fused_moe(rc.hidden_size, inter, rc.num_experts, rc.top_k, batches,
                                 layers=min(rc.moe_layers, 8), dtype=dtype, rounds=3, steps=5, seed=seed)
-    model = fit_moe_kernel(samples, int(rc.expert_params * rc.weight_bytes))
+    model = fit_moe_kernel(samples, int(rc.expert_params * rc.expert_bytes))
     counted = traffic or {}
     pruned_counter = next((n for n in ("slimwise", "pruned") if n in counted), None)
     rows = []

@@ -42,6 +42,12 @@ from slimwise.io import save_figure
 from slimwise.stats import expected_union
 
 DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0}
+#: bytes per weight of the linear layers a quantized release stores quantized (routed and shared experts,
+#: attention / linear-attention projections), scales included; embeddings, LM head, norms and routers stay in
+#: the model dtype. fp8: e4m3 + one float32 `weight_scale_inv` per 128x128 block (the official FP8 releases);
+#: w4a16: int4 packed + one bf16 scale per group of 128 (compressed-tensors `pack-quantized`, llm-compressor's
+#: W4A16 preset).
+QUANT_BYTES = {"fp8": 1.0 + 4.0 / (128 * 128), "w4a16": 0.5 + 2.0 / 128}
 
 
 # ----- model description -----------------------------------------------------------------------------------
@@ -76,8 +82,17 @@ class RooflineConfig:
     kv_bytes: float = 2.0
     state_bytes: float = 2.0  # recurrent state element (fp32 where the config says mamba_ssm_dtype float32)
     mixer_params: int = 0  # the part of dense_params in attention and linear-attention mixers (all layers)
+    linear_bytes: float | None = None  # quantized linear weights (QUANT_BYTES); None: weight_bytes
 
     # ----- sizes -----
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes per parameter of the routed and shared experts and the mixers' projections."""
+        return self.weight_bytes if self.linear_bytes is None else self.linear_bytes
+
+    def _bytes(self, quantized: float, other: float) -> float:
+        return quantized * self.expert_bytes + other * self.weight_bytes
+
     @property
     def tied(self) -> bool:
         return self.lm_head_params == 0
@@ -114,9 +129,10 @@ class RooflineConfig:
         kept = self.num_experts if kept is None else kept
         head = self.lm_head_params or self.embed_params
         rows = 0 if self.tied else min(batch, self.vocab_size) * self.hidden_size
-        params = (self.dense_params + self.shared_params + head + rows
-                  + self.moe_layers * (kept * self.router_params_per_expert + union * self.expert_params))
-        return params * self.weight_bytes
+        quantized = self.mixer_params + self.shared_params + self.moe_layers * union * self.expert_params
+        other = (self.dense_params - self.mixer_params + head + rows
+                 + self.moe_layers * kept * self.router_params_per_expert)
+        return self._bytes(quantized, other)
 
     def cache_bytes_step(self, batch: int, context_len: int) -> float:
         """KV reads (+ the new token's write) and linear-attention state read + write, for the whole batch."""
@@ -133,7 +149,7 @@ class RooflineConfig:
         attn_layers = self.full_attention_layers + self.sliding_attention_layers
         new_token = attn_layers * self.kv_elems_per_token_layer * self.kv_bytes
         weights = self.weight_bytes_step(batch, union, kept)
-        experts = self.moe_layers * union * self.expert_params * self.weight_bytes
+        experts = self.moe_layers * union * self.expert_params * self.expert_bytes
         return {"expert_weights": experts, "other_weights": weights - experts,
                 "kv": batch * (self.kv_bytes_per_seq(context_len) + new_token),
                 "state": batch * 2 * self.state_bytes_per_seq()}
@@ -147,8 +163,9 @@ class RooflineConfig:
 
     @classmethod
     def from_hf(cls, config, name: str | None = None, dtype: str = "bfloat16", kv_dtype: str | None = None,
-                state_dtype: str | None = None) -> RooflineConfig:
-        """Count a transformers config's parameters by role (exact: built on the meta device, no memory)."""
+                state_dtype: str | None = None, quant: str | None = None) -> RooflineConfig:
+        """Count a transformers config's parameters by role (exact: built on the meta device, no memory);
+        `quant` (QUANT_BYTES) stores the linear layers quantized, the rest in `dtype`."""
         counts = param_census(config)
         text = getattr(config, "text_config", None) or config
         cache = _cache_shapes(text)
@@ -159,6 +176,7 @@ class RooflineConfig:
             num_layers=int(text.num_hidden_layers), hidden_size=int(text.hidden_size),
             vocab_size=int(text.vocab_size), **counts, **cache, weight_bytes=weight_bytes,
             kv_bytes=DTYPE_BYTES[kv_dtype or dtype], state_bytes=DTYPE_BYTES[str(ssm).removeprefix("torch.")],
+            linear_bytes=QUANT_BYTES[quant] if quant else None,
         )
 
     @classmethod
@@ -520,9 +538,11 @@ def batch_reaching(config: RooflineConfig, hardware: Hardware, ratio: float, tar
 def resident_bytes(config: RooflineConfig, kept: int | None = None) -> float:
     """Weight bytes held in memory with `kept` experts per MoE layer (all by default)."""
     kept = config.num_experts if kept is None else kept
-    pruned = config.num_experts - kept
-    drop = config.moe_layers * pruned * (config.expert_params + config.router_params_per_expert)
-    return (config.total_params - drop) * config.weight_bytes
+    experts = config.moe_layers * kept * config.expert_params
+    routers = config.moe_layers * kept * config.router_params_per_expert
+    quantized = experts + config.shared_params + config.mixer_params
+    other = config.dense_params - config.mixer_params + config.embed_params + config.lm_head_params + routers
+    return config._bytes(quantized, other)
 
 
 def max_batch(config: RooflineConfig, hardware: Hardware, context_len: int, kept: int | None = None,

@@ -153,7 +153,7 @@ def budget(rc: RooflineConfig, ratio: float, target: float, batch: int) -> float
     none)."""
     kept = kept_experts(rc.num_experts, ratio, rc.top_k)
     uf, up = expected_union(rc.num_experts, rc.top_k, batch), expected_union(kept, rc.top_k, batch)
-    expert = rc.moe_layers * rc.expert_params * rc.weight_bytes
+    expert = rc.moe_layers * rc.expert_params * rc.expert_bytes
     return expert * (uf - target * up) / (target - 1.0)
 
 
