@@ -345,6 +345,36 @@ def _prune(job: _Job) -> tuple[list, list[str], tuple[str, ...]]:
     return rows, notes, tuple(name for name, _ in rows)
 
 
+def _quantized_prune_notes(model, job: _Job) -> list[str] | None:
+    """`prune`'s notes for a quantized checkpoint directory: its output's size from the stored bytes
+    (quantized weights with their scales: the config's parameter count at a dtype would be wrong), and no
+    in-memory fallback. None for an unquantized model."""
+    from slimwise.models import resolve_model_dir
+    from slimwise.quantized import quantization_config
+
+    found = quantization_config(job.config)
+    if not found:
+        return None
+    from slimwise.export_stream import CHUNK_BYTES, stored_tensors, weight_files
+
+    stored = stored_tensors(weight_files(resolve_model_dir(model)))
+    total = sum(s.nbytes for s in stored.values())
+    # routed experts' tensors, per expert or fused, with their scales (shared experts are `shared_expert(s)`),
+    # and the router rows that go with them
+    experts = sum(s.nbytes for name, s in stored.items() if ".layers." in name and (
+        ".experts." in name or name.endswith((".mlp.gate.weight", ".e_score_correction_bias"))))
+    pruned = total - round((1 - _pruned_routed_share(job)) * experts)
+    method = found.get("quant_method")
+    share = _pruned_routed_share(job)
+    return [f"the streamed export reads the {method} checkpoint's files tensor by tensor and never builds "
+            f"the model: at most two {CHUNK_BYTES // 2**20} MiB chunks of tensor data are held at once",
+            f"a {method} checkpoint is never exported in memory (it would be written dequantized): what "
+            "the files do not describe exactly is refused, and so is --distilled",
+            f"disk: the pruned checkpoint's tensors are about {pruned:,} bytes ({pruned / GIB:.2f} GiB) "
+            f"as stored: {share:.0%} of the routed experts' tensors (weights and scales) and every other "
+            "tensor, written to a temporary sibling of --out first"]
+
+
 def _pruned_routed_share(job: _Job) -> float:
     n = job.census.num_experts
     return (n - math.floor(job.ratio * n + 0.5)) / n
@@ -491,6 +521,7 @@ def footprint(model: str | Path, command: str, *, dtype: str = "bfloat16", batch
     settings = {"batch": job.batch, "prompt": prompt_len, "new tokens": job.new_tokens}
     if command == "prune":
         settings = {"ratio": ratio, "export": "in memory" if in_memory else "streamed"}
+        notes = _quantized_prune_notes(model, job) or notes
     return Footprint(command, name, dtype, rows, devices, notes, host, settings, _step_bytes(job))
 
 

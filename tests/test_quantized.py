@@ -102,6 +102,20 @@ def test_pruned_tensors_are_the_kept_slices_scales_included(fmt, quantized_dir, 
     assert load_config(out).quantization_config["quant_method"] == method
 
 
+@pytest.mark.parametrize("fmt", ["fp8-32x32", "w4a16"])
+def test_dry_run_sizes_the_output_as_stored(fmt, quantized_dir, tmp_path):
+    """`prune --dry-run` on a quantized checkpoint: the output's bytes from the stored tensors (quantized
+    weights and scales), equal to what the export then writes, and no in-memory fallback offered."""
+    from slimwise.footprint import footprint
+
+    plan = structure_plan()
+    fp = footprint(quantized_dir(fmt), "prune", ratio=0.5)
+    written = stream_pruned(quantized_dir(fmt), plan, tmp_path / "pruned").bytes
+    disk = next(n for n in fp.notes if n.startswith("disk:"))
+    assert f"about {written:,} bytes" in disk, (disk, written)
+    assert any("never exported in memory" in n for n in fp.notes)
+
+
 def _prompts(n: int) -> list[str]:
     return [s.prompt for s in make_split("test", 1)][:n]
 
@@ -138,6 +152,13 @@ def test_calibrate_plan_prune_and_the_pruned_checkpoint_gives_the_masked_tokens(
     assert tokens(PhaseSplitEngine(pruned, tok), "full") == tokens(masked, "uniform")
     sliced = PhaseSplitEngine(model, tok, plan=plan, decode_model=pruned)
     assert tokens(sliced, "slimwise") == tokens(masked, "slimwise") != tokens(masked, "full")
+    if fmt == "fp8-32x32":  # distillation trains on the dequantized model as on any other
+        from slimwise.distill import DistillConfig, distill
+
+        delta = distill(model, plan, prompts[:4], tok,
+                        DistillConfig(steps=2, batch_size=4, max_new_tokens=8, progress=False))
+        losses = delta.manifest["loss_history"]
+        assert len(losses) == 2 and all(0 < x < 100 for x in losses)
 
 
 def _with_quantization_lists(src: Path, dst: Path, **lists) -> Path:
