@@ -846,3 +846,79 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
     # the start-up health and tokenizer checks reach the server where it listens
     assert [local_address(h) for h in ("0.0.0.0", "::", "127.0.0.1", "10.1.2.3", "fd00::1")] == [
         "127.0.0.1", "127.0.0.1", "127.0.0.1", "10.1.2.3", "[fd00::1]"]
+
+
+# ----- a proxy over instances started elsewhere -------------------------------------------------------------
+
+def _instance_encoding(ids: list[int]):
+    """A running vLLM instance as the proxy meets it: health, and `/tokenize` answering `ids`."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self._answer({})
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            self._answer({"tokens": ids, "count": len(ids)})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_running_instances_are_probed_for_the_checkpoints_tokenizer(tmp_path):
+    """`slimwise serve MODEL --disaggregated --prefill-url P --decode-url D`: instances started elsewhere
+    (perhaps with another --tokenizer) are probed as the ones serve starts itself; one that encodes the probe
+    text otherwise is refused in one line before the proxy listens, and matching ones get the proxy."""
+    import subprocess
+    import sys
+
+    from slimwise.models import load_tokenizer
+    from slimwise.serving.tokenizer import TOKENIZER_PROBE
+
+    want = load_tokenizer("testbed-a")(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    right, right_url = _instance_encoding(want)
+    wrong, wrong_url = _instance_encoding([*want[:3], want[3] + 1, *want[4:]])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = [sys.executable, "-m", "slimwise.cli", "serve", "testbed-a", "--disaggregated",
+             "--port", str(port)]
+    try:
+        refused = subprocess.run([*serve, "--prefill-url", right_url, "--decode-url", wrong_url],
+                                 capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        errors = refused.stderr.strip().splitlines()
+        assert errors[-1].startswith("slimwise: error: the decode instance's tokenizer encodes text "
+                                     "differently") and "first difference at token 3" in errors[-1], errors
+        assert "Traceback" not in refused.stderr
+        proc = subprocess.Popen([*serve, "--prefill-url", right_url, "--decode-url", right_url],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            lines = []
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not any("PD proxy ready" in line for line in lines):
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                lines.append(line)
+            assert any("SlimWise PD proxy ready" in line and "'testbed-a'" in line for line in lines), lines
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    finally:
+        right.shutdown()
+        wrong.shutdown()

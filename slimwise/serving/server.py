@@ -509,6 +509,10 @@ def _serve_disaggregated(cfg: ServeConfig, plan, sup: Supervisor) -> int:
     if cfg.prefill_url and cfg.decode_url:
         _summary(cfg, plan, "PD-disaggregated proxy over running instances",
                  {"prefill": cfg.prefill_url, "decode": cfg.decode_url})
+        # instances started elsewhere, maybe with another --tokenizer: both must encode as the checkpoint does
+        for url, what in ((cfg.prefill_url, "the prefill instance"), (cfg.decode_url, "the decode instance")):
+            check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), what,
+                            option_value(cfg.vllm_args, "--api-key"))
         return _run_proxy(cfg, sup, cfg.prefill_url, cfg.decode_url, None)
     return _run_proxy(cfg, sup, *_start_instances(cfg, plan, sup))
 
