@@ -80,8 +80,7 @@ _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 _FLOAT_CODES = ("F64", "F32", "F16", "BF16")
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
-# a per-expert tensor: "<prefix>.experts.<id>.<rest>"; its layer: the first "layers.<n>." in the name
-_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<rest>.+)$")
+# a tensor's layer: the first "layers.<n>." in its name (per-expert names: `quantized.renamed_module`)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -358,15 +357,14 @@ def _layer_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def _kept_ids(plan: PrunePlan):
+    """`plan` as `quantized.renamed_module` reads it: kept expert ids by layer, None if not pruned."""
+    return lambda layer: plan.kept(layer) if layer in plan.kept_experts else None
+
+
 def _output_name(name: str, plan: PrunePlan) -> str | None:
     """The name a stored tensor gets in the pruned checkpoint; None for a pruned expert's tensor."""
-    match = _PER_EXPERT.match(name)
-    layer = _layer_of(name)
-    if match is None or layer not in plan.kept_experts:
-        return name
-    new_ids = {old: new for new, old in enumerate(plan.kept(layer))}
-    new = new_ids.get(int(match["expert"]))
-    return None if new is None else f"{match['prefix']}.{new}.{match['rest']}"
+    return quantized.renamed_module(name, _kept_ids(plan))
 
 
 def _runs(ids: list[int]) -> Iterator[tuple[int, int]]:
@@ -519,7 +517,7 @@ def _prepare(source_dir: Path, plan: PrunePlan, dtype: str | torch.dtype | None)
     else:
         entries, dropped = _map_quantized(stored, whole, sliced, plan)
         qconfig = quantized.pruned_config(
-            qconfig, lambda layer: plan.kept(layer) if layer in plan.kept_experts else None,
+            qconfig, _kept_ids(plan),
             before=(n.rpartition(".")[0] for n in stored if n not in dropped),
             after=(e.name.rpartition(".")[0] for e in entries))
     return _Job(source_dir, plan, n_keep, adapter, model, entries, dropped, fingerprint, qconfig)

@@ -363,9 +363,9 @@ def _quantized_prune_notes(model, job: _Job) -> list[str] | None:
     # and the router rows that go with them
     experts = sum(s.nbytes for name, s in stored.items() if ".layers." in name and (
         ".experts." in name or name.endswith((".mlp.gate.weight", ".e_score_correction_bias"))))
-    pruned = total - round((1 - _pruned_routed_share(job)) * experts)
-    method = found.get("quant_method")
     share = _pruned_routed_share(job)
+    pruned = total - round((1 - share) * experts)
+    method = found.get("quant_method")
     return [f"the streamed export reads the {method} checkpoint's files tensor by tensor and never builds "
             f"the model: at most two {CHUNK_BYTES // 2**20} MiB chunks of tensor data are held at once",
             f"a {method} checkpoint is never exported in memory (it would be written dequantized): what "
