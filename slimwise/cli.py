@@ -178,18 +178,57 @@ def _add_plan_source(p: argparse.ArgumentParser, plan_option: bool = True) -> No
         p.add_argument("--plan", help="a plan JSON (instead of --stats/--criterion/--ratio)")
     p.add_argument("--stats", help="calibration statistics from `slimwise calibrate`")
     p.add_argument("--criterion", default="reap", help="frequency | soft | ean | reap (default: reap)")
-    p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5,
-                   help="share of routed experts to prune, in [0, 1)")
+    if plan_option:
+        p.add_argument("--ratio", type=number(0, 1, hi_open=True), default=0.5,
+                       help="share of routed experts to prune, in [0, 1)")
+    else:  # `slimwise plan`: one plan, or one per ratio into a directory
+        p.add_argument("--ratio", type=number(0, 1, hi_open=True), nargs="+", default=[0.5],
+                       help="share of routed experts to prune, in [0, 1); several ratios write one plan "
+                            "each into the --out directory")
     p.add_argument("--global", dest="global_budget", action="store_true",
                    help="one budget across layers (non-uniform; served by masking, not exportable)")
 
 
 def cmd_plan(args) -> None:
-    args.plan = None
-    plan = _plan_from_args(args)
-    plan.save(args.out)
+    from slimwise.criteria import nested_plans, plan_from_stats
+    from slimwise.io import atomic_dir
+    from slimwise.stats import ExpertStats
+
+    ratios = sorted(set(args.ratio))
+    if len(ratios) == 1 and not args.nested:
+        args.plan, args.ratio = None, ratios[0]
+        plan = _plan_from_args(args)
+        plan.save(args.out)
+        _report_plan(plan, args.out)
+        return
+    if not args.stats:
+        raise SlimWiseError("give --stats STATS (several ratios or --nested plan from statistics)")
+    options = dict(scope="global" if args.global_budget else "layer", ep_size=args.ep_size,
+                   ep_placement=args.ep_placement)
+    stats = ExpertStats.load(args.stats)
+    if args.nested:
+        plans = nested_plans(stats, args.criterion, ratios, **options)
+    else:
+        plans = [plan_from_stats(stats, args.criterion, r, **options) for r in ratios]
+    out = Path(args.out)
+    refuse_existing(out)
+    with atomic_dir(out) as tmp:  # every plan or none
+        for plan in plans:
+            plan.save(Path(tmp) / _plan_file_name(plan))
+    for plan in plans:
+        _report_plan(plan, out / _plan_file_name(plan))
+    if args.nested:
+        print(f"nested: every plan keeps a subset of the previous plan's experts in every layer "
+              f"(ratios {', '.join(f'{r:g}' for r in ratios)})")
+
+
+def _plan_file_name(plan) -> str:
+    return f"{plan.criterion}-{plan.ratio:g}.json"
+
+
+def _report_plan(plan, path) -> None:
     sizes = sorted({len(v) for v in plan.kept_experts.values()})
-    print(f"wrote {args.out}: {plan.criterion} at ratio {plan.ratio}, keeps {sizes} of {plan.num_experts} "
+    print(f"wrote {path}: {plan.criterion} at ratio {plan.ratio}, keeps {sizes} of {plan.num_experts} "
           f"experts in {len(plan.kept_experts)} layers ({plan.scope} scope"
           + (f", {plan.meta['ep_size']} EP ranks alike" if plan.meta.get("ep_size") else "") + ")")
 
@@ -442,7 +481,13 @@ def _add_plan(sub) -> None:
                         "(default 1: unbalanced)")
     p.add_argument("--ep-placement", default="linear", choices=["linear", "round_robin"],
                    help="vLLM's expert placement the plan balances for (--expert-placement-strategy)")
-    p.add_argument("--out", required=True, help="plan JSON to write")
+    p.add_argument("--nested", action="store_true",
+                   help="with several --ratio values: each plan keeps a subset of the next lower ratio's "
+                        "kept experts in every layer, so an engine serving them together reads at most the "
+                        "lowest ratio's experts in a mixed step")
+    p.add_argument("--out", required=True,
+                   help="plan JSON to write; a new directory with several --ratio values or --nested "
+                        "(one CRITERION-RATIO.json per ratio)")
     p.set_defaults(func=cmd_plan)
 
 

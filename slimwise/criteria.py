@@ -6,7 +6,7 @@ fired score 0. A new criterion is one decorated function.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -67,10 +67,10 @@ def score_experts(stats: ExpertStats, criterion: str) -> torch.Tensor:
 
 
 def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str = "layer", ep_size: int = 1,
-                    ep_placement: str = "linear") -> PrunePlan:
+                    ep_placement: str = "linear", within: PrunePlan | None = None) -> PrunePlan:
     """Score experts with `criterion` and prune `ratio` of them; the plan inherits the stats' model
     fingerprint. `ep_size` > 1: keep the same number of experts in every expert-parallel rank's block
-    (`slimwise.expert_parallel`)."""
+    (`slimwise.expert_parallel`). `within`: keep only experts that plan keeps (nested plans)."""
     meta = stats.meta
     if "family" not in meta or "top_k" not in meta:
         raise SlimWiseError(
@@ -80,6 +80,11 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
                   min_kept_per_group=int(meta.get("min_kept_per_group", 1)), scope=scope, criterion=criterion,
                   phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
                   meta={"stats_tokens": stats.tokens.tolist(), "calibration": meta.get("config")})
+    if within is not None:
+        allowed = torch.zeros(len(stats.layers), within.num_experts, dtype=torch.bool)
+        for row, layer in enumerate(stats.layers):
+            allowed[row, within.kept(layer)] = True
+        kwargs["allowed"] = allowed
     if ep_size > 1:
         from slimwise.expert_parallel import balanced_plan
 
@@ -89,3 +94,18 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
             score_experts(stats, criterion), stats.layers, ratio, ep_size, ep_placement, **kwargs
         )
     return make_plan(score_experts(stats, criterion), stats.layers, ratio, **kwargs)
+
+
+def nested_plans(stats: ExpertStats, criterion: str, ratios: Sequence[float], **options) -> list[PrunePlan]:
+    """One plan per ratio, in increasing ratio, each keeping a subset of the previous plan's experts in every
+    layer (the 75% plan's kept set inside the 50% plan's inside the 25% plan's): an engine serving several of
+    them reads, in a step that mixes their requests, no more experts than the lowest ratio's plan keeps.
+    Per-layer plans of one criterion nest already (the same ranking, cut at fewer experts); the constraint
+    matters for `--global` budgets and EP-balanced plans, whose per-layer counts move with the ratio.
+    `options`: `plan_from_stats`'s."""
+    plans: list[PrunePlan] = []
+    for ratio in sorted(set(ratios)):
+        plan = plan_from_stats(stats, criterion, ratio, within=plans[-1] if plans else None, **options)
+        plan.meta["nested_ratios"] = sorted(set(ratios))
+        plans.append(plan)
+    return plans

@@ -63,6 +63,7 @@ def balanced_plan(
     placement: str = "linear",
     *,
     num_groups: int = 1,
+    allowed: torch.Tensor | None = None,
     **plan_kwargs,
 ) -> PrunePlan:
     """`make_plan` with the same number of experts kept in every EP rank's block: the highest-scoring experts
@@ -86,7 +87,8 @@ def balanced_plan(
     if n % blocks:
         raise SlimWiseError(f"{num_groups} routing groups and EP size {ep_size} do not nest over {n} experts")
     perm = [e for r in ranks for e in r]
-    plan = make_plan(scores[:, perm], layers, ratio, num_groups=blocks, **plan_kwargs)
+    plan = make_plan(scores[:, perm], layers, ratio, num_groups=blocks,
+                     allowed=None if allowed is None else allowed[:, perm], **plan_kwargs)
     kept = {layer: sorted(perm[i] for i in ids) for layer, ids in plan.kept_experts.items()}
     meta = {**plan.meta, "ep_size": ep_size, "ep_placement": placement}
     out = PrunePlan(family=plan.family, num_experts=n, top_k=plan.top_k, kept_experts=kept,

@@ -304,6 +304,7 @@ def make_plan(
     phase: str | None = None,
     fingerprint: dict[str, str] | None = None,
     meta: dict | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> PrunePlan:
     """Prune the lowest-scoring experts. `scores` is [len(layers), E]; higher means more important.
 
@@ -311,6 +312,9 @@ def make_plan(
     checkpoint stays valid). scope="global" spends one budget of round(ratio*L*E) across layers on scores
     normalised per layer (criteria are not comparable across layers otherwise), never below top-k per layer.
     Ties break towards the lower expert id, so plans are deterministic.
+
+    `allowed` (bool, like `scores`): only these experts may be kept; the others are pruned first. Nested plans
+    pass the kept set of the plan at the next lower ratio, so every kept set lies inside the previous one.
     """
     if not 0.0 <= ratio < 1.0 or math.isnan(ratio):
         raise SlimWiseError(f"ratio {ratio} is outside [0, 1): pass the share of experts to prune, e.g. 0.5")
@@ -318,19 +322,22 @@ def make_plan(
         raise SlimWiseError(f"scores of shape {tuple(scores.shape)} do not match {len(layers)} MoE layers")
     n_layers, n = scores.shape
     scores = torch.nan_to_num(scores.to(torch.float64), nan=0.0)
+    allowed = torch.ones(n_layers, n, dtype=torch.bool) if allowed is None else allowed.to(torch.bool).cpu()
     group = n // num_groups
     kept: dict[int, list[int]] = {}
     if scope == "layer":
         keep_per_group = _keep_count(group, ratio)
+        ranked = scores.masked_fill(~allowed, float("-inf"))  # a disallowed expert ranks below every other
         for row, layer in enumerate(layers):
             ids: list[int] = []
             for g in range(num_groups):
-                block = scores[row, g * group:(g + 1) * group]
+                block = ranked[row, g * group:(g + 1) * group]
                 order = torch.sort(-block, stable=True).indices[:keep_per_group]
                 ids += (order + g * group).tolist()
             kept[layer] = sorted(ids)
     elif scope == "global":
         norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
+        norm = norm.masked_fill(~allowed, float("-inf"))  # pruned first
         budget = n_layers * n - _keep_count(n_layers * n, ratio)
         remaining = [n] * n_layers
         per_group = [[group] * num_groups for _ in range(n_layers)]
@@ -350,6 +357,10 @@ def make_plan(
         kept = {layer: (~pruned[row]).nonzero().flatten().tolist() for row, layer in enumerate(layers)}
     else:
         raise SlimWiseError(f"scope {scope!r} is not 'layer' or 'global'")
+    outside = [layer for row, layer in enumerate(layers) if not allowed[row, kept[layer]].all()]
+    if outside:
+        raise SlimWiseError(f"ratio {ratio} keeps experts outside the allowed set in layers {outside}: "
+                            "nested plans need ratios that grow (each keeps at most what the previous kept)")
     plan = PrunePlan(family=family, num_experts=n, top_k=top_k, kept_experts=kept, criterion=criterion,
                      ratio=ratio, phase=phase, scope=scope, num_groups=num_groups, fingerprint=fingerprint,
                      meta=meta or {})

@@ -297,6 +297,12 @@ case("plan-no-stats", ["plan", "--out", OUT])
 case("plan-out-is-dir", [*PLAN, "--out", "{root}/emptydir"], "{root}/emptydir")
 case("plan-out-under-file", [*PLAN, "--out", IN_FILE], IN_FILE)
 case("plan-out-on-proc", [*PLAN, "--out", IN_PROC], IN_PROC)
+case("plan-ratios-one-bad", [*PLAN, "--ratio", "0.25", "1", "--nested", "--out", OUT])
+case("plan-nested-below-top-k", [*PLAN, "--ratio", "0.25", "0.9", "--nested", "--out", OUT])
+case("plan-ratios-no-stats", ["plan", "--ratio", "0.25", "0.5", "--out", OUT])
+case("plan-ratios-out-is-file", [*PLAN, "--ratio", "0.25", "0.5", "--out", "{root}/afile"], "{root}/afile")
+case("plan-ratios-out-under-file", [*PLAN, "--ratio", "0.25", "0.5", "--out", IN_FILE], IN_FILE)
+case("plan-nested-out-on-proc", [*PLAN, "--nested", "--out", IN_PROC], IN_PROC)
 
 # ----- prune ------------------------------------------------------------------------------------------------
 for p in BAD_PLANS:

@@ -256,3 +256,94 @@ def test_checkpoint_fingerprint_is_the_same_for_both_qwen3_5_layouts(tmp_path):
     model.save_pretrained(tmp_path / "text")
     assert checkpoint_fingerprint(tmp_path / "multimodal") == checkpoint_fingerprint(tmp_path / "text")
     assert fingerprints_match(model_fingerprint(model), model_fingerprint(load_model(tmp_path / "text")))
+
+
+def random_stats(layers: int = 3, experts: int = 16, top_k: int = 2, seed: int = 0, groups: int = 1
+                 ) -> ExpertStats:
+    g = torch.Generator().manual_seed(seed)
+    meta = {"family": "qwen3_moe", "top_k": top_k, "num_groups": groups, "fingerprint": {"a": "b"}}
+    s = ExpertStats.zeros(list(range(layers)), experts, meta=meta)
+    s.count[:] = torch.randint(1, 50, (layers, experts), generator=g).double()
+    s.gate_sum[:] = s.count * torch.rand(layers, experts, generator=g, dtype=torch.float64)
+    s.norm_sum[:] = s.count * torch.rand(layers, experts, generator=g, dtype=torch.float64)
+    s.norm_sq_sum[:] = s.norm_sum ** 2
+    s.gate_norm_sum[:] = s.gate_sum * s.norm_sum / s.count
+    s.tokens[:] = 100.0
+    return s
+
+
+def kept_sets(plan: PrunePlan) -> dict[int, set[int]]:
+    return {layer: set(ids) for layer, ids in plan.kept_experts.items()}
+
+
+@pytest.mark.parametrize("options", [{}, {"scope": "global"}, {"ep_size": 4}, {"ep_size": 2, "groups": 2}],
+                         ids=["layer", "global", "ep4", "ep2-groups2"])
+def test_nested_plans_nest_and_equal_the_independent_plans_of_one_ranking(options):
+    """Every plan keeps a subset of the previous (lower-ratio) plan's experts in every layer. With one stats
+    file and one criterion, the plans at each ratio nest already (one ranking cut at fewer experts): nesting
+    then changes nothing, which the plans made one by one show."""
+    from slimwise.criteria import nested_plans
+
+    options = dict(options)
+    stats = random_stats(groups=options.pop("groups", 1))
+    ratios = [0.75, 0.25, 0.5]
+    plans = nested_plans(stats, "reap", ratios, **options)
+    assert [p.ratio for p in plans] == [0.25, 0.5, 0.75]
+    for wide, narrow in zip(plans, plans[1:], strict=False):
+        assert all(kept_sets(narrow)[layer] <= kept_sets(wide)[layer] for layer in stats.layers)
+    for plan in plans:
+        assert plan.meta["nested_ratios"] == [0.25, 0.5, 0.75]
+        assert plan.kept_experts == plan_from_stats(stats, "reap", plan.ratio, **options).kept_experts
+
+
+def test_a_plan_within_another_keeps_only_its_experts():
+    """`within` restricts the kept set even where the scores rank other experts first: the best experts of a
+    second calibration, inside the first plan's set."""
+    first = plan_from_stats(random_stats(seed=1), "reap", 0.5)
+    other = random_stats(seed=2)
+    inside = plan_from_stats(other, "reap", 0.75, within=first)
+    alone = plan_from_stats(other, "reap", 0.75)
+    assert all(kept_sets(inside)[layer] <= kept_sets(first)[layer] for layer in other.layers)
+    assert inside.kept_experts != alone.kept_experts  # the second ranking alone leaves the first plan's set
+    scores = score_experts(other, "reap")
+    for row, layer in enumerate(other.layers):  # and inside the set, the highest scores
+        allowed = sorted(first.kept(layer), key=lambda e: (-scores[row, e].item(), e))
+        assert sorted(allowed[: len(inside.kept(layer))]) == inside.kept(layer)
+    for scope in ("layer", "global"):
+        with pytest.raises(SlimWiseError, match="nested plans need ratios that grow"):
+            plan_from_stats(other, "reap", 0.25, within=first, scope=scope)
+
+
+def test_plan_cli_writes_one_plan_per_ratio(tmp_path):
+    """`slimwise plan --stats S --ratio 0.25 0.5 0.75 --nested --out DIR` as a user runs it: one
+    CRITERION-RATIO.json per ratio, nested, each equal to `slimwise plan --ratio R`'s; an existing --out is
+    refused in one line and left as it was."""
+    import json
+    import subprocess
+    import sys
+
+    stats = random_stats()
+    stats.save(tmp_path / "stats.safetensors")
+
+    def slimwise(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "slimwise.cli", "plan", "--stats",
+                               str(tmp_path / "stats.safetensors"), *args],
+                              capture_output=True, text=True, timeout=300)
+
+    out = tmp_path / "plans"
+    run = slimwise("--ratio", "0.25", "0.5", "0.75", "--nested", "--out", str(out))
+    assert run.returncode == 0, run.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["reap-0.25.json", "reap-0.5.json", "reap-0.75.json"]
+    assert "nested: every plan keeps a subset" in run.stdout
+    plans = [PrunePlan.load(out / f"reap-{r}.json") for r in ("0.25", "0.5", "0.75")]
+    for wide, narrow in zip(plans, plans[1:], strict=False):
+        assert all(kept_sets(narrow)[layer] <= kept_sets(wide)[layer] for layer in stats.layers)
+    one = tmp_path / "one.json"
+    assert slimwise("--ratio", "0.5", "--out", str(one)).returncode == 0
+    assert json.loads(one.read_text())["kept_experts"] == json.loads((out / "reap-0.5.json").read_text())[
+        "kept_experts"]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    again = slimwise("--ratio", "0.5", "0.75", "--nested", "--out", str(out))
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    assert "exists and is not empty" in again.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
