@@ -220,3 +220,26 @@ def test_what_cannot_be_pruned_from_the_files_is_refused_before_writing(quantize
     with pytest.raises(SlimWiseError) as exc:
         stream_pruned(gptq, plan, tmp_path / "out")
     assert "quantized with 'gptq'" in _one_line(exc) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fmt", ["fp8-32x32", "w4a16", "w8a8"])
+def test_the_bench_counts_expert_bytes_as_stored(fmt, quantized_dir):
+    """`slimwise bench` reports expert bytes read per step as expert count x `expert_params * expert_bytes`
+    of `RooflineConfig.from_dir`: for a quantized checkpoint that product is one expert's stored bytes,
+    quantized weights and scales (here every expert is stored alike), not the bf16 size."""
+    from safetensors import safe_open
+
+    from slimwise.perf.roofline import RooflineConfig
+
+    path = quantized_dir(fmt)
+    rc, bf16 = RooflineConfig.from_dir(path), RooflineConfig.from_dir(embedded_model_dir("testbed-a"))
+    one_expert = 0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if ".layers.0.mlp.experts.0." in name:
+                t = f.get_tensor(name)
+                one_expert += t.numel() * t.element_size()
+    assert rc.expert_params == bf16.expert_params
+    assert rc.expert_params * rc.expert_bytes == pytest.approx(one_expert, rel=1e-12)
+    assert bf16.linear_bytes is None and bf16.expert_params * bf16.expert_bytes == 2 * bf16.expert_params
+    assert one_expert < bf16.expert_params * bf16.expert_bytes

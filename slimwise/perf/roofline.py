@@ -23,7 +23,9 @@ U is the expected union of touched experts per MoE layer: uniform E'(1 - (1 - k/
 usage shares p_j (renormalised over the kept experts), sum_j 1 - (1 - min(1, k p_j))^B: each token selects
 expert j with probability k p_j (k distinct picks), independently across tokens. For uniform p this is the
 uniform formula exactly; by concavity, skewed routing touches fewer experts than uniform at the same B.
-Not modelled: activations, kernel launch gaps (use overhead), caches, quantised weights, MTP heads, vision.
+Quantized linear layers (`--quant`, or a quantized checkpoint's stored bytes) count their bytes per parameter,
+scales included; their dequantization arithmetic is not modelled.
+Not modelled: activations, kernel launch gaps (use overhead), caches, MTP heads, vision.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -181,13 +183,33 @@ class RooflineConfig:
 
     @classmethod
     def from_dir(cls, model_dir, dtype: str = "auto") -> RooflineConfig:
-        """A local checkpoint's config, at `dtype` ("auto": bf16 weights)."""
+        """A local checkpoint's config, at `dtype` ("auto": bf16 weights). A quantized checkpoint (FP8,
+        compressed-tensors) is counted as stored: its linear layers at the bytes per parameter its routed
+        experts' tensors take in the files (quantized weights with their scales and zero points), which is
+        what `slimwise bench` reports as expert bytes read per step."""
         from pathlib import Path
 
         from transformers import AutoConfig
 
         hf = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        return cls.from_hf(hf, name=Path(model_dir).name, dtype="bfloat16" if dtype == "auto" else dtype)
+        rc = cls.from_hf(hf, name=Path(model_dir).name, dtype="bfloat16" if dtype == "auto" else dtype)
+        stored = stored_expert_bytes(model_dir, hf)
+        return rc if stored is None else replace(
+            rc, linear_bytes=stored / (rc.moe_layers * rc.num_experts * rc.expert_params))
+
+
+def stored_expert_bytes(model_dir, hf_config) -> int | None:
+    """Bytes the routed experts' tensors of a quantized checkpoint take in its safetensors files (per expert
+    or fused; shared experts, named `shared_expert(s)`, and routers excluded); None for an unquantized one,
+    whose bytes follow from its dtype."""
+    from slimwise.quantized import quantization_config
+
+    if not quantization_config(hf_config):
+        return None
+    from slimwise.export_stream import stored_tensors, weight_files
+
+    stored = stored_tensors(weight_files(Path(model_dir)))
+    return sum(s.nbytes for name, s in stored.items() if ".layers." in name and ".experts." in name)
 
 
 #: module names of token mixers (softmax attention, Gated DeltaNet / linear attention) across the families
