@@ -202,7 +202,7 @@ def cmd_plan(args) -> None:
         _report_plan(plan, args.out)
         return
     if not args.stats:
-        raise SlimWiseError("give --stats STATS (several ratios or --nested plan from statistics)")
+        raise SlimWiseError("several --ratio values or --nested plan from statistics: give --stats STATS")
     options = dict(scope="global" if args.global_budget else "layer", ep_size=args.ep_size,
                    ep_placement=args.ep_placement)
     stats = ExpertStats.load(args.stats)
