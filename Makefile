@@ -3,7 +3,7 @@
 VENV ?= .venv
 export SLIMWISE_VENV := $(VENV)
 
-.PHONY: setup demo test test-fast lint
+.PHONY: setup demo test test-fast test-matrix lint
 setup:
 	bash scripts/setup.sh
 
@@ -17,6 +17,10 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/ruff check slimwise tests scripts experiments
 	$(VENV)/bin/python -m pytest -q -ra -m "not vllm and not slow" --durations=10
+
+# the served-client cross-product beyond CI's slice (tests/test_vllm_clients.py: 30 vLLM instances, ~19 min)
+test-matrix: setup
+	$(VENV)/bin/python -m pytest -q -ra -m matrix --durations=10 tests/test_vllm_clients.py
 
 lint:
 	$(VENV)/bin/ruff check slimwise tests scripts experiments

@@ -13,12 +13,12 @@ a server serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
   tests/test_vllm_hybrid.py;
 - the tiny families serve one named plan (the case whose `MODEL:full` used to be served pruned), the shipped
   backbones two (`math` and `general`, as the README suggests).
-Disaggregated through the same client with text: testbed-a, -b and -c here, the tiny qwen3_moe at TP 2
-(tests/test_vllm_serve.py) and the tiny hybrid with the testbed tokenizer
-(tests/test_vllm_hybrid.py::test_slimwise_serve_disaggregated_hybrid); the instances of every family at the
-engine level: tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to
-CI). Servers of one group start side by side (their start-up is mostly vLLM imports, one core each), and
-the server the tokenizer check refuses starts with the first group.
+Disaggregated through the same client with text: testbed-a, -b and -c here (testbed-c, the hybrid, also
+with its KV size chosen by SlimWise and ended by kill -9 of the supervisor), the tiny qwen3_moe at TP 2
+(tests/test_vllm_serve.py); the instances of every family at the engine level:
+tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to CI). Servers of
+one group start side by side (their start-up is mostly vLLM imports, one core each), and the server the
+tokenizer check refuses starts with the first group.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import TINY_INIT
-from openai import OpenAI
+from openai import APIStatusError, OpenAI
 from test_vllm_hybrid import MEAN_GAP, WRONG_GAP, mean_gap
 from test_vllm_plugin import VLLM_TINY, set_selection_bias
 from test_vllm_serve import free_port, launch, stop, wait_healthy
@@ -45,6 +45,7 @@ from slimwise.plan import PrunePlan
 from slimwise.testbed import build_tokenizer, make_split
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the committed plans a user would serve
 MAX_TOKENS = {"tiny": 12, "shipped": 40}
 # the families the shipped backbones do not serve (a vLLM server start-up costs about 40 s of CPU here)
 GROUPS = [
@@ -123,12 +124,15 @@ class Served:
 def check_client(port: int, served: Served, disaggregated: bool = False) -> None:
     """Every model name the server lists, through the openai client: completions (text and prompt ids), chat
     and streaming equal the reference's text for that name's routing (disaggregated: one name, the one
-    plan)."""
+    plan); a request over --max-n gets 400."""
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     names = [m.id for m in client.models.list().data]
     expected = [served.name] if disaggregated else [served.name, f"{served.name}:full",
                                                     *(f"{served.name}:{n}" for n in served.plans)]
     assert names == expected, names
+    with pytest.raises(APIStatusError) as err:  # the request-cost limit, in both modes
+        client.completions.create(model=names[0], prompt=served.prompts[0], max_tokens=2, n=10_000)
+    assert err.value.status_code == 400 and "--max-n" in str(err.value)
     for name in names:
         routing = served.routing_of(name)
         want = served.want[routing]
@@ -179,9 +183,10 @@ def check_client(port: int, served: Served, disaggregated: bool = False) -> None
             assert wrong >= WRONG_GAP, (name, wrong)
 
 
-def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggregated: bool = False) -> None:
+def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggregated: bool = False,
+              finish=None) -> None:
     """Start every (served, serve args, vLLM args) of a group side by side, then check each through the
-    client."""
+    client. `finish(served, port, proc)`, if given, runs after each server's checks, while it is still up."""
     running = []
     try:
         for served, args, vllm_args in entries:
@@ -190,6 +195,8 @@ def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggre
         for served, port, log, proc in running:
             wait_healthy(proc, port, log)
             check_client(port, served, disaggregated)
+            if finish is not None:
+                finish(served, port, proc)
     finally:
         for *_, proc in running:
             stop(proc)
@@ -203,30 +210,41 @@ def vllm_dtype(model_dir: str) -> list[str]:
     return ["--dtype", "bfloat16" if is_hybrid(model_dir) else "float32", "--enforce-eager"]
 
 
+def tiny_served(family: str, n_plans: int, tmp_path) -> Served:
+    """The family's tiny model with `n_plans` named plans: `p` (REAP 50% from a short calibration), then `q`
+    (a random 50% plan)."""
+    prompts = [s.prompt for s in make_split("test", 1)][:8]
+    calib = [s.prompt for s in make_split("calib", 1)]
+    model_dir = tiny_with_testbed_tokenizer(family, tmp_path)
+    model, tok = load_model(model_dir), load_tokenizer(model_dir)
+    stats = calibrate(model, calib, tok, CalibrationConfig(max_new_tokens=8), progress=False)
+    plans = {"p": plan_from_stats(stats, "reap", 0.5), "q": random_plan(model, 0.5, seed=1)}
+    plans = dict(list(plans.items())[:n_plans])
+    return Served(family, model_dir, plans, prompts, MAX_TOKENS["tiny"], tmp_path)
+
+
+def shipped_served(name: str, n_plans: int, tmp_path) -> Served:
+    """A shipped backbone with `n_plans` named plans: `math` (the committed REAP 50% decode plan), then
+    `general` (a random 50% plan)."""
+    prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
+    model_dir = str(embedded_model_dir(name))
+    plans = {"math": PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")}
+    if n_plans > 1:
+        plans["general"] = random_plan(load_model(model_dir, dtype="float32"), 0.5, seed=1)
+    return Served(name, model_dir, plans, prompts, MAX_TOKENS["shipped"], tmp_path)
+
+
 @pytest.mark.parametrize("families", GROUPS, ids=["-".join(g) for g in GROUPS])
 def test_every_served_family_answers_text_as_the_reference(families, tmp_path):
     """The tiny model of each served family, one named plan `p`: MODEL (= p), MODEL:full, MODEL:p."""
-    prompts = [s.prompt for s in make_split("test", 1)][:8]
-    calib = [s.prompt for s in make_split("calib", 1)]
     entries = []
     for family in families:
-        model_dir = tiny_with_testbed_tokenizer(family, tmp_path)
-        model, tok = load_model(model_dir), load_tokenizer(model_dir)
-        stats = calibrate(model, calib, tok, CalibrationConfig(max_new_tokens=8), progress=False)
-        served = Served(
-            family,
-            model_dir,
-            {"p": plan_from_stats(stats, "reap", 0.5)},
-            prompts,
-            MAX_TOKENS["tiny"],
-            tmp_path,
-        )
-        entries.append((served, served.args(model_dir), vllm_dtype(model_dir)))
+        served = tiny_served(family, 1, tmp_path)
+        entries.append((served, served.args(served.model_dir), vllm_dtype(served.model_dir)))
     run_group(entries, tmp_path)
 
 
 SHIPPED = [("testbed-a", "testbed-b", "testbed-c")]
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the committed plans a user would serve
 
 
 @pytest.mark.parametrize("names", SHIPPED, ids=["-".join(g) for g in SHIPPED])
@@ -234,40 +252,101 @@ def test_shipped_backbones_answer_text_as_the_reference(names, tmp_path):
     """`slimwise serve testbed-X --plan math=... --plan general=...` with the committed 50% plans (REAP,
     decode calibration; `general` a random plan): served as `testbed-X`, `testbed-X:full`, `testbed-X:math`,
     `testbed-X:general`, each equal to the reference engine (float32; testbed-c bf16, within the gap
-    bound)."""
-    prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
+    bound). On testbed-a also: the plans at once in concurrent batches, 404 and 400, the load test."""
     entries = []
     for name in names:
-        model_dir = str(embedded_model_dir(name))
-        math = PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")
-        general = random_plan(load_model(model_dir, dtype="float32"), 0.5, seed=1)
-        served = Served(
-            name, model_dir, {"math": math, "general": general}, prompts, MAX_TOKENS["shipped"], tmp_path
-        )
-        entries.append((served, served.args(name), vllm_dtype(model_dir)))
-    run_group(entries, tmp_path)
+        served = shipped_served(name, 2, tmp_path)
+        default = ["--default-plan", "math"] if name == "testbed-a" else []  # explicit, the same routing
+        entries.append((served, [*served.args(name), *default], vllm_dtype(served.model_dir)))
+    run_group(entries, tmp_path, finish=lambda served, port, proc: (
+        several_plans_at_once(served, port) if served.name == "testbed-a" else None))
+    text = (tmp_path / "testbed-a.log").read_text()
+    assert "GiB per instance on CPU" in text  # no KV size given: SlimWise chose one and said so
+    assert "mode:     PD-colocated" in text and "plan math:" in text and "plan general:" in text
+
+
+def several_plans_at_once(served: Served, port: int) -> None:
+    """testbed-a's server, float32: the default plan, a second plan and full in one batch of twelve concurrent
+    requests, each answered with its own routing's reference text; a name it does not serve gets vLLM's 404, a
+    plan named past the model names 400 (not full-routed); then the CI-sized load test (2 rounds of 32
+    concurrent requests, none failed or lost)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_vllm_serve import load_test
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    names = [served.name, f"{served.name}:general", f"{served.name}:full"]
+    with ThreadPoolExecutor(12) as pool:
+        jobs = [(m, i, pool.submit(client.completions.create, model=m, prompt=served.prompts[i],
+                                   max_tokens=served.max_tokens, temperature=0))
+                for m in names for i in range(len(served.prompts))]
+        for m, i, job in jobs:
+            assert job.result().choices[0].text == served.want[served.routing_of(m)][i].text, (m, i)
+    with pytest.raises(APIStatusError) as err:
+        client.completions.create(model=f"{served.name}:nope", prompt=served.prompts[0], max_tokens=2)
+    assert err.value.status_code == 404
+    with pytest.raises(APIStatusError) as err:
+        client.completions.create(model=served.name, prompt=served.prompts[0], max_tokens=2,
+                                  extra_body={"vllm_xargs": {"slimwise_plan": "nope"}})
+    assert err.value.status_code == 400 and "'nope' is not served here" in str(err.value)
+    load_test(port)
+
+
+def disaggregated_args(served: Served, model_arg: str) -> list[str]:
+    return [model_arg, "--plan", str(next(iter(served.plan_files.values()))), "--disaggregated"]
+
+
+def kill_9_leaves_nothing(proc) -> None:
+    """kill -9 of the `slimwise serve` supervisor: its instances (API servers, engine and worker processes,
+    the watchdog) and its KV directory go with it (parent-death signal, watchdog)."""
+    import glob
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    from test_vllm_serve import group_alive
+
+    children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                               text=True).stdout.split()]
+    groups = {os.getpgid(p) for p in children}  # prefill and decode instances, the watchdog
+    kv_dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"slimwise-kv-*-{proc.pid}-*"))
+    assert len(groups) >= 3 and len(kv_dirs) == 1, (children, kv_dirs)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60  # measured by hand: 9 processes gone 2.8 s after the kill
+    try:
+        while left := [g for g in groups if group_alive(g)] + [d for d in kv_dirs if os.path.exists(d)]:
+            assert time.monotonic() < deadline, f"left after kill -9 of slimwise serve: {left}"
+            time.sleep(0.5)
+    finally:
+        for g in groups:
+            if group_alive(g):
+                os.killpg(g, signal.SIGKILL)
 
 
 def test_shipped_backbones_disaggregated_answer_text_as_the_reference(tmp_path):
     """`slimwise serve testbed-X --plan plan.json --disaggregated` (full-model prefill instance, exported
     pruned decode instance, proxy) for a, b and c, side by side: served as `testbed-X`, completions, streams
     and chats with text equal the reference engine's SlimWise text (testbed-c bf16: the gap bound and the same
-    answers). The proxy refuses a request over --max-n as the colocated server does."""
-    prompts = [s.prompt for s in make_split("test", 8) if s.family in ("add", "sub", "mul")][:24]
+    answers). The proxy refuses a request over --max-n as the colocated server does.
+
+    testbed-c, the hybrid: no KV size is given, and SlimWise sizes the cache itself, linear-attention state
+    included; the prefill instance runs without prefix caching (the connector refuses the 'align' Mamba cache
+    mode); the decode instance loads the full model's handed-over state. Its server ends with kill -9 of the
+    supervisor, and nothing of it is left."""
     entries = []
     for name in ("testbed-a", "testbed-b", "testbed-c"):
-        model_dir = str(embedded_model_dir(name))
-        served = Served(
-            name,
-            model_dir,
-            {"math": PrunePlan.load(RESULTS / name / "plans" / "reap-decode-0.5.json")},
-            prompts,
-            MAX_TOKENS["shipped"],
-            tmp_path,
-        )
-        entries.append((served, [name, "--plan", str(served.plan_files["math"]), "--disaggregated"],
-                        vllm_dtype(model_dir)))
-    run_group(entries, tmp_path, disaggregated=True)
+        served = shipped_served(name, 1, tmp_path)
+        entries.append((served, disaggregated_args(served, name), vllm_dtype(served.model_dir)))
+    run_group(entries, tmp_path, disaggregated=True,
+              finish=lambda served, port, proc: kill_9_leaves_nothing(proc) if served.hybrid else None)
+    text = (tmp_path / "testbed-c.log").read_text()
+    assert "GiB per instance on CPU" in text and "linear-attention state" in text
+    assert "SlimWise: loading the full model's state" in text
+    prefill_cmd = next(line for line in text.splitlines() if line.startswith("starting prefill:"))
+    assert "--no-enable-prefix-caching" in prefill_cmd
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -317,3 +396,37 @@ def test_the_reference_loads_the_tokenizer_another_tool_saved(tmp_path):
     for tok in (load_tokenizer(dst), ShippedTokenizer.from_pretrained(dst)):
         assert tok(text, add_special_tokens=False)["input_ids"] == want
         assert tok.decode(want) == text
+
+
+# The rest of the cross-product (every served model x one named plan, two, disaggregated), beyond the slice
+# the tests above run in CI: `make test-matrix` (pytest -m matrix; deselected by default in pyproject.toml, as
+# its 30 vLLM instances add about 19 minutes here). Each row: a serving configuration, and the models started
+# side by side for it.
+MATRIX = [
+    ("one-plan", ("testbed-a", "testbed-b", "testbed-c")),
+    ("one-plan", ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")),
+    ("two-plans", ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")),
+    ("two-plans", ("mixtral", "olmoe", "qwen3_next")),
+    ("two-plans", ("deepseek_v3", "gpt_oss")),
+    ("disaggregated", ("qwen3_moe", "qwen2_moe")),
+    ("disaggregated", ("qwen3_5_moe", "mixtral")),
+    ("disaggregated", ("olmoe", "qwen3_next")),
+    ("disaggregated", ("deepseek_v3", "gpt_oss")),
+]
+
+
+@pytest.mark.matrix
+@pytest.mark.parametrize(("config", "names"), MATRIX, ids=[f"{c}-{'-'.join(n)}" for c, n in MATRIX])
+def test_the_rest_of_the_client_matrix(config, names, tmp_path):
+    """Colocated with one named plan (MODEL, MODEL:full, MODEL:PLAN) or two (+ MODEL:PLAN2), or disaggregated
+    with one plan: every name's completions, chats and streams with text equal the reference's text for its
+    routing, as in the tests above."""
+    n_plans = 2 if config == "two-plans" else 1
+    entries = []
+    for name in names:
+        served = shipped_served(name, n_plans, tmp_path) if name in EMBEDDED else tiny_served(name, n_plans,
+                                                                                                tmp_path)
+        model_arg = name if name in EMBEDDED else served.model_dir
+        args = disaggregated_args(served, model_arg) if config == "disaggregated" else served.args(model_arg)
+        entries.append((served, args, vllm_dtype(served.model_dir)))
+    run_group(entries, tmp_path, disaggregated=config == "disaggregated")
