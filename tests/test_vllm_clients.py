@@ -188,9 +188,13 @@ def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggre
     """Start every (served, serve args, vLLM args) of a group side by side, then check each through the
     client. `finish(served, port, proc)`, if given, runs after each server's checks, while it is still up."""
     running = []
+    # a disaggregated server listens on its port and starts its instances on the next two: the servers of a
+    # group get disjoint, currently free spans (three side by side once collided: a proxy found its port taken
+    # by another server's decode instance)
+    ports = free_spans(len(entries), 3 if disaggregated else 1)
     try:
-        for served, args, vllm_args in entries:
-            port, log = free_port(), open(root / f"{served.name}.log", "w")  # noqa: SIM115
+        for (served, args, vllm_args), port in zip(entries, ports, strict=True):
+            log = open(root / f"{served.name}.log", "w")  # noqa: SIM115
             running.append((served, port, log, launch(args, port, log, vllm_args, name=None)))
         for served, port, log, proc in running:
             wait_healthy(proc, port, log)
@@ -204,6 +208,27 @@ def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggre
         text = Path(log.name).read_text()
         ready = "SlimWise PD proxy ready" if disaggregated else f"SlimWise ready on http://127.0.0.1:{port}"
         assert ready in text and f"as model {served.name!r}" in text, text[-2000:]
+
+
+def free_spans(count: int, width: int) -> list[int]:
+    """`count` ports P, each with P..P+width-1 free now and no two spans overlapping."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        span = range(port, port + width)
+        if port + width <= 65536 and all(abs(port - p) >= width for p in ports) and all(map(free, span)):
+            ports.append(port)
+    return ports
 
 
 def vllm_dtype(model_dir: str) -> list[str]:
