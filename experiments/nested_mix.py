@@ -60,9 +60,7 @@ def main() -> None:
     a.save(work / "a.json")
     layers = sorted(a.kept_experts)
     scores = torch.rand(len(layers), a.num_experts, generator=torch.Generator().manual_seed(1))
-    allowed = torch.zeros(len(layers), a.num_experts, dtype=torch.bool)
-    for row, layer in enumerate(layers):
-        allowed[row, a.kept(layer)] = True
+    allowed = torch.stack([~a.pruned_mask(layer) for layer in layers])
     common = dict(family=a.family, top_k=a.top_k, num_groups=a.num_groups, criterion="random",
                   fingerprint=a.fingerprint, meta={"seed": 1})
     nested = make_plan(scores, layers, 0.75, allowed=allowed, **common)

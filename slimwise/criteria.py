@@ -81,10 +81,7 @@ def plan_from_stats(stats: ExpertStats, criterion: str, ratio: float, scope: str
                   phase=meta.get("config", {}).get("phase"), fingerprint=meta.get("fingerprint"),
                   meta={"stats_tokens": stats.tokens.tolist(), "calibration": meta.get("config")})
     if within is not None:
-        allowed = torch.zeros(len(stats.layers), within.num_experts, dtype=torch.bool)
-        for row, layer in enumerate(stats.layers):
-            allowed[row, within.kept(layer)] = True
-        kwargs["allowed"] = allowed
+        kwargs["allowed"] = torch.stack([~within.pruned_mask(layer) for layer in stats.layers])
     if ep_size > 1:
         from slimwise.expert_parallel import balanced_plan
 
@@ -100,9 +97,9 @@ def nested_plans(stats: ExpertStats, criterion: str, ratios: Sequence[float], **
     """One plan per ratio, in increasing ratio, each keeping a subset of the previous plan's experts in every
     layer (the 75% plan's kept set inside the 50% plan's inside the 25% plan's): an engine serving several of
     them reads, in a step that mixes their requests, no more experts than the lowest ratio's plan keeps.
-    Per-layer plans of one criterion nest already (the same ranking, cut at fewer experts); the constraint
-    matters for `--global` budgets and EP-balanced plans, whose per-layer counts move with the ratio.
-    `options`: `plan_from_stats`'s."""
+    Plans of one stats file and criterion nest already, in every scope (one ranking cut at fewer experts;
+    tests/test_plan_criteria.py): here nesting is a guarantee, and `plan_from_stats(within=)` nests plans
+    of other calibrations. `options`: `plan_from_stats`'s."""
     plans: list[PrunePlan] = []
     for ratio in sorted(set(ratios)):
         plan = plan_from_stats(stats, criterion, ratio, within=plans[-1] if plans else None, **options)

@@ -243,8 +243,9 @@ def tiny_served(family: str, n_plans: int, tmp_path) -> Served:
     model_dir = tiny_with_testbed_tokenizer(family, tmp_path)
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
     stats = calibrate(model, calib, tok, CalibrationConfig(max_new_tokens=8), progress=False)
-    plans = {"p": plan_from_stats(stats, "reap", 0.5), "q": random_plan(model, 0.5, seed=1)}
-    plans = dict(list(plans.items())[:n_plans])
+    plans = {"p": plan_from_stats(stats, "reap", 0.5)}
+    if n_plans > 1:
+        plans["q"] = random_plan(model, 0.5, seed=1)
     return Served(family, model_dir, plans, prompts, MAX_TOKENS["tiny"], tmp_path)
 
 
