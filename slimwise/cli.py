@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from slimwise.argtypes import OneLineParser, integer, number
+from slimwise.decode_gates import FALLBACK_HELP, GATES, GATES_HELP, DecodeGates
 from slimwise.devices import parse_max_memory, resolve_device
 from slimwise.errors import SlimWiseError, run_command
 from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
@@ -258,6 +259,10 @@ def cmd_generate(args) -> None:
     plan = PrunePlan.load(args.plan) if args.plan else None
     if args.mode != "full" and plan is None and not args.decode_model:
         raise SlimWiseError(f"mode {args.mode} needs --plan PLAN or --decode-model DIR")
+    gates = DecodeGates(args.gates, args.fallback)
+    if not gates.plain and (plan is None or args.decode_model):
+        raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router: give "
+                            "--plan (the masked view), not --decode-model")
     prompts = load_prompts(args.prompts)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
@@ -272,8 +277,13 @@ def cmd_generate(args) -> None:
             raise SlimWiseError(f"--plan keeps other experts than the plan {args.decode_model} was exported "
                                 "with: drop --plan, or export the decode model from it (`slimwise prune`)")
         plan = plan or decode_plan
-    engine = PhaseSplitEngine(model, tokenizer, plan=plan, decode_model=decode_model)
+    engine = PhaseSplitEngine(model, tokenizer, plan=plan, decode_model=decode_model, gates=gates)
     outs = engine.generate(prompts, mode=args.mode, config=config)
+    if engine.mask is not None and not gates.plain and args.mode != "full":
+        s = engine.mask.fallback_summary()
+        print(f"gates {s['gates']}, fallback {s['fallback']}: {s['routed']} pruned token-layer pairs, "
+              f"{100 * s['touching_pruned_share']:.1f}% with a pruned expert in the full top-k, "
+              f"{100 * s['fallback_share']:.1f}% fell back to every expert", file=sys.stderr)
     lines = [json.dumps({"prompt_ids": o.prompt_ids, "token_ids": o.token_ids, "text": o.text,
                          "finish_reason": o.finish_reason, "mode": args.mode}) for o in outs]
     if args.out:
@@ -516,6 +526,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--plan", help="prune plan (the pruned decoder is a masked view of the model)")
     p.add_argument("--decode-model", help="a pruned checkpoint to decode with instead of the masked view")
     p.add_argument("--mode", default="slimwise", choices=["full", "uniform", "slimwise"])
+    p.add_argument("--gates", default="renorm", choices=GATES, help=GATES_HELP)
+    p.add_argument("--fallback", type=number(0, 1), default=None, metavar="TAU", help=FALLBACK_HELP)
     p.add_argument("--prompts", required=True, help=".jsonl ('prompt' field) or .txt (one per line)")
     p.add_argument("--max-new-tokens", type=integer(1), default=128)
     p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
@@ -570,7 +582,8 @@ def _add_distill(sub) -> None:
 
 #: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
 EVAL_OPTIONS = (("dtype", "device", "max_memory", "out_dir", "plans", "stats", "criteria", "ratios", "phases",
-                 "scope", "modes", "distilled", "engine", "data", "grader", "domain", "families", "split",
+                 "scope", "modes", "distilled", "engine", "gates", "fallback", "data", "grader", "domain",
+                 "families", "split",
                  "n_per_family", "max_samples", "calib_data", "calib_domain", "calib_per_family",
                  "calib_max_new_tokens", "calib_seed", "calib_mixes"),
                 ("other_domains", "other_per_family", "max_new_tokens", "batch_size", "seed", "threads", "kl",
@@ -597,8 +610,8 @@ def _add_eval(sub) -> None:
 
 #: the options of `slimwise serve` after MODEL and --plan, in the order --help lists them
 SERVE_OPTIONS = ("default_plan", "delta", "disaggregated", "decode_model", "prefill_url", "decode_url",
-                 "nixl", "host", "port", "served_model_name", "max_n", "min_decode_batch", "log_every",
-                 "kv_dir_max_bytes")
+                 "nixl", "host", "port", "served_model_name", "max_n", "min_decode_batch", "gates",
+                 "fallback", "log_every", "kv_dir_max_bytes")
 
 
 def _add_serve(sub) -> None:

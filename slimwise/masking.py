@@ -3,7 +3,8 @@
 `ExpertMask` wraps each pruned layer's router. While `active` is False the router runs its stock forward
 (bit-identical to the unpruned model); while True it routes only to the plan's kept experts. The reference
 engine switches it on for decode steps (SlimWise) or for everything (uniform pruning). An optional per-token
-mask restricts pruning to some rows of a batch (mixed prompt/decode batches).
+mask restricts pruning to some rows of a batch (mixed prompt/decode batches). `gates` chooses what a pruned
+row's gates do and when it falls back to every expert (`slimwise.decode_gates`); the counters say how often.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
+from slimwise.decode_gates import PLAIN, DecodeGates, drop_pruned, falls_back
 from slimwise.devices import execution_device, onloaded
 from slimwise.hooks import ForwardWrappers
 from slimwise.plan import PrunePlan
@@ -22,11 +24,16 @@ from slimwise.plan import PrunePlan
 class ExpertMask:
     """Installs masked routers on `model` for `plan`; use as a context manager or call `remove()`."""
 
-    def __init__(self, model: nn.Module, plan: PrunePlan, adapter: MoEAdapter | None = None):
+    def __init__(self, model: nn.Module, plan: PrunePlan, adapter: MoEAdapter | None = None,
+                 gates: DecodeGates = PLAIN):
         self.model = model
         self.adapter = adapter or get_adapter(model.config)
+        self.gates = gates
         self.active = False
         self.token_mask: torch.Tensor | None = None  # bool [num_tokens]: rows to prune (None = all rows)
+        # per MoE layer, summed over pruned forwards (device tensors: no host sync while generating): rows
+        # routed with the plan, rows whose full top-k held a pruned expert, rows that fell back
+        self.counts: dict[int, torch.Tensor] = {}
         self._wrappers = ForwardWrappers("expert mask")
         num_experts = self.adapter.num_experts(model.config)
         plan.validate(self.adapter.min_kept_per_group(model.config))
@@ -36,27 +43,54 @@ class ExpertMask:
             pruned[plan.kept(layer.index)] = False
             if not pruned.any():
                 continue  # nothing pruned: this layer always runs its stock router
-            self._install(layer.router, pruned)
+            self._install(layer.router, pruned, layer.index, plan.kept(layer.index)[0])
 
-    def _install(self, router: nn.Module, pruned: torch.Tensor) -> None:
-        adapter = self.adapter
+    def _install(self, router: nn.Module, pruned: torch.Tensor, index: int, first_kept: int) -> None:
+        adapter, gates = self.adapter, self.gates
 
         def make(original):
             def forward(hidden_states, *args, **kwargs):
                 if not self.active:
                     return original(hidden_states, *args, **kwargs)
-                if self.token_mask is None:
+                if self.token_mask is None and gates.plain:
                     with onloaded(router):  # an offloaded router's weight is only there while it runs
                         return adapter.route(router, hidden_states, pruned)
-                rows = self.token_mask.reshape(-1, 1).to(hidden_states.device)  # a spread model's layer
-                full = original(hidden_states, *args, **kwargs)
+                full = original(hidden_states, *args, **kwargs)  # (logits, weights, ids)
+                rows = torch.ones(full[2].shape[0], dtype=torch.bool, device=full[2].device) \
+                    if self.token_mask is None else self.token_mask.reshape(-1).to(full[2].device)
+                slot_pruned = pruned[full[2]] & rows[:, None]
+                back = falls_back(full[1], slot_pruned, gates.fallback) & rows
+                self._count(index, rows, slot_pruned.any(dim=-1), back)
+                rows = rows & ~back
+                if gates.gates == "drop":
+                    placeholder = torch.full_like(full[2][:, 0], first_kept)
+                    weights, ids = drop_pruned(full[1], full[2], slot_pruned & rows[:, None], placeholder)
+                    return full[0], weights, ids
                 with onloaded(router):
                     masked = adapter.route(router, hidden_states, pruned)
+                rows = rows.reshape(-1, 1)
                 return tuple(torch.where(rows, m, f) for f, m in zip(full, masked, strict=True))
 
             return forward
 
         self._wrappers.wrap(router, make)
+
+    def _count(self, index: int, rows: torch.Tensor, hit: torch.Tensor, back: torch.Tensor) -> None:
+        step = torch.stack([rows.sum(), (hit & rows).sum(), back.sum()])
+        total = self.counts.get(index)
+        self.counts[index] = step if total is None else total + step
+
+    def fallback_summary(self) -> dict:
+        """Token-layer pairs routed with the plan since the mask was made (or `reset_counts`): how many, how
+        many had a pruned expert among the full router's top-k, how many fell back to every expert, and the
+        shares. Filled only where the variant needs the full routing (`gates` not plain or a token mask)."""
+        rows, hit, back = (sum(int(c[i]) for c in self.counts.values()) for i in range(3))
+        return {**self.gates.describe(), "routed": rows, "touching_pruned": hit, "fell_back": back,
+                "fallback_share": back / rows if rows else 0.0,
+                "touching_pruned_share": hit / rows if rows else 0.0}
+
+    def reset_counts(self) -> None:
+        self.counts = {}
 
     @contextmanager
     def pruned(self, active: bool = True, token_mask: torch.Tensor | None = None):

@@ -340,6 +340,11 @@ for opt, value in [("--max-new-tokens", "-1"), ("--max-new-tokens", "0"), ("--te
                    ("--batch-size", "0"), ("--seed", "-5"), ("--mode", "turbo")]:
     case(f"generate-{opt[2:]}-{value}", [*GEN, "--plan", P, opt, value, "--out", OUT])
 case("generate-no-plan", [*GEN, "--mode", "slimwise", "--out", OUT])
+for opt, value in [("--fallback", "1.5"), ("--fallback", "-0.1"), ("--fallback", "nan"), ("--gates", "half")]:
+    case(f"generate-{opt[2:]}-{value}", [*GEN, "--plan", P, opt, value, "--out", OUT])
+case("generate-fallback-no-plan", [*GEN, "--mode", "full", "--fallback", "0.5", "--out", OUT])
+case("generate-gates-decode-model",
+     [*GEN, "--decode-model", "{root}/pruned", "--gates", "drop", "--out", OUT])
 case("generate-decode-model-contradicts", [*GEN, "--decode-model", "{root}/pruned-contradicts", "--out", OUT])
 case("generate-decode-model-truncated", [*GEN, "--decode-model", "{root}/pruned-truncated", "--out", OUT])
 case("generate-decode-model-other-plan", [*GEN, "--decode-model", "{root}/pruned",
@@ -353,6 +358,8 @@ case("generate-out-is-dir", [*GEN, "--plan", P, "--out", "{root}/emptydir"], "{r
 # ----- eval (its output is a directory: nothing may be left there) ------------------------------------------
 EVAL = ["eval", M, "--max-samples", "2", "--max-new-tokens", "2", "--no-plots", "--no-kl", "--no-traffic"]
 case("eval-model-missing", ["eval", "{root}/nope", "--out", OUT])
+case("eval-fallback-out-of-range", [*EVAL, "--plan", P, "--fallback", "1.01", "--out", OUT])
+case("eval-gates-unknown", [*EVAL, "--plan", P, "--gates", "keep", "--out", OUT])
 case("eval-model-truncated", ["eval", "{root}/truncated", "--plan", P, "--out", OUT])
 case("eval-model-config-malformed", ["eval", "{root}/config-malformed", "--plan", P, "--out", OUT])
 for f in ("garbage.jsonl", "garbage", "utf16.jsonl", "empty.jsonl", "eval-no-answer.jsonl", "missing.jsonl"):
@@ -405,6 +412,9 @@ for opt, value in [("--port", "99999"), ("--port", "0"), ("--port", "http"), ("-
                    ("--log-every", "-1")]:
     case(f"serve-{opt[2:]}-{value}", ["serve", M, "--plan", P, opt, value], None)
 case("serve-disaggregated-no-plan", ["serve", M, "--disaggregated"], None)
+case("serve-fallback-disaggregated", ["serve", M, "--plan", P, "--disaggregated", "--fallback", "0.5"], None)
+case("serve-gates-no-plan", ["serve", M, "--gates", "drop"], None)
+case("serve-fallback-out-of-range", ["serve", M, "--plan", P, "--fallback", "2"], None)
 case("serve-decode-model-other-weights", ["serve", M, "--plan", P, "--disaggregated",
                                           "--decode-model", "{root}/pruned-other"], None)
 case("serve-kv-dir-max-gb-negative",

@@ -87,6 +87,16 @@ def test_core_flow(workdir, capsys):
     assert [r["token_ids"][0] for r in results["slimwise"]] == [r["token_ids"][0] for r in results["full"]]
     assert all(isinstance(r["text"], str) for r in results["full"])
 
+    # the fallback dial's ends: tau = 0 under drop is the full model, tau = 1 the variant alone
+    for name, extra in (("dial-0", ["--gates", "drop", "--fallback", "0"]), ("dial-1", ["--fallback", "1"])):
+        out_file = workdir / f"{name}.jsonl"
+        proc = call(capsys, "generate", model, "--plan", plan, "--prompts", workdir / "test.jsonl",
+                    "--max-new-tokens", "10", "--out", out_file, *extra)
+        results[name] = [json.loads(line) for line in out_file.read_text().splitlines()]
+        assert "fell back to every expert" in proc.stderr
+    assert [r["token_ids"] for r in results["dial-0"]] == [r["token_ids"] for r in results["full"]]
+    assert [r["token_ids"] for r in results["dial-1"]] == [r["token_ids"] for r in results["slimwise"]]
+
 
 def test_errors_are_one_line_and_nonzero(workdir, capsys):
     cases = [

@@ -51,3 +51,11 @@ def test_model_card_rerenders(ckpt, tmp_path):
     shutil.copytree(ckpt, copy)
     (copy / "README.md").unlink()
     assert write_card(copy).read_text() == (ckpt / "README.md").read_text()
+
+
+def test_decode_gates_table_rerenders():
+    from experiments.decode_gates import markdown
+
+    data = json.loads((RESULTS / "decode-gates" / "decode-gates.json").read_text())
+    assert markdown(data["results"], data["environment"]) \
+        == (RESULTS / "decode-gates" / "decode-gates.md").read_text()

@@ -16,6 +16,7 @@ from tiny import build_tiny_model
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
+from slimwise.decode_gates import DecodeGates
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.engines.vllm_engine import VllmEngine
 from slimwise.masking import ExpertMask
@@ -359,3 +360,33 @@ def test_deepseek_selection_mask_equals_reference_router():
     assert torch.equal(order.values.long(), ref_order.values)
     torch.testing.assert_close(weights[decode].gather(1, order.indices),
                                ref_weights[decode].gather(1, ref_order.indices))
+
+
+# the gate variants and the fallback (slimwise.decode_gates): qwen3_moe renormalizes the top-k, qwen2_moe does
+# not, deepseek_v3 selects with a biased sigmoid router (and runs compiled: the drop routing travels in the
+# logits, which torch.compile sees)
+GATE_CASES = [("qwen3_moe", DecodeGates("renorm", 0.3), True), ("qwen2_moe", DecodeGates("drop", 0.0), True),
+              ("deepseek_v3", DecodeGates("drop", 0.4), False)]
+
+
+@pytest.mark.parametrize(("family", "gates", "eager"), GATE_CASES)
+def test_gate_variants_and_fallback_equal_reference(family, gates, eager, setup):
+    """Greedy tokens equal the reference engine's with the same gates, float32; eager engines also count
+    the fallbacks per layer, equal to the reference mask's counters (same rows, same decisions)."""
+    model_dir, plan, ref, _ = setup(family)
+    model = load_model(model_dir)
+    with PhaseSplitEngine(model, plan=plan, gates=gates) as reference:
+        want = [o.token_ids for o in reference.generate(PROMPTS, "slimwise", CONFIG)]
+        counts = {i: [int(x) for x in c] for i, c in reference.mask.counts.items()}
+    assert want != ref["slimwise"]
+    if gates.fallback == 0.0:  # tau = 0 under drop: the full model
+        assert want == ref["full"]
+    engine = VllmEngine(model_dir, plan, gates=gates, enforce_eager=eager, count_experts=eager)
+    try:
+        got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
+        counters = engine.counters()[0]
+    finally:
+        engine.close()
+    assert got == want
+    if eager:
+        assert {int(k): v for k, v in counters["fallback"].items()} == counts

@@ -340,3 +340,28 @@ def check_bad_input_as_vllm(port: int, prompt: str) -> None:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+
+
+def test_colocated_serve_with_a_fallback(served):
+    """`slimwise serve --fallback 0.3`, as a user starts it: text completions, streams and chat equal the
+    reference engine with the same fallback (float32), which differs from plain SlimWise here, and the log
+    states the setting."""
+    from slimwise.decode_gates import DecodeGates
+    from slimwise.plan import PrunePlan
+
+    root, prompts, ref = served
+    model, tok = load_model(root / "model"), load_tokenizer(root / "model")
+    gates = DecodeGates("renorm", 0.3)
+    with PhaseSplitEngine(model, tok, plan=PrunePlan.load(root / "plan.json"), gates=gates) as engine:
+        want = engine.generate(prompts, "slimwise", GenerationConfig(max_new_tokens=MAX_TOKENS))
+    assert [g.token_ids for g in want] != [g.token_ids for g in ref["slimwise"]]
+    port = free_port()
+    log = open(root / "fallback.log", "w")  # noqa: SIM115
+    proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--fallback", "0.3"], port, log)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        check_completions(client, prompts, want)
+    finally:
+        stop(proc)
+        log.close()
+    assert "gates renorm, fallback above a pruned share of 0.3" in (root / "fallback.log").read_text()

@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import get_adapter
+from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.delta import apply_delta
 from slimwise.devices import input_device
 from slimwise.errors import SlimWiseError
@@ -159,15 +160,24 @@ def _stacked(*factories):
 class PhaseSplitEngine:
     """Generate in `full`, `uniform`, `slimwise` or `distilled` mode with one full model and a plan (or a
     pruned checkpoint). `delta` (a `slimwise.delta.Delta` or its directory) needs `plan`; it is used by mode
-    `distilled` only, so one engine compares training-free and distilled decoding."""
+    `distilled` only, so one engine compares training-free and distilled decoding. `gates`: what the pruned
+    rows' gates do and when a token falls back to every expert (`slimwise.decode_gates`); anything but the
+    plain masked routing needs the full router, so the masked view (`plan`), not a pruned checkpoint."""
 
     def __init__(self, model: nn.Module, tokenizer=None, plan: PrunePlan | None = None,
-                 decode_model: nn.Module | None = None, delta=None):
+                 decode_model: nn.Module | None = None, delta=None, gates: DecodeGates = PLAIN):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.plan = plan
+        self.gates = gates
         self.decode_model = decode_model.eval() if decode_model is not None else None
         self.mask: ExpertMask | None = None
+        if not gates.plain and (decode_model is not None or plan is None):
+            raise SlimWiseError(f"gates {gates.gates} with fallback {gates.fallback} route from the full "
+                                "router: give the plan (the masked view), not a pruned decode checkpoint")
+        if not gates.plain and delta is not None:
+            raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
+                                "--gates/--fallback, or evaluate them without --distilled")
         if decode_model is not None:
             check_decode_compatible(model, decode_model)
             manifest = getattr(decode_model, "slimwise_manifest", None)
@@ -185,7 +195,7 @@ class PhaseSplitEngine:
                         f"plan keeps {plan.num_kept}: pass the checkpoint exported from this plan"
                     )
         elif plan is not None:
-            self.mask = ExpertMask(model, plan)
+            self.mask = ExpertMask(model, plan, gates=gates)
         self.delta = None  # an installed delta (slimwise.delta.InstalledDelta), switched on by mode distilled
         if delta is not None:
             if self.mask is None:

@@ -21,14 +21,18 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.engines.reference import Generation, GenerationConfig
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan
 from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
 from slimwise.serving.plugin import require_known_vllm
 from slimwise.serving.routing import (
+    COUNT_EXPERTS_KEY,
     DEFAULT_PLAN_KEY,
     DELTA_KEY,
+    FALLBACK_KEY,
+    GATES_KEY,
     LOG_EVERY_KEY,
     MASK_ALL_KEY,
     MIN_BATCH_KEY,
@@ -54,6 +58,8 @@ def slimwise_overrides(
     log_every: int = 0,
     delta: str | Path | None = None,
     default_plan: str | None = None,
+    gates: DecodeGates = PLAIN,
+    count_experts: bool = False,
 ) -> dict:
     """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one. `plan` a dict: several
     named plans in one engine, each request choosing its own (`default_plan`: for requests that name none; a
@@ -78,6 +84,10 @@ def slimwise_overrides(
     out = {**plans, MASK_ALL_KEY: mask_all, MIN_BATCH_KEY: min_decode_batch, LOG_EVERY_KEY: log_every}
     if delta is not None:
         out[DELTA_KEY] = str(Path(delta).resolve())
+    if not gates.plain:
+        out[GATES_KEY], out[FALLBACK_KEY] = gates.gates, gates.fallback
+    if count_experts:  # per-layer counters of experts touched and fallbacks (eager engines; a sync per layer)
+        out[COUNT_EXPERTS_KEY] = True
     return out
 
 
@@ -106,8 +116,12 @@ class VllmEngine:
         engine_kwargs: dict | None = None,
         share_engine: bool = False,
         default_plan: str | None = None,
+        gates: DecodeGates = PLAIN,
+        count_experts: bool = False,
     ):
         require_known_vllm()
+        self.count_experts = count_experts
+        self.gates = gates  # what pruned rows' gates do, and the fallback (slimwise.decode_gates)
         self.model_dir = str(model_dir)
         self.plan = plan
         self.tokenizer = tokenizer
@@ -157,6 +171,8 @@ class VllmEngine:
                 default_plan=self.default_plan,
                 min_decode_batch=self.min_decode_batch,
                 delta=self.delta if kind in ("distilled", "shared-delta") else None,
+                gates=self.gates,
+                count_experts=self.count_experts,
             )
         from slimwise.serving import shm
 

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import comma_list, integer
+from slimwise.decode_gates import DecodeGates, fallback_field, gates_field
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.runs import ENGINES
 from slimwise.evaluation.samples import GRADERS
@@ -53,6 +54,8 @@ class EvalConfig:
         "help": "a `slimwise distill` delta: adds mode distilled on the plan it was made for"})
     engine: str = field(default="hf", metadata={
         "choices": ENGINES, "help": "hf (reference) or vllm (if installed)"})
+    gates: str = gates_field()
+    fallback: float | None = fallback_field()
     # tasks
     data: str | None = field(default=None, metadata={  # default: the testbed
         "help": "JSONL with prompt and answer (optional family) instead of the testbed"})
@@ -137,6 +140,7 @@ class EvalConfig:
             raise SlimWiseError(f"unknown modes {bad}; choose among {', '.join(EVAL_MODES)}")
         if ("distilled" in self.modes or self.distilled) and not self.distilled:
             raise SlimWiseError("mode distilled needs --distilled DELTA (the output of `slimwise distill`)")
+        DecodeGates(self.gates, self.fallback)  # refuses an unknown variant or threshold
         if self.engine not in ENGINES:
             raise SlimWiseError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if not self.plans:
@@ -158,6 +162,11 @@ class EvalConfig:
             parse_calib_mix(mix)
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise SlimWiseError("batch size and max new tokens must be at least 1")
+
+
+    @property
+    def decode_gates(self) -> DecodeGates:
+        return DecodeGates(self.gates, self.fallback)
 
 
 def parse_calib_mix(mix: str) -> dict[str, float]:

@@ -240,6 +240,33 @@ def _headline_lines(report: dict, ftr: dict) -> list[str]:
                if ftr.get("distinct_experts_per_layer_step") is not None else ".")]
 
 
+def _gates_note(cfg: dict) -> str:
+    """The pruned rows' gates when not the plain (sliced-router) ones; empty for reports without them."""
+    gates, fallback = cfg.get("gates", "renorm"), cfg.get("fallback")
+    if gates == "renorm" and fallback is None:
+        return ""
+    return (f"; pruned rows' gates `{gates}`" + ("" if fallback is None else
+            f", falling back to every expert above a pruned share of {fallback:g} (share of token-layer "
+            "pairs that fell back: section Fallback)"))
+
+
+def fallback_lines(report: dict) -> list[str]:
+    """Per pruned run with gate counters: how often a pruned token's full top-k held a pruned expert, and how
+    often it fell back to every expert (token-layer pairs)."""
+    runs = [r for r in _sorted_runs(report) if r["metrics"].get("fallback")]
+    if not runs:
+        return []
+    rows = [[r["mode"], r["criterion"], str(r["phase"]), f"{r['ratio']:.2f}",
+             str(r["metrics"]["fallback"]["routed"]),
+             _pct(r["metrics"]["fallback"]["touching_pruned_share"]),
+             _pct(r["metrics"]["fallback"]["fallback_share"])] for r in runs]
+    return ["", "## Fallback", "",
+            "Token-layer pairs routed with the plan (decode tokens; every token in uniform), the share whose "
+            "full top-k put weight on a pruned expert, and the share that fell back to every expert.", "",
+            *_md_table(["mode", "criterion", "calib", "ratio", "pairs", "touching pruned", "fell back"],
+                       rows)]
+
+
 def write_markdown(report: dict, path: str | Path) -> Path:
     path = Path(path)
     m, t, g, tm = report["model"], report["tasks"], report["generation"], report["timing"]
@@ -255,7 +282,7 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                  # before calib_seed existed, the test seed drew the calibration split too
                  f"calibration seed {cfg.get('calib_seed', cfg.get('seed', 0))}.")
     lines.append(f"Generation: greedy, max {g['max_new_tokens']} new tokens, batch size {g['batch_size']}, "
-                 f"engine `{g['engine']}`.")
+                 f"engine `{g['engine']}`" + _gates_note(cfg) + ".")
     lines.append(f"Runtime: {tm.get('total_s', 0):.0f} s on {env['cpu_count']} CPUs ({env['torch_threads']} "
                  f"torch threads): load {tm.get('load_s', 0):.0f} s, calibration "
                  f"{tm.get('calibration_s', 0):.0f} s, full {tm.get('full_s', 0):.0f} s, pruned runs "
@@ -272,6 +299,7 @@ def write_markdown(report: dict, path: str | Path) -> Path:
               "over the batch's live rows (uniform-routing expectation E·(1−(1−k/E)^B) in brackets, E = "
               "experts decode can use); MiB/step: the expert weights those imply, summed over layers.", ""]
     lines += _md_table(TABLE_HEADER, main_table(report))
+    lines += fallback_lines(report)
     if report["comparisons"]:
         lines += ["", "## Paired accuracy differences", "",
                   "Same problems, paired bootstrap 95% interval; **↑**/**↓** mark "

@@ -64,12 +64,15 @@ class RunCache:
         g = self.gen_config
         delta = digest(self.delta.manifest) if mode == "distilled" and self.delta is not None else None
         prompts = self.other_prompt_ids if other else self.prompt_ids
-        # the field names and values are the cache file names of every existing run: never rename them
+        gates = self.config.decode_gates
+        # the field names and values are the cache file names of every existing run: never rename them (a
+        # run with the plain gates has no "gates" field, as before there were others)
         return digest({"fp": self.subject.fingerprint, "prompts": prompts, "mode": mode,
                        "engine": self.config.engine, "dtype": self.subject.dtype, "delta": delta,
                        "kept": spec.kept_key if spec else None, "max_new": g.max_new_tokens,
                        "bs": g.batch_size, "t": g.temperature, "seed": g.seed,
-                       "kl": self.config.kl and not other, "traffic": self.config.traffic and not other})
+                       "kl": self.config.kl and not other, "traffic": self.config.traffic and not other,
+                       **({"gates": gates.describe()} if not gates.plain and mode != "full" else {})})
 
     def full(self, other: bool = False) -> dict[str, Any]:
         """The full model's record, generated (or read) once."""
@@ -87,9 +90,9 @@ class RunCache:
             rec["gens"] = [gen_from_json(d, p) for d, p in zip(rec["gens"], prompt_ids, strict=True)]
             rec["cached"] = True
             return rec
-        gens, seconds, meter = self._produce(mode, spec, other, prompt_ids)
+        gens, seconds, meter, fallback = self._produce(mode, spec, other, prompt_ids)
         rec = {"gens": gens, "seconds": seconds, "traffic": meter.summary() if meter else None, "kl": None,
-               "kl_seconds": 0.0}
+               "kl_seconds": 0.0, "fallback": fallback}
         if self.config.kl and not other and mode != "full":
             t0 = time.perf_counter()
             rec["kl"] = self._kl(mode, spec.plan if spec else None)
@@ -102,9 +105,9 @@ class RunCache:
         return rec
 
     def _produce(self, mode: str, spec: PlanSpec | None, other: bool, prompt_ids: list[list[int]]
-                 ) -> tuple[list[Generation], float, DecodeTrafficMeter | None]:
+                 ) -> tuple[list[Generation], float, DecodeTrafficMeter | None, dict | None]:
         """Generate on the run's engine; traffic is metered by router hooks, so on reference engines only
-        (and on the main problems only)."""
+        (and on the main problems only), as is the fallback summary (gates other than plain)."""
         engine, owned = self._engine(mode, spec)
         hf = isinstance(engine, PhaseSplitEngine)
         meter = None
@@ -118,6 +121,8 @@ class RunCache:
             else:
                 gens = engine.generate(prompt_ids, mode, self.gen_config)
             seconds = time.perf_counter() - t0
+            mask = getattr(engine, "mask", None) if hf else None
+            fallback = mask.fallback_summary() if mask is not None and not mask.gates.plain else None
         finally:
             if meter is not None:
                 meter.remove()
@@ -128,12 +133,12 @@ class RunCache:
             for g in gens:
                 if g.text is None:
                     g.text = tokenizer.decode(g.token_ids[:-1] if g.finish_reason == "eos" else g.token_ids)
-        return gens, seconds, meter
+        return gens, seconds, meter, fallback
 
     def _kl(self, mode: str, plan: PrunePlan | None) -> list[float]:
         s = self.subject
         delta = self.delta if mode == "distilled" else None
-        engine = make_engine("hf", s.model, s.tokenizer, plan, None, delta)
+        engine = make_engine("hf", s.model, s.tokenizer, plan, None, delta, gates=self.config.decode_gates)
         conts = [g.token_ids for g in self.full()["gens"]]
         vocab = int(getattr(s.adapter.text_config(s.model.config), "vocab_size", 0) or 0)
         # keep the full model's log-probs across plans only while they are small (testbed vocabularies)
@@ -151,13 +156,14 @@ class RunCache:
         delta = self.delta if mode == "distilled" else None
         if self.config.engine != "vllm" or delta is not None:
             return make_engine(self.config.engine, s.model, s.tokenizer, spec.plan if spec else None, s.path,
-                               delta), True
+                               delta, gates=self.config.decode_gates), True
         spec = spec or self.first_spec
         key = spec.kept_key if spec else None
         if self._shared is None or self._shared[0] != key:
             self.release_shared_engine()
             plan = spec.plan if spec else None
-            self._shared = (key, make_engine("vllm", s.model, s.tokenizer, plan, s.path, share=True))
+            self._shared = (key, make_engine("vllm", s.model, s.tokenizer, plan, s.path, share=True,
+                                             gates=self.config.decode_gates))
         return self._shared[1], False
 
     def release_shared_engine(self) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.engines.reference import Generation, GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.metrics import (
@@ -36,15 +37,16 @@ class GenerationEngine(Protocol):
 
 
 def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, model_dir: str | Path | None,
-                delta: Any = None, share: bool = False) -> GenerationEngine:
+                delta: Any = None, share: bool = False, gates: DecodeGates = PLAIN) -> GenerationEngine:
     """`hf`: the reference PhaseSplitEngine (with a distilled `delta` for mode distilled); `vllm`:
     `slimwise.serving.VllmEngine(model_dir, tokenizer=, plan=, delta=)` when that plugin is installed
     (generation only: KL and traffic are measured on the HF model); `share`: one vLLM engine for
-    full, slimwise and uniform."""
+    full, slimwise and uniform; `gates`: the pruned rows' gate variant and fallback."""
+    gates = gates if plan is not None else PLAIN  # the full model has no pruned rows
     if kind == "hf":
         if delta is not None:
-            return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta)
-        return PhaseSplitEngine(model, tokenizer, plan=plan)
+            return PhaseSplitEngine(model, tokenizer, plan=plan, delta=delta, gates=gates)
+        return PhaseSplitEngine(model, tokenizer, plan=plan, gates=gates)
     if kind == "vllm":
         try:
             from slimwise.engines.vllm_engine import VllmEngine
@@ -55,7 +57,7 @@ def make_engine(kind: str, model: nn.Module, tokenizer, plan: PrunePlan | None, 
         dtype = str(next(model.parameters()).dtype).replace("torch.", "") if model is not None else "auto"
         delta_dir = getattr(delta, "path", delta) if delta is not None else None
         return VllmEngine(str(model_dir), tokenizer=tokenizer, plan=plan, dtype=dtype,
-                          delta=delta_dir, share_engine=share)
+                          delta=delta_dir, share_engine=share, gates=gates)
     raise SlimWiseError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")
 
 

@@ -168,6 +168,8 @@ class Sweep:
         m = run_metrics(self.samples, rec["gens"], self.full(), self.grader, self.gen_config.max_new_tokens,
                         rec.get("kl"), self.config.seed, self.config.n_boot)
         m["traffic"] = rec.get("traffic")
+        if rec.get("fallback"):
+            m["fallback"] = rec["fallback"]
         m["seconds"] = rec["seconds"]
         m["kl_seconds"] = rec.get("kl_seconds", 0.0)
         m["cached"] = rec.get("cached", False)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimwise.adapters.deepseek_v3 import grouped_topk_ids
+from slimwise.decode_gates import PLAIN, DecodeGates, decode_prerouted, encode_prerouted, falls_back
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import config_fingerprint
 from slimwise.plan import PrunePlan
@@ -49,6 +50,8 @@ PLANS_KEY = "slimwise_plans"  # several named plans in one engine: {name: plan p
 DEFAULT_PLAN_KEY = "slimwise_default_plan"
 REQUEST_PLAN_ARG = "slimwise_plan"  # a request's plan: SamplingParams.extra_args key (OpenAI: vllm_xargs)
 DEFAULT_PLAN_NAME = "default"  # the name of a lone PLAN_KEY plan
+GATES_KEY = "slimwise_gates"  # the pruned rows' gate variant (slimwise.decode_gates.GATES)
+FALLBACK_KEY = "slimwise_fallback"  # route a decode token with every expert above this pruned share
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
 _NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
@@ -78,6 +81,9 @@ class RoutingCounters:
     # an unknown plan (full-routed)
     plan_tokens: dict = field(default_factory=dict)
     unknown_plan_requests: int = 0
+    # with COUNT_EXPERTS_KEY and a fallback threshold, per layer: [pruned-routed rows, rows whose full top-k
+    # held a pruned expert, rows that fell back to every expert]
+    fallback: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "pruned_tokens": self.pruned_tokens, "full_tokens": self.full_tokens,
@@ -87,7 +93,8 @@ class RoutingCounters:
                 "recent": list(self.recent), "decode_steps": self.decode_steps,
                 "experts_touched_sum": dict(self.experts_touched_sum),
                 "experts_counted_steps": dict(self.experts_counted_steps),
-                "touched_by_batch": {b: list(v) for b, v in self.touched_by_batch.items()}}
+                "touched_by_batch": {b: list(v) for b, v in self.touched_by_batch.items()},
+                "fallback": {layer: list(v) for layer, v in self.fallback.items()}}
 
 
 def load_plan_setting(value) -> PrunePlan | None:
@@ -152,6 +159,10 @@ class DecodeRouting(nn.Module):
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
         self.log_every = int(getattr(hf_config, LOG_EVERY_KEY, 0) or 0)
         self.count_experts = bool(getattr(hf_config, COUNT_EXPERTS_KEY, False))
+        fallback = getattr(hf_config, FALLBACK_KEY, None)  # 0.0 is a threshold: no `or` chain here
+        fallback = getattr(text_config, FALLBACK_KEY, None) if fallback is None else fallback
+        self.gates = DecodeGates(_setting(hf_config, text_config, GATES_KEY) or PLAIN.gates,
+                                 None if fallback is None or fallback == "" else float(fallback))
         self.has_delta = False
         self._count_batch = 0  # decode tokens in the current step (expert counting)
         self.counters = RoutingCounters()
@@ -159,7 +170,7 @@ class DecodeRouting(nn.Module):
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
         # per token: the plan it is routed with (0: every expert); indexes each gate's pruned table
         self.register_buffer("row_plan", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
-        self.gates: dict[int, nn.Module] = {}
+        self.gates_by_layer: dict[int, nn.Module] = {}
         # module names
         self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}
         # vLLM module name -> module whose decode rows use W + sBA
@@ -177,6 +188,9 @@ class DecodeRouting(nn.Module):
         for plan in self.plans.values():
             check_plan_config(plan, hf_config)
         self._load_delta(_setting(hf_config, text_config, DELTA_KEY))
+        if self.has_delta and not self.gates.plain:
+            raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
+                                "--gates/--fallback, or serve them without --distilled")
         self._install_lora(model)
         routers, norms = self.pending_routers, self.pending_norms
         for name, module in model.named_modules():
@@ -189,17 +203,21 @@ class DecodeRouting(nn.Module):
             raise SlimWiseError(f"delta layers {sorted(set(routers) | set(norms))} have no router/norm in "
                                 "this vLLM model: use the delta made for this model and plan")
         for name, plan in self.plans.items():
-            missing = set(plan.kept_experts) - set(self.gates) - {
+            missing = set(plan.kept_experts) - set(self.gates_by_layer) - {
                 k for k, v in plan.kept_experts.items() if len(v) == plan.num_experts}
             if missing:
                 raise SlimWiseError(f"plan {name!r}: layers {sorted(missing)} have no "
                                     "MoE gate in this vLLM model")
             logger.info("SlimWise: plan %r%s: decode routing on %d MoE layers, kept %s of %d "
                         "experts (%s, ratio %s)%s",
-                        name, " (default)" if name == self.default_plan else "", len(self.gates),
+                        name, " (default)" if name == self.default_plan else "", len(self.gates_by_layer),
                         sorted({len(v) for v in plan.kept_experts.values()}),
                         plan.num_experts, plan.criterion, plan.ratio,
                         ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
+        if not self.gates.plain:
+            fallback = self.gates.fallback
+            logger.info("SlimWise: gates %s, fallback %s", self.gates.gates,
+                        "off" if fallback is None else f"above a pruned share of {fallback}")
         self._install_counting(model, text_config)
 
     def _install_gate(self, model: nn.Module, name: str, module: nn.Module) -> None:
@@ -217,8 +235,9 @@ class DecodeRouting(nn.Module):
             return
         router = _selection_router(model, name)
         runner = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts", None)
+        full = self._full_routing(runner, router, name) if pruned.any() and not self.gates.plain else None
         if router is not None:  # sigmoid + correction bias / grouped top-k: -inf logits alone would not do
-            self._install(module, pruned if pruned.any() else None, routers.pop(layer, None))
+            self._install(module, pruned if pruned.any() else None, routers.pop(layer, None), layer, full)
             if pruned.any():
                 self._install_selection(router)
                 self.hooked["selection"].append(name.rsplit(".", 1)[0] + ".experts.router")
@@ -229,9 +248,41 @@ class DecodeRouting(nn.Module):
                                 "fused shared experts), which bypasses the SlimWise gate hook; disable the "
                                 "fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
         else:
-            self._install(module, pruned, routers.pop(layer, None))
-        self.gates[layer] = module
+            self._install(module, pruned, routers.pop(layer, None), layer, full)
+        if full is not None and self.gates.gates == "drop":
+            self._install_prerouted(runner.router, full)
+        self.gates_by_layer[layer] = module
         self.hooked["gates"].append(name)
+
+    def _full_routing(self, runner, selection, name: str):
+        """The layer's stock routing as a function of (hidden, logits) -> (weights, ids): what the gate
+        variants and the fallback start from, computed by vLLM's own router code so that rows left alone stay
+        stock."""
+        router = getattr(runner, "router", None)
+        if selection is not None:
+            return lambda hidden, logits: masked_grouped_topk(
+                logits, torch.zeros_like(logits, dtype=torch.bool), selection)
+        if router is None or not hasattr(router, "_compute_routing"):
+            raise SlimWiseError(f"{name}: gates {self.gates.gates} / fallback need the layer's vLLM router "
+                                "(FusedMoE.router), which this model does not have: serve with the default "
+                                "gates and no fallback")
+        stock = router._compute_routing
+        return lambda hidden, logits: stock(hidden, logits, None)
+
+    @staticmethod
+    def _install_prerouted(router, full) -> None:
+        """`drop`: the gate hook writes each routed row's final weights into its logits (`encode_prerouted`);
+        the router reads them back, and routes every other row (finite logits) with its stock code."""
+        top_k = router.top_k
+
+        def compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
+            pre = torch.isneginf(router_logits).any(dim=-1, keepdim=True)
+            weights, ids = full(hidden_states, router_logits.masked_fill(pre, 0))
+            pre_weights, pre_ids = decode_prerouted(router_logits, top_k)
+            return (torch.where(pre, pre_weights, weights.float()).contiguous(),
+                    torch.where(pre, pre_ids, ids.to(torch.int32)).contiguous())
+
+        router._compute_routing = compute_routing
 
     def _pruned_table(self, layer: int) -> torch.Tensor:
         """(plans + 1, experts) bool: row 0 (every expert) all False, row k plan
@@ -324,13 +375,17 @@ class DecodeRouting(nn.Module):
         if self.lora_modules:
             logger.info("SlimWise: decode-only LoRA merged into %d projections", len(self.lora_modules))
 
-    def _install(self, gate: nn.Module, pruned: torch.Tensor | None,
-                 router: torch.Tensor | None = None) -> None:
+    def _install(self, gate: nn.Module, pruned: torch.Tensor | None, router: torch.Tensor | None = None,
+                 layer: int = -1, full=None) -> None:
         """Gate output hook: decode rows get the distilled router (if any) and, with `pruned` (the per-plan
         table), -inf logits for the experts their plan prunes (softmax routers). pruned=None: logits untouched
-        (the selection is masked instead)."""
+        (the selection is masked instead). `full` (the layer's stock routing; gates other than plain): rows
+        over the fallback threshold keep their logits, and under `drop` each routed row that holds a pruned
+        expert carries its final routing in its logits (`encode_prerouted`)."""
         if pruned is not None:
             gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
+            first_kept = (~pruned).to(torch.int8).argmax(dim=-1)  # per plan row: a kept expert (drop's fill)
+            gate.register_buffer("slimwise_first_kept", first_kept.to(gate.weight.device), persistent=False)
         if router is not None:
             gate.register_buffer("slimwise_router",
                                  router.to(gate.weight.device, gate.weight.dtype), persistent=False)
@@ -338,15 +393,40 @@ class DecodeRouting(nn.Module):
 
         def hook(module, args, output):
             logits = output[0] if isinstance(output, tuple) else output
-            decode = routing.decode_mask[: logits.shape[0], None]
+            n = logits.shape[0]
             if router is not None:  # decode tokens route with the distilled router
-                logits = torch.where(decode,
+                logits = torch.where(routing.decode_mask[:n, None],
                                      F.linear(args[0], module.slimwise_router).to(logits.dtype), logits)
-            masked = logits if pruned is None else logits.masked_fill(
-                module.slimwise_pruned[routing.row_plan[: logits.shape[0]]], float("-inf"))
+            if pruned is None:
+                masked = logits
+            elif full is None:
+                masked = logits.masked_fill(module.slimwise_pruned[routing.row_plan[:n]], float("-inf"))
+            else:
+                masked = routing._gated(module, args[0], logits, full, layer)
             return (masked, *output[1:]) if isinstance(output, tuple) else masked
 
         gate.register_forward_hook(hook)
+
+    def _gated(self, gate: nn.Module, hidden: torch.Tensor, logits: torch.Tensor, full, layer: int):
+        """The gate variant and the fallback on one layer's logits (see `slimwise.decode_gates`)."""
+        n = logits.shape[0]
+        row_plan = self.row_plan[:n]
+        rows_pruned = gate.slimwise_pruned[row_plan]
+        weights, ids = full(hidden, logits)
+        slot_pruned = rows_pruned.gather(1, ids.long())
+        back = falls_back(weights, slot_pruned, self.gates.fallback)
+        if self.count_experts and not torch.compiler.is_compiling():
+            routed = row_plan > 0
+            entry = self.counters.fallback.setdefault(layer, [0, 0, 0])
+            entry[0] += int(routed.sum())
+            entry[1] += int((slot_pruned.any(dim=-1) & routed).sum())
+            entry[2] += int(back.sum())
+        if self.gates.gates == "renorm":
+            return logits.masked_fill(rows_pruned & ~back[:, None], float("-inf"))
+        slot_pruned = slot_pruned & ~back[:, None]
+        encoded = encode_prerouted(weights, ids, slot_pruned, gate.slimwise_first_kept[row_plan],
+                                   logits.shape[-1], logits.dtype)
+        return torch.where(slot_pruned.any(dim=-1, keepdim=True), encoded, logits)
 
     @staticmethod
     def _install_selection(router) -> None:
@@ -406,7 +486,10 @@ class DecodeRouting(nn.Module):
                     return None
                 logits = output[0] if isinstance(output, tuple) else output
                 rows = logits[routing.count_rows[: logits.shape[0]]]
-                touched = int(torch.unique(rows.topk(min(top_k, rows.shape[-1]), dim=-1).indices).numel())
+                values, ids = rows.topk(min(top_k, rows.shape[-1]), dim=-1)
+                # a `drop` row's left-over slots (-inf) read its heaviest slot's expert again
+                ids = torch.where(torch.isneginf(values), ids[:, :1], ids)
+                touched = int(torch.unique(ids).numel())
                 c = routing.counters
                 c.experts_touched_sum[layer] = c.experts_touched_sum.get(layer, 0) + touched
                 c.experts_counted_steps[layer] = c.experts_counted_steps.get(layer, 0) + 1
@@ -441,7 +524,7 @@ class DecodeRouting(nn.Module):
     def describe(self) -> dict:
         """The vLLM modules this routing acts on, by kind (gates, norms, lora, selection), and the mode."""
         return {"mode": self.mode, "plans": list(self.plans), "default_plan": self.default_plan,
-                **{kind: list(names) for kind, names in self.hooked.items()}}
+                **self.gates.describe(), **{kind: list(names) for kind, names in self.hooked.items()}}
 
     @property
     def multi_plan(self) -> bool:
@@ -471,7 +554,7 @@ class DecodeRouting(nn.Module):
 
     @property
     def active(self) -> bool:
-        return bool(self.gates) or bool(self.lora_modules) or self.count_experts
+        return bool(self.gates_by_layer) or bool(self.lora_modules) or self.count_experts
 
     def set_step(self, token_positions: np.ndarray, prompt_lens: np.ndarray,
                  model_positions: torch.Tensor | None = None, token_plans: np.ndarray | None = None) -> None:
@@ -499,7 +582,7 @@ class DecodeRouting(nn.Module):
             self.count_rows[:n].copy_(torch.from_numpy(generated))
             self.count_rows[n:].zero_()
             self.counters.decode_steps += self._count_batch > 0
-            if not self.gates and not self.lora_modules:
+            if not self.gates_by_layer and not self.lora_modules:
                 return
         plans = (np.full(n, self.plan_index.get(self.default_plan, 0), dtype=np.int64) if token_plans is None
                  else np.asarray(token_plans[:n], dtype=np.int64))

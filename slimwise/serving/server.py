@@ -181,7 +181,8 @@ def colocated_command(cfg: ServeConfig) -> list[str]:
     if cfg.plan or cfg.plans:
         overrides = slimwise_overrides(cfg.model, cfg.plans or cfg.plan,
                                        min_decode_batch=cfg.min_decode_batch, log_every=cfg.log_every,
-                                       delta=cfg.delta, default_plan=cfg.default_plan)
+                                       delta=cfg.delta, default_plan=cfg.default_plan,
+                                       gates=cfg.decode_gates)
         cmd += ["--hf-overrides", json.dumps(overrides)]
     else:
         # the model as it is (a full or a pruned checkpoint): stock vLLM, with SlimWise's CPU
@@ -419,6 +420,13 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
                                 f"({', '.join(cfg.plans)}) or 'full'")
     elif cfg.default_plan is not None:
         raise SlimWiseError("--default-plan chooses among named plans: give them as --plan NAME=PLAN")
+    gates = cfg.decode_gates  # refuses an unknown variant or threshold
+    if not gates.plain and (cfg.disaggregated or not (cfg.plan or cfg.plans)):
+        raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router, which "
+                            "only a colocated engine with a plan has: drop --disaggregated, or give --plan")
+    if not gates.plain and cfg.delta:
+        raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
+                            "--gates/--fallback, or serve them without --distilled")
     paths = dict(cfg.plans) or ({"": cfg.plan} if cfg.plan else {})
     plans = {name: PrunePlan.load(path) for name, path in paths.items()}
     if plans and Path(cfg.model, "config.json").is_file():
