@@ -7,8 +7,10 @@ problems:
 
     python -m experiments.decode_gates --work runs/decode-gates --out docs/results/decode-gates
 
-Settings: the plain gates (renorm, no fallback: the published SlimWise mode), drop, and each with a fallback
-at tau = 0.5, 0.3 and 0.1. Per setting: accuracy (target, other domains) with the paired difference to the
+Settings: the plain gates (renorm, no fallback: the published SlimWise mode), drop, substitute, and each with
+a fallback at tau = 0.5, 0.3 and 0.1 (substitute at 0.5). Substitute's vectors come from a second calibration
+with the sweep's prompts and settings plus `output_sums`, whose counts must equal the sweep's (so its plan is
+the same). Per setting: accuracy (target, other domains) with the paired difference to the
 plain setting, mean length and KL against the full model, the share of token-layer pairs that fell back, and
 the distinct experts per MoE layer per decode step at batch 32 (what a step reads: the cost side; measured
 speed needs `slimwise bench`, which runs synthetic weights whose routing says nothing about fallback shares).
@@ -22,27 +24,53 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
+
+from slimwise.calibrate import CalibrationConfig, calibrate
+from slimwise.evaluation.calibration_cache import calibration_prompts
 from slimwise.evaluation.config import EvalConfig
+from slimwise.evaluation.evaluated_model import load_evaluated_model
 from slimwise.evaluation.metrics import paired_difference
 from slimwise.evaluation.sweep import run_eval
 from slimwise.hardware import describe
 from slimwise.io import atomic_write_text
+from slimwise.stats import ExpertStats
 
 MODELS = ("testbed-a", "testbed-b", "testbed-c")
 SETTINGS = [("renorm", None), ("drop", None), ("renorm", 0.5), ("renorm", 0.3), ("renorm", 0.1),
-            ("drop", 0.5), ("drop", 0.3), ("drop", 0.1)]
+            ("drop", 0.5), ("drop", 0.3), ("drop", 0.1), ("substitute", None), ("substitute", 0.5)]
 
 
 def label(gates: str, fallback: float | None) -> str:
     return gates if fallback is None else f"{gates}, fallback {fallback:g}"
 
 
-def one(model: str, gates: str, fallback: float | None, work: Path, threads: int) -> dict:
+def output_sums(model: str, config: EvalConfig, report: dict, work: Path) -> str:
+    """The sweep's decode calibration again, with the expert output sums; refuses if the counts differ from
+    the sweep's own statistics (then its plan would not be the one evaluated)."""
+    path = work / model / "output-sums.safetensors"
+    if not path.is_file():
+        subject = load_evaluated_model(model, config.dtype, config.engine)
+        prompts, _ = calibration_prompts(config, None)
+        stats = calibrate(subject.model, prompts, subject.tokenizer, CalibrationConfig(
+            phase="decode", max_new_tokens=config.calib_max_new_tokens, seed=config.calib_seed,
+            batch_size=config.batch_size, output_sums=True), progress=False)
+        if not torch.equal(stats.count, ExpertStats.load(report["calibration"]["decode"]["stats"]).count):
+            raise SystemExit(f"{model}: the calibration with output sums counted other selections")
+        stats.save(path)
+    return str(path)
+
+
+def one(model: str, gates: str, fallback: float | None, work: Path, threads: int,
+        plain_report: dict | None = None) -> tuple[dict, dict]:
     """The sweep's slimwise run (and the full model's) for one setting, from its report."""
     tag = f"{gates}-{'none' if fallback is None else f'{fallback:g}'}"
     config = EvalConfig(criteria=("reap",), ratios=(0.5,), phases=("decode",), modes=("full", "slimwise"),
-                        calib_mixes=(), gates=gates, fallback=fallback, plots=False, threads=threads,
-                        out_dir=str(work / model / tag), cache_dir=str(work / "cache"), progress=False)
+                        calib_mixes=(), plots=False, threads=threads, out_dir=str(work / model / tag),
+                        cache_dir=str(work / "cache"), progress=False)
+    config.gates, config.fallback = gates, fallback
+    if gates == "substitute":
+        config.substitutes = output_sums(model, config, plain_report, work)
     t0 = time.perf_counter()
     report = run_eval([model], config)[0]
     run = next(r for r in report["runs"] if r["mode"] == "slimwise")
@@ -57,7 +85,7 @@ def one(model: str, gates: str, fallback: float | None, work: Path, threads: int
             "full": {"accuracy": report["full"]["accuracy"], "length_mean": report["full"]["length_mean"],
                      "other_accuracy": report["other_domains"]["full"]["accuracy"],
                      "experts_per_step": report["full"]["traffic"]["distinct_experts_per_layer_step"]},
-            "n": m["n"], "other_n": other["n"]}
+            "n": m["n"], "other_n": other["n"]}, report
 
 
 def markdown(results: list[dict], environment: dict) -> str:
@@ -110,7 +138,7 @@ def plot(results: list[dict], path: Path) -> None:
     for ax, model in zip(axes[0], models, strict=True):
         rows = [r for r in results if r["model"] == model]
         full = rows[0]["full"]
-        for gates, marker in (("renorm", "o"), ("drop", "s")):
+        for gates, marker in (("renorm", "o"), ("drop", "s"), ("substitute", "^")):
             series = sorted((r for r in rows if r["gates"] == gates), key=lambda r: -(r["fallback"] or 1.0))
             x = [r["experts_per_step"] / full["experts_per_step"] for r in series]
             ax.plot(x, [100 * r["accuracy"] for r in series], marker=marker, label=gates)
@@ -142,8 +170,13 @@ def main() -> None:
     if args.report_only:
         data = json.loads((out / "decode-gates.json").read_text())
     else:
-        results = [one(model, gates, fallback, Path(args.work), args.threads)
-                   for model in args.models for gates, fallback in SETTINGS]
+        results = []
+        for model in args.models:
+            plain = None
+            for gates, fallback in SETTINGS:  # the plain setting first: its calibration feeds substitute
+                result, report = one(model, gates, fallback, Path(args.work), args.threads, plain)
+                plain = plain or report
+                results.append(result)
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
         fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lscpu)}
         data = {"environment": {"cpu": describe(), "lscpu": f"{fields.get('Model name')} family "

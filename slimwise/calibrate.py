@@ -40,12 +40,14 @@ class CalibrationConfig:
     max_samples: int | None = None
     seed: int = 0
     temperature: float = 0.0  # greedy continuations by default
+    output_sums: bool = False  # also sum each expert's un-gated outputs (`--gates substitute`: their means)
 
 
 class ExpertObserver:
     """Accumulates ExpertStats while installed; counts only rows the engine marks for the chosen phase."""
 
-    def __init__(self, model: nn.Module, phase: Phase, adapter: MoEAdapter | None = None):
+    def __init__(self, model: nn.Module, phase: Phase, adapter: MoEAdapter | None = None,
+                 output_sums: bool = False):
         if phase not in PHASES:
             raise SlimWiseError(f"phase {phase!r} is not one of {', '.join(PHASES)}")
         self.adapter = adapter or get_adapter(model.config)
@@ -54,6 +56,7 @@ class ExpertObserver:
         self._stats = ExpertStats.zeros(
             [layer.index for layer in self.layers], self.adapter.num_experts(model.config)
         )
+        self._output_sums: dict[int, torch.Tensor] | None = {} if output_sums else None
         # per-layer sums kept on the layer's own device while the model runs (no host copy per token);
         # `stats` folds them into the float64 ExpertStats on the host
         self._pending: dict[int, torch.Tensor] = {}
@@ -94,6 +97,14 @@ class ExpertObserver:
                 getattr(self._stats, name)[row] += sums[i]
             self._stats.tokens[row] += sums[len(fields), 0]
         self._pending.clear()
+        if self._output_sums is not None:
+            hidden = next((s.shape[-1] for s in self._output_sums.values()), 0)
+            if self._stats.output_sum is None:
+                self._stats.output_sum = torch.zeros(len(self.layers), self._stats.num_experts, hidden,
+                                                     dtype=torch.float64)
+            for row, sums in self._output_sums.items():
+                self._stats.output_sum[row] += sums.cpu()
+            self._output_sums.clear()
         return self._stats
 
     def _rows_for(self, device: torch.device) -> torch.Tensor | None:
@@ -135,7 +146,10 @@ class ExpertObserver:
             weighted[order] = y * gate[:, None]
             out = weighted.view(-1, top_k, weighted.shape[-1]).sum(dim=1).to(hidden_states.dtype)
             if rows is not None:
-                self._accumulate(row, expert_of, rows, rows[token_of] & real, gate, norms, num_experts)
+                counted = rows[token_of] & real
+                self._accumulate(row, expert_of, rows, counted, gate, norms, num_experts)
+                if self._output_sums is not None:
+                    self._accumulate_outputs(row, expert_of, counted, y, num_experts)
             return out
 
         return forward
@@ -153,6 +167,16 @@ class ExpertObserver:
         update = torch.cat([sums, tokens])
         pending = self._pending.get(row)
         self._pending[row] = update if pending is None else pending + update
+
+    def _accumulate_outputs(self, row: int, expert_of: torch.Tensor, counted: torch.Tensor, y: torch.Tensor,
+                            num_experts: int) -> None:
+        """Add the counted assignments' un-gated outputs to their experts' sums (float64, in row blocks)."""
+        sums = torch.zeros(num_experts + 1, y.shape[-1], dtype=torch.float64, device=y.device)
+        for start in range(0, y.shape[0], 4096):
+            block = torch.where(counted[start:start + 4096, None], y[start:start + 4096].double(), 0.0)
+            sums.index_add_(0, expert_of[start:start + 4096], block)
+        pending = self._output_sums.get(row)
+        self._output_sums[row] = sums[:num_experts] if pending is None else pending + sums[:num_experts]
 
     def _expert_outputs(
         self,
@@ -181,7 +205,7 @@ def calibrate(model: nn.Module, prompts: Sequence[str] | Sequence[Sequence[int]]
     prompts = list(prompts)[: config.max_samples] if config.max_samples else list(prompts)
     if not prompts:
         raise SlimWiseError("calibration data is empty: pass a JSONL file (or directory) with prompts")
-    observer = ExpertObserver(model, config.phase)
+    observer = ExpertObserver(model, config.phase, output_sums=config.output_sums)
     engine = PhaseSplitEngine(model, tokenizer)
     new_tokens = 0 if config.phase == "prompt" else config.max_new_tokens
     gen_cfg = GenerationConfig(max_new_tokens=new_tokens, temperature=config.temperature, seed=config.seed,
@@ -290,7 +314,7 @@ def continuation_stats(model: nn.Module, prompts: Sequence[str] | Sequence[Seque
     engine = PhaseSplitEngine(model, tokenizer)
     ids = engine.encode(prompts)
     conts = checked_continuations(model, continuations[:len(ids)])
-    observer = ExpertObserver(model, config.phase)
+    observer = ExpertObserver(model, config.phase, output_sums=config.output_sums)
     device = input_device(model)
     t0, processed = time.perf_counter(), 0
     bar = tqdm(total=len(ids), desc=f"statistics[{config.phase}]", unit="seq",

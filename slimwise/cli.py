@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from slimwise.argtypes import OneLineParser, integer, number
-from slimwise.decode_gates import FALLBACK_HELP, GATES, GATES_HELP, DecodeGates
+from slimwise.decode_gates import FALLBACK_HELP, GATES, GATES_HELP, SUBSTITUTES_HELP, DecodeGates
 from slimwise.devices import parse_max_memory, resolve_device
 from slimwise.errors import SlimWiseError, run_command
 from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
@@ -88,7 +88,8 @@ def cmd_calibrate(args) -> None:
         return
     prompts = load_prompts(args.data, limit=args.max_samples)
     config = CalibrationConfig(phase=args.phase, max_new_tokens=args.max_new_tokens,
-                               batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed)
+                               batch_size=args.batch_size, max_samples=args.max_samples, seed=args.seed,
+                               output_sums=args.output_sums)
     tokenizer = load_tokenizer(args.model)
     continuations, source = None, None
     if args.continuations:
@@ -259,7 +260,7 @@ def cmd_generate(args) -> None:
     plan = PrunePlan.load(args.plan) if args.plan else None
     if args.mode != "full" and plan is None and not args.decode_model:
         raise SlimWiseError(f"mode {args.mode} needs --plan PLAN or --decode-model DIR")
-    gates = DecodeGates(args.gates, args.fallback)
+    gates = DecodeGates(args.gates, args.fallback, args.substitutes)
     if not gates.plain and (plan is None or args.decode_model):
         raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router: give "
                             "--plan (the masked view), not --decode-model")
@@ -466,6 +467,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--batch-size", type=integer(1), default=16)
     p.add_argument("--max-samples", type=integer(1), default=None)
     p.add_argument("--seed", type=integer(0), default=0)
+    p.add_argument("--output-sums", action="store_true",
+                   help="also sum each expert's outputs (layers x experts x hidden, float64): the vectors "
+                        "--gates substitute adds in place of pruned experts")
     _add_dry_run(p)
     p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
                    help="who generates the decode-phase continuations: hf (the transformers model, observed "
@@ -528,6 +532,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--mode", default="slimwise", choices=["full", "uniform", "slimwise"])
     p.add_argument("--gates", default="renorm", choices=GATES, help=GATES_HELP)
     p.add_argument("--fallback", type=number(0, 1), default=None, metavar="TAU", help=FALLBACK_HELP)
+    p.add_argument("--substitutes", metavar="STATS", help=SUBSTITUTES_HELP)
     p.add_argument("--prompts", required=True, help=".jsonl ('prompt' field) or .txt (one per line)")
     p.add_argument("--max-new-tokens", type=integer(1), default=128)
     p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
@@ -582,7 +587,8 @@ def _add_distill(sub) -> None:
 
 #: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
 EVAL_OPTIONS = (("dtype", "device", "max_memory", "out_dir", "plans", "stats", "criteria", "ratios", "phases",
-                 "scope", "modes", "distilled", "engine", "gates", "fallback", "data", "grader", "domain",
+                 "scope", "modes", "distilled", "engine", "gates", "fallback", "substitutes", "data",
+                 "grader", "domain",
                  "families", "split",
                  "n_per_family", "max_samples", "calib_data", "calib_domain", "calib_per_family",
                  "calib_max_new_tokens", "calib_seed", "calib_mixes"),
@@ -611,7 +617,7 @@ def _add_eval(sub) -> None:
 #: the options of `slimwise serve` after MODEL and --plan, in the order --help lists them
 SERVE_OPTIONS = ("default_plan", "delta", "disaggregated", "decode_model", "prefill_url", "decode_url",
                  "nixl", "host", "port", "served_model_name", "max_n", "min_decode_batch", "gates",
-                 "fallback", "log_every", "kv_dir_max_bytes")
+                 "fallback", "substitutes", "log_every", "kv_dir_max_bytes")
 
 
 def _add_serve(sub) -> None:

@@ -1,9 +1,10 @@
 """What a pruned decode token's gates do: the gate variant and the per-token fallback to every expert.
 
-Both engines (the reference mask, `slimwise.masking`, and the vLLM plugin, `slimwise.serving.routing`) run
-these functions on their own router's full routing, so they decide alike. Notation, per token and MoE layer:
-the full router picks slots (T, w) -- top-k expert ids and their gate weights as the family computes them
-(renormalized or not, scaled or not); P is the plan's pruned set.
+This module holds the settings (standard library only: the CLI parsers import it); the tensor functions that
+both engines run on their own router's full routing -- the reference mask (`slimwise.masking`) and the vLLM
+plugin (`slimwise.serving.routing`), so they decide alike -- are in `slimwise.decode_gate_ops`. Notation, per
+token and MoE layer: the full router picks slots (T, w) -- top-k expert ids and their gate weights as the
+family computes them (renormalized or not, scaled or not); P is the plan's pruned set.
 
 Gate variants (`gates`):
   renorm  route as a router whose pruned rows were sliced away: pruned logits (DeepSeek: selection scores) at
@@ -12,6 +13,10 @@ Gate variants (`gates`):
   drop    keep the full router's slots and weights; slots on pruned experts get weight 0 and read no weights
           (their id becomes one of the row's kept experts). The pruned share of the gate mass is lost, and a
           token with no pruned expert among its slots is routed exactly as by the full model.
+  substitute
+          `drop`, plus each pruned slot's weight times a constant vector for its expert added to the MoE
+          layer's output: the expert's mean un-gated output over the calibration tokens (`slimwise calibrate
+          --output-sums`, read from the statistics file `substitutes`). It reads no expert weights.
 
 Fallback (`fallback` tau in [0, 1]): a decode token whose pruned share
     s = sum of w over slots in P / sum of w over all k slots
@@ -28,14 +33,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from slimwise.argtypes import number
 from slimwise.errors import SlimWiseError
 
-GATES = ("renorm", "drop")
-GATES_HELP = ("pruned rows' gates: renorm (the sliced router's, default) or drop (the full router's, pruned "
-              "slots zeroed)")
+GATES = ("renorm", "drop", "substitute")
+GATES_HELP = ("pruned rows' gates: renorm (the sliced router's, default), drop (the full router's, pruned "
+              "slots zeroed) or substitute (drop, plus each pruned slot's weight times its expert's mean "
+              "output: --substitutes)")
+SUBSTITUTES_HELP = ("--gates substitute: calibration statistics with expert outputs (`slimwise calibrate "
+                    "--output-sums`) whose per-expert means replace the pruned experts")
 FALLBACK_HELP = ("route a pruned token with every expert in a layer where its full top-k puts more than TAU "
                  "of the gate weight on pruned experts (0: the full model, 1: never)")
 
@@ -50,18 +56,27 @@ def fallback_field():
     return field(default=None, metadata={"type": number(0, 1), "metavar": "TAU", "help": FALLBACK_HELP})
 
 
+def substitutes_field():
+    """`--substitutes STATS`, declared once for every config dataclass that has it (slimwise.options)."""
+    return field(default=None, metadata={"metavar": "STATS", "help": SUBSTITUTES_HELP})
+
+
 @dataclass(frozen=True)
 class DecodeGates:
     """The gate variant and the fallback threshold (None: never fall back) of a pruned decode step."""
 
     gates: str = "renorm"
     fallback: float | None = None
+    substitutes: str | None = None  # `substitute`: a statistics file with expert output sums
 
     def __post_init__(self) -> None:
         if self.gates not in GATES:
             raise SlimWiseError(f"unknown gates {self.gates!r}; choose one of {', '.join(GATES)}")
         if self.fallback is not None and not (math.isfinite(self.fallback) and 0 <= self.fallback <= 1):
             raise SlimWiseError(f"fallback {self.fallback!r} must be a share in [0, 1]")
+        if (self.gates == "substitute") != bool(self.substitutes):
+            raise SlimWiseError("--gates substitute reads its vectors from --substitutes STATS (made by "
+                                "`slimwise calibrate --output-sums`), and --substitutes goes with it only")
 
     @property
     def plain(self) -> bool:
@@ -69,66 +84,24 @@ class DecodeGates:
         return self.gates == "renorm" and self.fallback is None
 
     def describe(self) -> dict:
-        return {"gates": self.gates, "fallback": self.fallback}
+        return {"gates": self.gates, "fallback": self.fallback,
+                **({"substitutes": self.substitutes} if self.substitutes else {})}
+
+    def vectors(self, layers: list[int], num_experts: int, hidden: int) -> dict:
+        """`substitute`: per MoE layer, every expert's mean output [experts, hidden] (float32), checked
+        against the served model's layers and sizes (torch tensors); {} for the other variants."""
+        if self.gates != "substitute":
+            return {}
+        from slimwise.stats import ExpertStats
+
+        stats = ExpertStats.load(self.substitutes)
+        means = stats.output_mean()
+        if stats.num_experts != num_experts or means.shape[-1] != hidden \
+                or not set(layers) <= set(stats.layers):
+            raise SlimWiseError(f"--substitutes {self.substitutes} holds {stats.num_experts} experts of "
+                                f"hidden size {means.shape[-1]} in layers {stats.layers}, not this model's "
+                                f"{num_experts} x {hidden} in layers {layers}: calibrate this model")
+        return {layer: means[stats.row(layer)].float() for layer in layers}
 
 
 PLAIN = DecodeGates()
-
-
-def pruned_share(weights: torch.Tensor, slot_pruned: torch.Tensor) -> torch.Tensor:
-    """Per row, the share of the top-k gate weight that sits on pruned slots, in [0, 1].
-
-    weights [n, k] (>= 0), slot_pruned [n, k] bool. The pruned sum adds the same values as the total in the
-    same order with zeros in place of the kept ones, so it never exceeds the total in floating point (rounding
-    is monotone): a row whose slots are all pruned has a share of exactly 1, and tau = 1 never falls back."""
-    w = weights.float()
-    hit = torch.where(slot_pruned, w, torch.zeros_like(w)).sum(dim=-1)
-    total = w.sum(dim=-1)
-    return torch.where(total > 0, hit / total.clamp_min(torch.finfo(torch.float32).tiny),
-                       torch.zeros_like(total)).clamp(max=1.0)
-
-
-def falls_back(weights: torch.Tensor, slot_pruned: torch.Tensor, tau: float | None) -> torch.Tensor:
-    """Per row: whether it is routed with every expert (share > tau); all False without a threshold."""
-    if tau is None:
-        return torch.zeros(weights.shape[0], dtype=torch.bool, device=weights.device)
-    return pruned_share(weights, slot_pruned) > tau
-
-
-def drop_pruned(weights: torch.Tensor, ids: torch.Tensor, slot_pruned: torch.Tensor,
-                placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`drop`: pruned slots get weight 0 and the id of the row's heaviest kept slot (or `placeholder[row]`, a
-    kept expert, when every slot is pruned), so the step reads no pruned expert and the output is unchanged
-    (0 * f = 0). The other slots keep the full router's weights and ids."""
-    w = torch.where(slot_pruned, torch.zeros_like(weights), weights)
-    kept_w = torch.where(slot_pruned, torch.full_like(w, -1.0), w)
-    best = ids.gather(1, kept_w.argmax(dim=-1, keepdim=True))
-    any_kept = (~slot_pruned).any(dim=-1, keepdim=True)
-    fill = torch.where(any_kept, best, placeholder.reshape(-1, 1).to(ids.dtype))
-    return w, torch.where(slot_pruned, fill, ids)
-
-
-def encode_prerouted(weights: torch.Tensor, ids: torch.Tensor, slot_pruned: torch.Tensor,
-                     placeholder: torch.Tensor, experts: int, dtype: torch.dtype) -> torch.Tensor:
-    """A `drop` routing written into a router-logits-shaped row, for routers that only see the logits
-    (vLLM's, where a per-step buffer read inside the router is not seen by torch.compile): -inf everywhere,
-    the kept slots' weights at their experts, and a weight 0 at `placeholder[row]` when every slot is pruned.
-    `decode_prerouted` reads it back; a row holding any -inf is pre-routed (stock logits are finite)."""
-    enc = torch.full((weights.shape[0], experts), float("-inf"), dtype=torch.float32, device=weights.device)
-    kept_w = torch.where(slot_pruned, torch.full_like(weights, float("-inf")), weights.float())
-    enc.scatter_(1, ids.long(), kept_w)  # kept slots hold distinct experts; pruned ones write -inf
-    at = placeholder.long().reshape(-1, 1)
-    current = enc.gather(1, at)
-    none_kept = slot_pruned.all(dim=-1, keepdim=True)
-    enc.scatter_(1, at, torch.where(none_kept, torch.zeros_like(current), current))
-    return enc.to(dtype)
-
-
-def decode_prerouted(encoded: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights float32, ids int32) of `encode_prerouted` rows: the finite entries by weight, and weight 0 on
-    the row's heaviest finite entry for the slots left over (ids are never a pruned expert)."""
-    values, ids = torch.topk(encoded.float(), top_k, dim=-1, sorted=True)
-    real = torch.isfinite(values)
-    weights = torch.where(real, values, torch.zeros_like(values))
-    ids = torch.where(real, ids, ids[:, :1])
-    return weights.contiguous(), ids.to(torch.int32).contiguous()

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from slimwise.adapters import MoEAdapter, get_adapter
-from slimwise.decode_gates import PLAIN, DecodeGates, drop_pruned, falls_back
+from slimwise.decode_gate_ops import drop_pruned, falls_back, substitution
+from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.devices import execution_device, onloaded
 from slimwise.hooks import ForwardWrappers
 from slimwise.plan import PrunePlan
@@ -35,17 +36,39 @@ class ExpertMask:
         # routed with the plan, rows whose full top-k held a pruned expert, rows that fell back
         self.counts: dict[int, torch.Tensor] = {}
         self._wrappers = ForwardWrappers("expert mask")
+        # `substitute`: per layer, the pruned slots' weighted vectors of the current forward, which the MoE
+        # block's output hook adds (the router computes them, the block consumes them once)
+        self._extra: dict[int, torch.Tensor] = {}
         num_experts = self.adapter.num_experts(model.config)
         plan.validate(self.adapter.min_kept_per_group(model.config))
         plan.check_model(model, self.adapter)
-        for layer in self.adapter.moe_layers(model):
+        layers = self.adapter.moe_layers(model)
+        hidden = int(self.adapter.text_config(model.config).hidden_size)
+        vectors = gates.vectors([layer.index for layer in layers], num_experts, hidden)
+        for layer in layers:
             pruned = torch.ones(num_experts, dtype=torch.bool, device=execution_device(layer.router))
             pruned[plan.kept(layer.index)] = False
             if not pruned.any():
                 continue  # nothing pruned: this layer always runs its stock router
-            self._install(layer.router, pruned, layer.index, plan.kept(layer.index)[0])
+            substitutes = vectors.get(layer.index)
+            if substitutes is not None:
+                substitutes = substitutes.to(pruned.device)
+                self._wrappers.hook(layer.block, self._add_extra(layer.index))
+            self._install(layer.router, pruned, layer.index, plan.kept(layer.index)[0], substitutes)
 
-    def _install(self, router: nn.Module, pruned: torch.Tensor, index: int, first_kept: int) -> None:
+    def _add_extra(self, index: int):
+        def hook(module, args, output):
+            extra = self._extra.pop(index, None)
+            if extra is None:
+                return None
+            out = output[0] if isinstance(output, tuple) else output
+            out = out + extra.to(out.dtype).view_as(out)
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+
+        return hook
+
+    def _install(self, router: nn.Module, pruned: torch.Tensor, index: int, first_kept: int,
+                 substitutes: torch.Tensor | None = None) -> None:
         adapter, gates = self.adapter, self.gates
 
         def make(original):
@@ -62,9 +85,12 @@ class ExpertMask:
                 back = falls_back(full[1], slot_pruned, gates.fallback) & rows
                 self._count(index, rows, slot_pruned.any(dim=-1), back)
                 rows = rows & ~back
-                if gates.gates == "drop":
+                if gates.gates in ("drop", "substitute"):
                     placeholder = torch.full_like(full[2][:, 0], first_kept)
-                    weights, ids = drop_pruned(full[1], full[2], slot_pruned & rows[:, None], placeholder)
+                    slot_pruned = slot_pruned & rows[:, None]
+                    weights, ids = drop_pruned(full[1], full[2], slot_pruned, placeholder)
+                    if substitutes is not None:
+                        self._extra[index] = substitution(full[1], full[2], slot_pruned, substitutes)
                     return full[0], weights, ids
                 with onloaded(router):
                     masked = adapter.route(router, hidden_states, pruned)

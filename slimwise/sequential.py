@@ -182,7 +182,7 @@ def streamed_statistics(model: nn.Module, prompts: Sequence[str] | Sequence[Sequ
                             "(from vLLM or an earlier run): generation needs every layer for every token")
     t0 = time.perf_counter()
     engine = PhaseSplitEngine(model, tokenizer)
-    observer = ExpertObserver(model, config.phase)
+    observer = ExpertObserver(model, config.phase, output_sums=config.output_sums)
     try:
         ids, _, batches = _prepare(engine, prompts, continuations, config.phase, config.batch_size,
                                    config.max_samples)

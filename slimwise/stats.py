@@ -32,7 +32,8 @@ _FIELDS = ("count", "gate_sum", "norm_sum", "norm_sq_sum", "gate_norm_sum")
 @dataclass
 class ExpertStats:
     """Sums over counted tokens. count: selections; gate_sum: gate weights; norm_*: ||f_j(x)|| (and squares);
-    gate_norm_sum: gate x norm; tokens: counted tokens per layer."""
+    gate_norm_sum: gate x norm; tokens: counted tokens per layer; output_sum (optional, `calibrate
+    --output-sums`): the un-gated outputs f_j(x) summed per expert, [layers, experts, hidden]."""
 
     layers: list[int]
     num_experts: int
@@ -43,6 +44,7 @@ class ExpertStats:
     gate_norm_sum: torch.Tensor
     tokens: torch.Tensor
     meta: dict = field(default_factory=dict)
+    output_sum: torch.Tensor | None = None
 
     @classmethod
     def zeros(cls, layers: list[int], num_experts: int, meta: dict | None = None) -> ExpertStats:
@@ -63,6 +65,15 @@ class ExpertStats:
         var = (self.norm_sq_sum / n - (self.norm_sum / n) ** 2).clamp_min(0)
         return torch.where(self.count > 0, var.sqrt(), torch.zeros_like(var))
 
+    def output_mean(self) -> torch.Tensor:
+        """Each expert's mean un-gated output over its counted tokens ([layers, experts, hidden], float64; 0
+        for an expert never selected): what `--gates substitute` adds in place of a pruned expert."""
+        if self.output_sum is None:
+            raise SlimWiseError("these statistics hold no expert outputs: calibrate with --output-sums")
+        n = self.count.clamp_min(1).unsqueeze(-1)
+        zero = torch.zeros_like(self.output_sum)
+        return torch.where(self.count.unsqueeze(-1) > 0, self.output_sum / n, zero)
+
     def usage_share(self) -> torch.Tensor:
         """Share of routed selections per expert (rows sum to 1 where any token was counted)."""
         return self.count / self.count.sum(dim=1, keepdim=True).clamp_min(1)
@@ -71,6 +82,8 @@ class ExpertStats:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {name: getattr(self, name).contiguous() for name in (*_FIELDS, "tokens")}
+        if self.output_sum is not None:
+            tensors["output_sum"] = self.output_sum.contiguous()
         header = {
             "format": STATS_FORMAT,
             "layers": json.dumps(self.layers),
@@ -104,12 +117,15 @@ class ExpertStats:
             *(tensors[name] for name in _FIELDS),
             tensors["tokens"],
             json.loads(header.get("meta", "{}")),
+            tensors.get("output_sum"),
         )
 
     def merge(self, other: ExpertStats) -> ExpertStats:
         """Sum two passes over different data (same model)."""
         if self.layers != other.layers or self.num_experts != other.num_experts:
             raise SlimWiseError("cannot merge stats of different models")
+        both = self.output_sum is not None and other.output_sum is not None
         return ExpertStats(self.layers, self.num_experts,
                            *(getattr(self, f) + getattr(other, f) for f in _FIELDS),
-                           self.tokens + other.tokens, {**self.meta, "merged": True})
+                           self.tokens + other.tokens, {**self.meta, "merged": True},
+                           self.output_sum + other.output_sum if both else None)

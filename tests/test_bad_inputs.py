@@ -343,6 +343,14 @@ case("generate-no-plan", [*GEN, "--mode", "slimwise", "--out", OUT])
 for opt, value in [("--fallback", "1.5"), ("--fallback", "-0.1"), ("--fallback", "nan"), ("--gates", "half")]:
     case(f"generate-{opt[2:]}-{value}", [*GEN, "--plan", P, opt, value, "--out", OUT])
 case("generate-fallback-no-plan", [*GEN, "--mode", "full", "--fallback", "0.5", "--out", OUT])
+case("generate-substitute-no-stats", [*GEN, "--plan", P, "--gates", "substitute", "--out", OUT])
+case("generate-substitutes-without-gates",
+     [*GEN, "--plan", P, "--substitutes", "{root}/stats.safetensors", "--out", OUT])
+case("generate-substitutes-no-output-sums",
+     [*GEN, "--plan", P, "--gates", "substitute", "--substitutes", "{root}/stats.safetensors", "--out", OUT])
+case("generate-substitutes-garbage",
+     [*GEN, "--plan", P, "--gates", "substitute", "--substitutes", "{root}/stats-garbage.safetensors",
+      "--out", OUT])
 case("generate-gates-decode-model",
      [*GEN, "--decode-model", "{root}/pruned", "--gates", "drop", "--out", OUT])
 case("generate-decode-model-contradicts", [*GEN, "--decode-model", "{root}/pruned-contradicts", "--out", OUT])
@@ -414,6 +422,8 @@ for opt, value in [("--port", "99999"), ("--port", "0"), ("--port", "http"), ("-
 case("serve-disaggregated-no-plan", ["serve", M, "--disaggregated"], None)
 case("serve-fallback-disaggregated", ["serve", M, "--plan", P, "--disaggregated", "--fallback", "0.5"], None)
 case("serve-gates-no-plan", ["serve", M, "--gates", "drop"], None)
+case("serve-substitutes-no-output-sums",
+     ["serve", M, "--plan", P, "--gates", "substitute", "--substitutes", "{root}/stats.safetensors"], None)
 case("serve-fallback-out-of-range", ["serve", M, "--plan", P, "--fallback", "2"], None)
 case("serve-decode-model-other-weights", ["serve", M, "--plan", P, "--disaggregated",
                                           "--decode-model", "{root}/pruned-other"], None)
@@ -454,6 +464,8 @@ for opt, value in [("--batch", "0"), ("--ratio", "1"), ("--output-len", "1"), ("
     case(f"bench-{opt[2:]}-{value}", [*BENCH, opt, value])
 case("bench-variants-unknown", [*BENCH, "--variants", "full", "warp"])
 case("bench-variants-without-full", [*BENCH, "--variants", "slimwise"])
+case("bench-gated-without-gates", [*BENCH, "--variants", "full", "gated"])
+case("bench-fallback-without-gated", [*BENCH, "--variants", "full", "slimwise", "--fallback", "0.5"])
 case("bench-model-missing", ["bench", "{root}/nope", "--out", OUT])
 case("bench-model-and-synthetic", [*BENCH, "--synthetic", "cpu"])
 for p in ("duplicate-ids", "binary", "fractional-id", "layer-missing", "other-weights"):

@@ -64,7 +64,7 @@ def test_help_lists_subcommands():
 def test_core_flow(workdir, capsys):
     model, stats, plan, pruned = (workdir / n for n in ("model", "stats.safetensors", "plan.json", "pruned"))
     out = run("calibrate", model, "--data", workdir / "calib.jsonl", "--phase", "decode", "--out", stats,
-              "--max-new-tokens", "8")
+              "--max-new-tokens", "8", "--output-sums")
     assert "MoE layers" in out.stdout and stats.is_file()
     call(capsys, "plan", "--stats", stats, "--criterion", "reap", "--ratio", "0.5", "--out", plan)
     saved = json.loads(plan.read_text())
@@ -88,13 +88,15 @@ def test_core_flow(workdir, capsys):
     assert all(isinstance(r["text"], str) for r in results["full"])
 
     # the fallback dial's ends: tau = 0 under drop is the full model, tau = 1 the variant alone
-    for name, extra in (("dial-0", ["--gates", "drop", "--fallback", "0"]), ("dial-1", ["--fallback", "1"])):
+    for name, extra in (("dial-0", ["--gates", "drop", "--fallback", "0"]), ("dial-1", ["--fallback", "1"]),
+                        ("sub-0", ["--gates", "substitute", "--substitutes", stats, "--fallback", "0"])):
         out_file = workdir / f"{name}.jsonl"
         proc = call(capsys, "generate", model, "--plan", plan, "--prompts", workdir / "test.jsonl",
                     "--max-new-tokens", "10", "--out", out_file, *extra)
         results[name] = [json.loads(line) for line in out_file.read_text().splitlines()]
         assert "fell back to every expert" in proc.stderr
     assert [r["token_ids"] for r in results["dial-0"]] == [r["token_ids"] for r in results["full"]]
+    assert [r["token_ids"] for r in results["sub-0"]] == [r["token_ids"] for r in results["full"]]
     assert [r["token_ids"] for r in results["dial-1"]] == [r["token_ids"] for r in results["slimwise"]]
 
 

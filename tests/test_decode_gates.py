@@ -15,15 +15,8 @@ from tiny import build_tiny_model
 from slimwise.adapters import get_adapter
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
-from slimwise.decode_gates import (
-    PLAIN,
-    DecodeGates,
-    decode_prerouted,
-    drop_pruned,
-    encode_prerouted,
-    falls_back,
-    pruned_share,
-)
+from slimwise.decode_gate_ops import decode_prerouted, drop_pruned, encode_prerouted, falls_back, pruned_share
+from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 
@@ -183,3 +176,73 @@ def test_non_plain_gates_need_the_masked_view(planned):
     model, plan = planned("qwen3_moe")
     with pytest.raises(SlimWiseError, match="full router"):
         PhaseSplitEngine(model, plan=None, gates=DecodeGates("drop"))
+
+
+def test_substitution_vectors_are_the_calibration_mean(tmp_path):
+    """The output sums a calibration gathers, recomputed by hand: every decode token's router input is
+    recorded, each expert it picks is run on it alone, and the outputs averaged per expert."""
+    model = build_tiny_model("qwen3_moe", seed=0, initializer_range=TINY_INIT)
+    adapter = get_adapter(model.config)
+    layer = adapter.moe_layers(model)[1]
+    prompts = random_prompts(3, seed=4)
+    seen = []
+    state = {"phase": None}
+
+    class Phase:
+        def before_forward(self, phase, rows):
+            state["phase"], state["rows"] = phase, rows
+
+    handle = layer.router.register_forward_hook(
+        lambda module, args, output: seen.append((args[0].detach().clone(), output[2].clone(), state["rows"]))
+        if state["phase"] == "decode" else None)
+    try:
+        from slimwise.calibrate import ExpertObserver
+
+        observer = ExpertObserver(model, "decode", output_sums=True)
+
+        class Both:
+            def before_forward(self, phase, rows):
+                Phase().before_forward(phase, rows)
+                observer.before_forward(phase, rows)
+
+        PhaseSplitEngine(model).generate(prompts, "full", GenerationConfig(max_new_tokens=4, eos_token_id=-1),
+                                         observer=Both())
+        stats = observer.stats
+        observer.remove()
+    finally:
+        handle.remove()
+    sums = torch.zeros(16, model.config.hidden_size, dtype=torch.float64)
+    counts = torch.zeros(16)
+    with torch.no_grad():
+        for hidden, ids, rows in seen:
+            for t in torch.nonzero(rows.reshape(-1)).flatten().tolist():
+                for e in ids[t].tolist():
+                    sums[e] += adapter.expert_forward(layer.experts, e, hidden[t:t + 1])[0].double()
+                    counts[e] += 1
+    row = stats.row(layer.index)
+    assert torch.equal(stats.count[row].float(), counts)
+    torch.testing.assert_close(stats.output_sum[row], sums, rtol=1e-5, atol=1e-6)
+    want = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], 0)
+    torch.testing.assert_close(stats.output_mean()[row], want, rtol=1e-5, atol=1e-6)
+    stats.save(tmp_path / "s.safetensors")
+    assert torch.equal(type(stats).load(tmp_path / "s.safetensors").output_sum, stats.output_sum)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
+def test_substitute_ends_and_zero_vectors(family, planned, tmp_path):
+    """substitute: tau = 0 is the full model; zero vectors give drop's tokens; real vectors change them."""
+    model, plan = planned(family)
+    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8,
+                                                                                output_sums=True),
+                      progress=False)
+    stats.save(tmp_path / "sums.safetensors")
+    zero = type(stats).load(tmp_path / "sums.safetensors")
+    zero.output_sum.zero_()
+    zero.save(tmp_path / "zero.safetensors")
+    sub = DecodeGates("substitute", None, str(tmp_path / "sums.safetensors"))
+    drop = tokens(model, plan, "slimwise", DecodeGates("drop"))
+    assert tokens(model, plan, "slimwise", DecodeGates("substitute", 0.0, sub.substitutes)) \
+        == tokens(model, plan, "full")
+    zero_gates = DecodeGates("substitute", None, str(tmp_path / "zero.safetensors"))
+    assert tokens(model, plan, "slimwise", zero_gates) == drop
+    assert tokens(model, plan, "slimwise", sub) != drop

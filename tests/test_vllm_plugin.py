@@ -390,3 +390,27 @@ def test_gate_variants_and_fallback_equal_reference(family, gates, eager, setup)
     assert got == want
     if eager:
         assert {int(k): v for k, v in counters["fallback"].items()} == counts
+
+
+@pytest.mark.parametrize(("family", "eager"), [("qwen2_moe", True), ("qwen3_moe", False)])
+def test_substitute_gates_equal_reference(family, eager, setup, tmp_path):
+    """`--gates substitute` with a fallback: the MoE block adds the pruned slots' weighted mean outputs
+    (vectors from a calibration with output sums); tokens equal the reference engine's, float32, eager and
+    compiled, and differ from drop's."""
+    model_dir, plan, _, _ = setup(family)
+    model = load_model(model_dir)
+    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8,
+                                                                                output_sums=True),
+                      progress=False)
+    stats.save(tmp_path / "sums.safetensors")
+    gates = DecodeGates("substitute", 0.5, str(tmp_path / "sums.safetensors"))
+    with PhaseSplitEngine(model, plan=plan, gates=gates) as reference:
+        want = [o.token_ids for o in reference.generate(PROMPTS, "slimwise", CONFIG)]
+    with PhaseSplitEngine(model, plan=plan, gates=DecodeGates("drop", 0.5)) as reference:
+        assert [o.token_ids for o in reference.generate(PROMPTS, "slimwise", CONFIG)] != want
+    engine = VllmEngine(model_dir, plan, gates=gates, enforce_eager=eager)
+    try:
+        got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
+    finally:
+        engine.close()
+    assert got == want

@@ -39,6 +39,7 @@ from slimwise.serving.routing import (
     PLAN_KEY,
     PLANS_KEY,
     REQUEST_PLAN_ARG,
+    SUBSTITUTES_KEY,
 )
 from slimwise.serving.tokenizer import TOKENIZER_MODE
 
@@ -86,6 +87,8 @@ def slimwise_overrides(
         out[DELTA_KEY] = str(Path(delta).resolve())
     if not gates.plain:
         out[GATES_KEY], out[FALLBACK_KEY] = gates.gates, gates.fallback
+    if gates.substitutes:
+        out[SUBSTITUTES_KEY] = str(Path(gates.substitutes).resolve())
     if count_experts:  # per-layer counters of experts touched and fallbacks (eager engines; a sync per layer)
         out[COUNT_EXPERTS_KEY] = True
     return out

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import comma_list, integer
-from slimwise.decode_gates import DecodeGates, fallback_field, gates_field
+from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.runs import ENGINES
 from slimwise.evaluation.samples import GRADERS
@@ -56,6 +56,7 @@ class EvalConfig:
         "choices": ENGINES, "help": "hf (reference) or vllm (if installed)"})
     gates: str = gates_field()
     fallback: float | None = fallback_field()
+    substitutes: str | None = substitutes_field()
     # tasks
     data: str | None = field(default=None, metadata={  # default: the testbed
         "help": "JSONL with prompt and answer (optional family) instead of the testbed"})
@@ -140,7 +141,7 @@ class EvalConfig:
             raise SlimWiseError(f"unknown modes {bad}; choose among {', '.join(EVAL_MODES)}")
         if ("distilled" in self.modes or self.distilled) and not self.distilled:
             raise SlimWiseError("mode distilled needs --distilled DELTA (the output of `slimwise distill`)")
-        DecodeGates(self.gates, self.fallback)  # refuses an unknown variant or threshold
+        DecodeGates(self.gates, self.fallback, self.substitutes)  # refuses an unknown variant or threshold
         if self.engine not in ENGINES:
             raise SlimWiseError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if not self.plans:
@@ -166,7 +167,7 @@ class EvalConfig:
 
     @property
     def decode_gates(self) -> DecodeGates:
-        return DecodeGates(self.gates, self.fallback)
+        return DecodeGates(self.gates, self.fallback, self.substitutes)
 
 
 def parse_calib_mix(mix: str) -> dict[str, float]:

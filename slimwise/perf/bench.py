@@ -52,7 +52,7 @@ from slimwise.baseline_plans import random_plan
 from slimwise.errors import SlimWiseError
 from slimwise.hardware import scoped_environ
 from slimwise.io import atomic_write_text
-from slimwise.perf.bench_config import BASE_VARIANTS, BenchConfig
+from slimwise.perf.bench_config import BASE_VARIANTS, GATED, BenchConfig
 from slimwise.perf.bench_report import (
     bytes_split_table,
     check_bars,
@@ -126,10 +126,15 @@ def _check_config(config: BenchConfig) -> None:
     if config.prompt_len < 1 or config.repetitions < 1:
         raise SlimWiseError("prompt_len and repetitions must be >= 1")
     for v in config.variants:
-        if v not in BASE_VARIANTS and not (v.startswith(POLICY_PREFIX) and v[len(POLICY_PREFIX):].isdigit()) \
-                and mix_of(v) is None:
-            raise SlimWiseError(f"unknown variant {v!r}; have: {', '.join(BASE_VARIANTS)}, {POLICY_PREFIX}N, "
-                                "mix-P and mixfull-P (P = 0..100: percent of requests on the plan)")
+        policy = v.startswith(POLICY_PREFIX) and v[len(POLICY_PREFIX):].isdigit()
+        if v not in (*BASE_VARIANTS, GATED) and not policy and mix_of(v) is None:
+            raise SlimWiseError(f"unknown variant {v!r}; have: {', '.join(BASE_VARIANTS)}, {GATED}, "
+                                f"{POLICY_PREFIX}N, mix-P and mixfull-P (P = 0..100: percent of requests on "
+                                "the plan)")
+    gates = config.decode_gates  # refuses an unknown variant, threshold or a missing --substitutes
+    if (GATED in config.variants) == gates.plain:
+        raise SlimWiseError(f"variant {GATED!r} benches --gates / --fallback / --substitutes beside plain "
+                            f"slimwise: give both the variant and at least one of them")
     if "full" not in config.variants:
         raise SlimWiseError("variant 'full' is needed: every ratio is against the "
                             "full model of the same round")
@@ -268,6 +273,11 @@ def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path,
         elif name in ("slimwise", "uniform"):
             out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path), kept, arch,
                                mode=name))
+        elif name == GATED:  # a fallback token can reach every expert
+            gates = config.decode_gates
+            out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plan_path, gates=gates),
+                               kept if gates.fallback is None else plan.num_experts, arch, mode="slimwise",
+                               meta=gates.describe()))
         elif mix_of(name) is not None:  # one engine with both plans; each request names its own
             plans = {"a": plan_path, "b": plan_b_path(config, model_dir, plan_path)}
             out.append(Variant(name, str(model_dir), slimwise_overrides(model_dir, plans), plan.num_experts,
@@ -436,10 +446,12 @@ def count_traffic(config: BenchConfig, variants: list[Variant], kwargs: dict, ex
     kw = dict(kwargs, enforce_eager=True)  # the counting hook runs in eager mode only
     vocab = vocab_size(variants[0].model_dir)
     out: dict[str, dict] = {}
-    shared = next((v for v in variants if v.mode is not None and not v.meta.get("mix")), None)
+    # the gated variant's engine carries other gates: it counts on its own
+    shared = next((v for v in variants if v.mode is not None and not v.meta.get("mix") and v.name != GATED),
+                  None)
     groups: dict[str, list[Variant]] = {}
     for v in variants:  # full joins the shared engine of its checkpoint (mode "full" masks nothing)
-        on_shared = shared is not None and not v.meta.get("mix") and (
+        on_shared = shared is not None and not v.meta.get("mix") and v.name != GATED and (
             v.mode is not None or v.model_dir == shared.model_dir)
         groups.setdefault(shared.engine_key if on_shared else v.engine_key, []).append(v)
     for key, group in groups.items():

@@ -7,14 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import gib_to_bytes, integer, number
+from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
 
 # kept literal (slimwise.perf.presets imports transformers); a test checks they match the presets
 PRESET_NAMES = ("cpu", "cpu-hybrid", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
 DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
+GATED = "gated"  # slimwise with --gates / --fallback / --substitutes, beside the plain slimwise variant
 VARIANTS_HELP = ("full | slimwise | pruned | uniform | slimwise-minN (load-aware: prune only on steps with "
                  ">= N decode tokens) | mix-P (one engine with two plans: P%% of requests on the plan, the "
-                 "rest on --plan-b) | mixfull-P (the rest on full); default: full slimwise pruned uniform")
+                 "rest on --plan-b) | mixfull-P (the rest on full) | gated (slimwise with --gates, "
+                 "--fallback, --substitutes); default: full slimwise pruned uniform")
 
 
 def _hardware(name: str) -> str | None:
@@ -94,3 +97,11 @@ class BenchConfig:
     plot: str | None = field(default=None, metadata={"help": "PNG path (default OUT/bench.png)"})
     seed: int = field(default=0, metadata={"type": integer(0), "help": None})
     verbose: bool = field(default=False, metadata={"help": "keep vLLM's INFO logs"})
+    # the `gated` variant's gates (slimwise.decode_gates); the other variants keep the plain ones
+    gates: str = gates_field()
+    fallback: float | None = fallback_field()
+    substitutes: str | None = substitutes_field()
+
+    @property
+    def decode_gates(self) -> DecodeGates:
+        return DecodeGates(self.gates, self.fallback, self.substitutes)

@@ -325,7 +325,8 @@ BENCH_OPTIONS = ("model", "synthetic", "layers", "routing_skew", "synthetic_dir"
                  "criterion", "ratio", "plan_b", "pruned_model", "variants", "batches", "prompt_len",
                  "output_len", "repetitions", "warmup_tokens", "dtype", "enforce_eager", "kv_cache_bytes",
                  "max_num_batched_tokens", "in_process", "restart", "resume", "count_experts",
-                 "count_output_len", "hardware", "kernel_roofline", "suggest_threshold")
+                 "count_output_len", "hardware", "kernel_roofline", "suggest_threshold", "gates", "fallback",
+                 "substitutes")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

@@ -27,10 +27,12 @@ def counters_delta(before: dict, after: dict) -> dict:
         s0, t0 = bb.get(b, (0, 0))
         if steps - s0:
             by_batch[b] = (steps - s0, total - t0)
+    fb, fa = _int_keys(before.get("fallback")), _int_keys(after.get("fallback"))
+    fallback = [sum(v[i] - fb.get(layer, (0, 0, 0))[i] for layer, v in fa.items()) for i in range(3)]
     return {"touched": {layer: sa[layer] - sb.get(layer, 0) for layer in sa},
             "steps": {layer: na[layer] - nb.get(layer, 0) for layer in na},
             "decode_steps": int(after.get("decode_steps", 0)) - int(before.get("decode_steps", 0)),
-            "by_batch": by_batch}
+            "by_batch": by_batch, "fallback": fallback}
 
 
 def summarize_traffic(delta: dict, *, batch: int, available_experts: int, top_k: int,
@@ -48,7 +50,11 @@ def summarize_traffic(delta: dict, *, batch: int, available_experts: int, top_k:
                                                          else float("nan"))
     layers = len(per_layer)
     expected = expected_union(available_experts, top_k, batch)
+    routed, touching, fell_back = delta.get("fallback") or (0, 0, 0)
+    fallback = {"fallback_share": fell_back / routed, "touching_pruned_share": touching / routed} \
+        if routed else {}
     return {
+        **fallback,
         "batch": batch, "decode_steps": delta["decode_steps"], "layer_steps_counted": counted,
         "available_experts": available_experts, "top_k": top_k,
         "touched_per_layer": {str(k): round(v, 3) for k, v in sorted(per_layer.items())},

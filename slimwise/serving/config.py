@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import gib_to_bytes, integer, number
-from slimwise.decode_gates import DecodeGates, fallback_field, gates_field
+from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
 from slimwise.serving.validation import MAX_N_DEFAULT
 
 
@@ -48,6 +48,7 @@ class ServeConfig:
         "type": integer(0), "help": "log routing counters every N steps (0: never)"})
     gates: str = gates_field()  # colocated only (preflight refuses it with --disaggregated)
     fallback: float | None = fallback_field()
+    substitutes: str | None = substitutes_field()
     vllm_args: list[str] = field(default_factory=list)
     startup_timeout: float = 900.0
     kv_dir_max_bytes: int | None = field(default=None, metadata={  # None: the proxy's 4 GiB
@@ -62,4 +63,4 @@ class ServeConfig:
 
     @property
     def decode_gates(self) -> DecodeGates:
-        return DecodeGates(self.gates, self.fallback)
+        return DecodeGates(self.gates, self.fallback, self.substitutes)

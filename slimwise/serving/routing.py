@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimwise.adapters.deepseek_v3 import grouped_topk_ids
-from slimwise.decode_gates import PLAIN, DecodeGates, decode_prerouted, encode_prerouted, falls_back
+from slimwise.decode_gate_ops import decode_prerouted, encode_prerouted, falls_back, substitution
+from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import config_fingerprint
 from slimwise.plan import PrunePlan
@@ -51,6 +52,7 @@ DEFAULT_PLAN_KEY = "slimwise_default_plan"
 REQUEST_PLAN_ARG = "slimwise_plan"  # a request's plan: SamplingParams.extra_args key (OpenAI: vllm_xargs)
 DEFAULT_PLAN_NAME = "default"  # the name of a lone PLAN_KEY plan
 GATES_KEY = "slimwise_gates"  # the pruned rows' gate variant (slimwise.decode_gates.GATES)
+SUBSTITUTES_KEY = "slimwise_substitutes"  # `substitute`: the statistics file with expert output sums
 FALLBACK_KEY = "slimwise_fallback"  # route a decode token with every expert above this pruned share
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
@@ -162,7 +164,8 @@ class DecodeRouting(nn.Module):
         fallback = getattr(hf_config, FALLBACK_KEY, None)  # 0.0 is a threshold: no `or` chain here
         fallback = getattr(text_config, FALLBACK_KEY, None) if fallback is None else fallback
         self.gates = DecodeGates(_setting(hf_config, text_config, GATES_KEY) or PLAIN.gates,
-                                 None if fallback is None or fallback == "" else float(fallback))
+                                 None if fallback is None or fallback == "" else float(fallback),
+                                 _setting(hf_config, text_config, SUBSTITUTES_KEY) or None)
         self.has_delta = False
         self._count_batch = 0  # decode tokens in the current step (expert counting)
         self.counters = RoutingCounters()
@@ -172,7 +175,8 @@ class DecodeRouting(nn.Module):
         self.register_buffer("row_plan", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
         self.gates_by_layer: dict[int, nn.Module] = {}
         # module names
-        self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": []}
+        self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": [],
+                                             "substitution": []}
         # vLLM module name -> module whose decode rows use W + sBA
         self.lora_modules: dict[str, nn.Module] = {}
         # a delta's tensors, handed over by each trainable set (slimwise.trainable `install_in_vllm`): routers
@@ -188,6 +192,8 @@ class DecodeRouting(nn.Module):
         for plan in self.plans.values():
             check_plan_config(plan, hf_config)
         self._load_delta(_setting(hf_config, text_config, DELTA_KEY))
+        self.substitutes = {} if self.gates.gates != "substitute" else self.gates.vectors(
+            sorted(self.plan.kept_experts), self.plan.num_experts, int(text_config.hidden_size))
         if self.has_delta and not self.gates.plain:
             raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
                                 "--gates/--fallback, or serve them without --distilled")
@@ -249,8 +255,10 @@ class DecodeRouting(nn.Module):
                                 "fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
         else:
             self._install(module, pruned, routers.pop(layer, None), layer, full)
-        if full is not None and self.gates.gates == "drop":
+        if full is not None and self.gates.gates in ("drop", "substitute"):
             self._install_prerouted(runner.router, full)
+        if full is not None and layer in self.substitutes:
+            self._install_substitution(name.rsplit(".", 1)[0], model, module, full, self.substitutes[layer])
         self.gates_by_layer[layer] = module
         self.hooked["gates"].append(name)
 
@@ -268,6 +276,31 @@ class DecodeRouting(nn.Module):
                                 "gates and no fallback")
         stock = router._compute_routing
         return lambda hidden, logits: stock(hidden, logits, None)
+
+    def _install_substitution(self, block_name: str, model: nn.Module, gate: nn.Module, full,
+                              vectors: torch.Tensor) -> None:
+        """`substitute`: the MoE block's output gains, per routed row, its pruned slots' weights times their
+        experts' vectors. The block's input is the gate's, so the hook recomputes the routing the gate hook
+        decided on (the gate's own forward, without its hooks; the same fallback) from data alone, which
+        torch.compile traces like the gate hook."""
+        block = model.get_submodule(block_name)
+        block.register_buffer("slimwise_substitutes", vectors.to(gate.weight.device), persistent=False)
+        routing, tau = self, self.gates.fallback
+
+        def hook(module, args, output):
+            hidden = args[0].reshape(-1, vectors.shape[-1])
+            raw = gate.forward(hidden)
+            logits = raw[0] if isinstance(raw, tuple) else raw
+            weights, ids = full(hidden, logits)
+            slot_pruned = gate.slimwise_pruned[routing.row_plan[: hidden.shape[0]]].gather(1, ids.long())
+            slot_pruned = slot_pruned & ~falls_back(weights, slot_pruned, tau)[:, None]
+            extra = substitution(weights, ids, slot_pruned, module.slimwise_substitutes)
+            out = output[0] if isinstance(output, tuple) else output
+            out = out + extra.to(out.dtype).view_as(out)
+            return (out, *output[1:]) if isinstance(output, tuple) else out
+
+        block.register_forward_hook(hook)
+        self.hooked["substitution"].append(block_name)
 
     @staticmethod
     def _install_prerouted(router, full) -> None:

@@ -421,6 +421,10 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     elif cfg.default_plan is not None:
         raise SlimWiseError("--default-plan chooses among named plans: give them as --plan NAME=PLAN")
     gates = cfg.decode_gates  # refuses an unknown variant or threshold
+    if gates.substitutes:  # a bad statistics file is refused here, before any engine starts
+        from slimwise.stats import ExpertStats
+
+        ExpertStats.load(gates.substitutes).output_mean()
     if not gates.plain and (cfg.disaggregated or not (cfg.plan or cfg.plans)):
         raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router, which "
                             "only a colocated engine with a plan has: drop --disaggregated, or give --plan")
