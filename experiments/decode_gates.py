@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from slimwise.evaluation.config import EvalConfig
 from slimwise.evaluation.evaluated_model import load_evaluated_model
 from slimwise.evaluation.metrics import paired_difference
 from slimwise.evaluation.sweep import run_eval
-from slimwise.hardware import describe
+from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text
 from slimwise.stats import ExpertStats
 
@@ -177,11 +176,7 @@ def main() -> None:
                 result, report = one(model, gates, fallback, Path(args.work), args.threads, plain)
                 plain = plain or report
                 results.append(result)
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lscpu)}
-        data = {"environment": {"cpu": describe(), "lscpu": f"{fields.get('Model name')} family "
-                                f"{fields.get('CPU family')} model {fields.get('Model')}, "
-                                f"{fields.get('CPU(s)')} CPUs"}, "results": results}
+        data = {"environment": {"cpu": describe(), "lscpu": machine_line()}, "results": results}
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "decode-gates.json", json.dumps(data, indent=1))
     atomic_write_text(out / "decode-gates.md", markdown(data["results"], data["environment"]))

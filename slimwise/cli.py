@@ -193,10 +193,17 @@ def _add_plan_source(p: argparse.ArgumentParser, plan_option: bool = True) -> No
 
 def cmd_plan(args) -> None:
     from slimwise.criteria import nested_plans, plan_from_stats
-    from slimwise.io import atomic_dir
     from slimwise.stats import ExpertStats
 
     ratios = sorted(set(args.ratio))
+    if args.budget_model:
+        plans = _sensitivity_plans(args, ratios)
+        if len(plans) == 1:
+            plans[0].save(args.out)
+            _report_plan(plans[0], args.out)
+            return
+        _write_plans(plans, Path(args.out))
+        return
     if len(ratios) == 1 and not args.nested:
         args.plan, args.ratio = None, ratios[0]
         plan = _plan_from_args(args)
@@ -212,16 +219,49 @@ def cmd_plan(args) -> None:
         plans = nested_plans(stats, args.criterion, ratios, **options)
     else:
         plans = [plan_from_stats(stats, args.criterion, r, **options) for r in ratios]
-    out = Path(args.out)
+    _write_plans(plans, Path(args.out))
+    if args.nested:
+        print(f"nested: every plan keeps a subset of the previous plan's experts in every layer "
+              f"(ratios {', '.join(f'{r:g}' for r in ratios)})")
+
+
+def _write_plans(plans, out: Path) -> None:
+    from slimwise.io import atomic_dir
+
     refuse_existing(out)
     with atomic_dir(out) as tmp:  # every plan or none
         for plan in plans:
             plan.save(Path(tmp) / _plan_file_name(plan))
     for plan in plans:
         _report_plan(plan, out / _plan_file_name(plan))
-    if args.nested:
-        print(f"nested: every plan keeps a subset of the previous plan's experts in every layer "
-              f"(ratios {', '.join(f'{r:g}' for r in ratios)})")
+
+
+def _sensitivity_plans(args, ratios: list[float]):
+    """`--budget-model MODEL --budget-data DATA`: the per-layer budgets from measured sensitivity
+    (`slimwise.layer_budgets`), one plan per ratio from one measurement."""
+    from slimwise.data import load_prompts
+    from slimwise.fingerprint import fingerprints_match, model_fingerprint
+    from slimwise.layer_budgets import capture_decode_inputs, grid, layer_errors, sensitivity_plan
+    from slimwise.models import load_model, load_tokenizer
+    from slimwise.stats import ExpertStats
+
+    if not args.stats or not args.budget_data:
+        raise SlimWiseError("--budget-model measures layers for a plan from statistics: give --stats STATS "
+                            "and --budget-data PROMPTS")
+    if args.global_budget or args.nested or args.ep_size > 1:
+        raise SlimWiseError("--budget-model sets each layer's count itself: drop --global, --nested and "
+                            "--ep-size")
+    stats = ExpertStats.load(args.stats)
+    prompts = load_prompts(args.budget_data)
+    model = load_model(args.budget_model)
+    if not fingerprints_match(stats.meta.get("fingerprint"), model_fingerprint(model)):
+        raise SlimWiseError(f"{args.stats} was calibrated on other weights than {args.budget_model}: "
+                            "measure the model the statistics come from")
+    inputs = capture_decode_inputs(model, prompts, load_tokenizer(args.budget_model),
+                                   max_tokens=args.budget_tokens)
+    counts = grid(stats.num_experts, int(stats.meta["top_k"]))
+    errors = layer_errors(model, stats, args.criterion, inputs, counts)
+    return [sensitivity_plan(stats, args.criterion, r, errors, counts) for r in ratios]
 
 
 def _plan_file_name(plan) -> str:
@@ -499,6 +539,15 @@ def _add_plan(sub) -> None:
                    help="with several --ratio values: each plan keeps a subset of the next lower ratio's "
                         "kept experts in every layer, so an engine serving them together reads at most the "
                         "lowest ratio's experts in a mixed step")
+    p.add_argument("--budget-model", metavar="MODEL",
+                   help="spread the per-layer plan's kept experts over the layers by each layer's measured "
+                        "output error on MODEL's decode tokens (the model --stats was calibrated on; "
+                        "non-uniform: served by masking, not exportable)")
+    p.add_argument("--budget-data", metavar="PROMPTS",
+                   help="--budget-model: prompts whose generations are measured (.jsonl, .txt or a "
+                        "directory)")
+    p.add_argument("--budget-tokens", type=integer(1), default=4096,
+                   help="--budget-model: decode tokens measured per layer (default 4096)")
     p.add_argument("--out", required=True,
                    help="plan JSON to write; a new directory with several --ratio values or --nested "
                         "(one CRITERION-RATIO.json per ratio)")

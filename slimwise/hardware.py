@@ -91,6 +91,19 @@ def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None,
     )
 
 
+def machine_line() -> str:
+    """`lscpu`'s model name, family, model and CPU count in one line (what published figures record)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no lscpu)"
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
+    return (f"{fields.get('Model name')} family {fields.get('CPU family')} model {fields.get('Model')}, "
+            f"{fields.get('CPU(s)')} CPUs")
+
+
 def describe() -> dict:
     """What a results file records about the machine."""
     info = cpu_info()
@@ -106,6 +119,7 @@ __all__ = [
     "choose_cpu_dtype",
     "cpu_info",
     "describe",
+    "machine_line",
     "resolve_dtype",
     "vllm_on_cpu",
 ]

@@ -21,7 +21,7 @@ from slimwise.fingerprint import checkpoint_fingerprint, fingerprints_match, mod
 from slimwise.io import atomic_write_text
 
 PLAN_FORMAT = "slimwise-plan/1"
-Scope = Literal["layer", "global"]
+Scope = Literal["layer", "global", "sensitivity"]  # sensitivity: slimwise.layer_budgets
 
 @dataclass
 class PrunePlan:
@@ -263,8 +263,8 @@ def _shape_problem(d: dict) -> str | None:
     ratio = d.get("ratio", 0.0)
     if not (math.isfinite(ratio) and 0.0 <= ratio < 1.0):
         return f"ratio {ratio} must be a finite number in [0, 1)"
-    if d.get("scope", "layer") not in ("layer", "global"):
-        return f"scope {d['scope']!r} must be 'layer' or 'global'"
+    if d.get("scope", "layer") not in ("layer", "global", "sensitivity"):
+        return f"scope {d['scope']!r} must be 'layer', 'global' or 'sensitivity'"
     groups = d.get("num_groups", 1)
     if groups < 1 or n % groups:
         return f"num_groups {groups} must be >= 1 and divide num_experts={n}"
@@ -286,7 +286,8 @@ def _layer_problem(layer: object, ids: object, n: int, k: int) -> str | None:
     return None
 
 
-def _keep_count(n: int, ratio: float) -> int:
+def keep_count(n: int, ratio: float) -> int:
+    """Experts kept of n at `ratio` (the pruned count rounded half up): every scope's budget."""
     return n - int(math.floor(ratio * n + 0.5))
 
 
@@ -326,7 +327,7 @@ def make_plan(
     group = n // num_groups
     kept: dict[int, list[int]] = {}
     if scope == "layer":
-        keep_per_group = _keep_count(group, ratio)
+        keep_per_group = keep_count(group, ratio)
         ranked = scores.masked_fill(~allowed, float("-inf"))  # a disallowed expert ranks below every other
         for row, layer in enumerate(layers):
             ids: list[int] = []
@@ -338,7 +339,7 @@ def make_plan(
     elif scope == "global":
         norm = scores / scores.sum(dim=1, keepdim=True).clamp_min(1e-30)
         norm = norm.masked_fill(~allowed, float("-inf"))  # pruned first
-        budget = n_layers * n - _keep_count(n_layers * n, ratio)
+        budget = n_layers * n - keep_count(n_layers * n, ratio)
         remaining = [n] * n_layers
         per_group = [[group] * num_groups for _ in range(n_layers)]
         pruned = torch.zeros(n_layers, n, dtype=torch.bool)

@@ -300,6 +300,13 @@ case("plan-out-on-proc", [*PLAN, "--out", IN_PROC], IN_PROC)
 case("plan-ratios-one-bad", [*PLAN, "--ratio", "0.25", "1", "--nested", "--out", OUT])
 case("plan-nested-below-top-k", [*PLAN, "--ratio", "0.25", "0.9", "--nested", "--out", OUT])
 case("plan-ratios-no-stats", ["plan", "--ratio", "0.25", "0.5", "--out", OUT])
+case("plan-budget-no-data", [*PLAN, "--budget-model", M, "--out", OUT])
+case("plan-budget-global", [*PLAN, "--budget-model", M, "--budget-data", "{root}/prompts.txt", "--global",
+                            "--out", OUT])
+case("plan-budget-other-model", [*PLAN, "--budget-model", "{root}/pruned", "--budget-data",
+                                 "{root}/prompts.txt", "--out", OUT])
+case("plan-budget-data-garbage", [*PLAN, "--budget-model", M, "--budget-data", "{root}/data/garbage.jsonl",
+                                  "--out", OUT])
 case("plan-ratios-out-is-file", [*PLAN, "--ratio", "0.25", "0.5", "--out", "{root}/afile"], "{root}/afile")
 case("plan-ratios-out-under-file", [*PLAN, "--ratio", "0.25", "0.5", "--out", IN_FILE], IN_FILE)
 case("plan-nested-out-on-proc", [*PLAN, "--nested", "--out", IN_PROC], IN_PROC)
