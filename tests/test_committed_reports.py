@@ -59,3 +59,11 @@ def test_decode_gates_table_rerenders():
     data = json.loads((RESULTS / "decode-gates" / "decode-gates.json").read_text())
     assert markdown(data["results"], data["environment"]) \
         == (RESULTS / "decode-gates" / "decode-gates.md").read_text()
+
+
+def test_layer_budgets_table_rerenders():
+    from experiments.layer_budgets import markdown
+
+    data = json.loads((RESULTS / "layer-budgets" / "layer-budgets.json").read_text())
+    assert markdown(data["results"], data["environment"]) \
+        == (RESULTS / "layer-budgets" / "layer-budgets.md").read_text()

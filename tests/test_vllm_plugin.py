@@ -414,3 +414,23 @@ def test_substitute_gates_equal_reference(family, eager, setup, tmp_path):
     finally:
         engine.close()
     assert got == want
+
+
+def test_sensitivity_budget_plan_equals_reference(setup):
+    """A `--budget-model` plan keeps a different number of experts in each layer (masking only): vLLM's
+    tokens equal the reference engine's, float32."""
+    from slimwise.layer_budgets import capture_decode_inputs, grid, layer_errors, sensitivity_plan
+
+    model_dir, _, _, stats = setup("qwen3_moe")
+    model = load_model(model_dir)
+    counts = grid(stats.num_experts, int(stats.meta["top_k"]))
+    inputs = capture_decode_inputs(model, random_prompts(8, seed=2), max_new_tokens=8, max_tokens=64)
+    plan = sensitivity_plan(stats, "reap", 0.5, layer_errors(model, stats, "reap", inputs, counts), counts)
+    assert len({len(v) for v in plan.kept_experts.values()}) > 1  # the budget moved between layers
+    with PhaseSplitEngine(model, plan=plan) as reference:
+        want = [o.token_ids for o in reference.generate(PROMPTS, "slimwise", CONFIG)]
+    engine = VllmEngine(model_dir, plan)
+    try:
+        assert [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)] == want
+    finally:
+        engine.close()
