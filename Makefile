@@ -20,7 +20,7 @@ test-fast: setup
 
 # the served-client cross-product beyond CI's slice (tests/test_vllm_clients.py: 30 vLLM instances, ~19 min)
 test-matrix: setup
-	$(VENV)/bin/python -m pytest -q -ra -m matrix --durations=10 tests/test_vllm_clients.py
+	$(VENV)/bin/python -m pytest -q -ra -m matrix --durations=10 tests/test_vllm_clients.py tests/test_vllm_serve.py
 
 lint:
 	$(VENV)/bin/ruff check slimwise tests scripts experiments

@@ -841,6 +841,13 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
     assert json.loads(option_value(cmd, "--hf-overrides")) \
         == {"architectures": ["SlimWiseDeepseekV3ForCausalLM"]}
     assert cpu_fix_args(qwen, []) == [] and cpu_fix_args(deepseek, ["--hf-overrides", "{}"]) == []
+    # the gate variant, fallback and substitution vectors reach the engine's hf_overrides (the served run:
+    # tests/test_vllm_serve.py::test_colocated_serve_with_a_fallback, make test-matrix)
+    gated = colocated_command(ServeConfig(model=qwen, plan=str(tmp_path / "p.json"), gates="substitute",
+                                          fallback=0.0, substitutes="stats.safetensors"))
+    overrides = json.loads(option_value(gated, "--hf-overrides"))
+    assert (overrides["slimwise_gates"], overrides["slimwise_fallback"]) == ("substitute", 0.0)
+    assert overrides["slimwise_substitutes"] == str((Path.cwd() / "stats.safetensors").resolve())
     mine = colocated_command(ServeConfig(model=qwen, vllm_args=["--tokenizer-mode", "hf"]))
     assert mine.count("--tokenizer-mode") == 1 and option_value(mine, "--tokenizer-mode") == "hf"
     # the start-up health and tokenizer checks reach the server where it listens

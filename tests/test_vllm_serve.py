@@ -342,6 +342,7 @@ def check_bad_input_as_vllm(port: int, prompt: str) -> None:
     assert lines[-1] == "data: [DONE]" and len(lines) >= 2
 
 
+@pytest.mark.matrix  # one more server start (about 48 s here): `make test-matrix`; the command line is in CI
 def test_colocated_serve_with_a_fallback(served):
     """`slimwise serve --fallback 0.3`, as a user starts it: text completions, streams and chat equal the
     reference engine with the same fallback (float32), which differs from plain SlimWise here, and the log
