@@ -30,6 +30,7 @@ from slimwise.evaluation.calibration_cache import calibration_prompts
 from slimwise.evaluation.config import EvalConfig
 from slimwise.evaluation.evaluated_model import load_evaluated_model
 from slimwise.evaluation.metrics import paired_difference
+from slimwise.evaluation.report import signed_pp
 from slimwise.evaluation.sweep import run_eval
 from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text
@@ -65,10 +66,9 @@ def one(model: str, gates: str, fallback: float | None, work: Path, threads: int
     """The sweep's slimwise run (and the full model's) for one setting, from its report."""
     tag = f"{gates}-{'none' if fallback is None else f'{fallback:g}'}"
     config = EvalConfig(criteria=("reap",), ratios=(0.5,), phases=("decode",), modes=("full", "slimwise"),
-                        calib_mixes=(), plots=False, threads=threads, out_dir=str(work / model / tag),
-                        cache_dir=str(work / "cache"), progress=False)
-    config.gates, config.fallback = gates, fallback
-    if gates == "substitute":
+                        calib_mixes=(), gates=gates, fallback=fallback, plots=False, threads=threads,
+                        out_dir=str(work / model / tag), cache_dir=str(work / "cache"), progress=False)
+    if gates == "substitute":  # the vectors come from the plain sweep's calibration, made first
         config.substitutes = output_sums(model, config, plain_report, work)
     t0 = time.perf_counter()
     report = run_eval([model], config)[0]
@@ -109,17 +109,14 @@ def markdown(results: list[dict], environment: dict) -> str:
                   "| setting | target | Δ target | other | Δ other | length | KL | fallback | experts/step |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            d = paired_difference(r["correct"], plain["correct"])
-            o = paired_difference(r["other_correct"], plain["other_correct"])
+            d, o = (None, None) if r is plain else (
+                paired_difference(r["correct"], plain["correct"]),
+                paired_difference(r["other_correct"], plain["other_correct"]))
             fb = "–" if r["fallback"] is None else f"{100 * r['fallback_share']:.1f}%"
-            lines.append(
-                f"| {label(r['gates'], r['fallback'])} | {100 * r['accuracy']:.1f}% | "
-                + ("–" if r is plain else f"{100 * d['diff']:+.1f} [{100 * d['ci_low']:+.1f}, "
-                   f"{100 * d['ci_high']:+.1f}]")
-                + f" | {100 * r['other_accuracy']:.1f}% | "
-                + ("–" if r is plain else f"{100 * o['diff']:+.1f} [{100 * o['ci_low']:+.1f}, "
-                   f"{100 * o['ci_high']:+.1f}]")
-                + f" | {r['length_mean']:.1f} | {r['kl_mean']:.3f} | {fb} | {r['experts_per_step']:.1f} |")
+            lines.append(f"| {label(r['gates'], r['fallback'])} | {100 * r['accuracy']:.1f}% | "
+                         f"{signed_pp(d)} | {100 * r['other_accuracy']:.1f}% | {signed_pp(o)} | "
+                         f"{r['length_mean']:.1f} | "
+                         f"{r['kl_mean']:.3f} | {fb} | {r['experts_per_step']:.1f} |")
         lines.append("")
     return "\n".join(lines)
 

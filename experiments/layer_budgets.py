@@ -20,6 +20,7 @@ from slimwise.evaluation.calibration_cache import calibration_prompts
 from slimwise.evaluation.config import EvalConfig
 from slimwise.evaluation.evaluated_model import load_evaluated_model
 from slimwise.evaluation.metrics import paired_difference
+from slimwise.evaluation.report import signed_pp
 from slimwise.evaluation.sweep import run_eval
 from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text
@@ -101,12 +102,9 @@ def markdown(results: list[dict], environment: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             base = next(b for b in rows if b["ratio"] == r["ratio"] and b["scope"] == "layer")
-            d = paired_difference(r["correct"], base["correct"])
-            o = paired_difference(r["other_correct"], base["other_correct"])
-            delta = "–" if r is base else (f"{100 * d['diff']:+.1f} [{100 * d['ci_low']:+.1f}, "
-                                           f"{100 * d['ci_high']:+.1f}]")
-            odelta = "–" if r is base else (f"{100 * o['diff']:+.1f} [{100 * o['ci_low']:+.1f}, "
-                                            f"{100 * o['ci_high']:+.1f}]")
+            delta, odelta = ("–", "–") if r is base else (
+                signed_pp(paired_difference(r["correct"], base["correct"])),
+                signed_pp(paired_difference(r["other_correct"], base["other_correct"])))
             kept = ", ".join(str(v) for v in r["kept_per_layer"].values())
             lines.append(f"| {r['ratio']:.2f} | {r['scope']} | {kept} | {100 * r['accuracy']:.1f}% | "
                          f"{delta} | {100 * r['other_accuracy']:.1f}% | {odelta} | {r['kl_mean']:.3f} | "

@@ -83,15 +83,19 @@ class DecodeGates:
         """Today's masked routing with nothing added: the engines keep their cheapest path."""
         return self.gates == "renorm" and self.fallback is None
 
+    @property
+    def routes_as_drop(self) -> bool:
+        """`drop` and `substitute` keep the full router's slots and zero the pruned ones (substitute adds its
+        vectors on top); `renorm` re-routes to kept experts."""
+        return self.gates in ("drop", "substitute")
+
     def describe(self) -> dict:
         return {"gates": self.gates, "fallback": self.fallback,
                 **({"substitutes": self.substitutes} if self.substitutes else {})}
 
     def vectors(self, layers: list[int], num_experts: int, hidden: int) -> dict:
-        """`substitute`: per MoE layer, every expert's mean output [experts, hidden] (float32), checked
-        against the served model's layers and sizes (torch tensors); {} for the other variants."""
-        if self.gates != "substitute":
-            return {}
+        """`substitute`: per MoE layer, every expert's mean output [experts, hidden] (float32 torch tensors),
+        checked against the served model's layers and sizes."""
         from slimwise.stats import ExpertStats
 
         stats = ExpertStats.load(self.substitutes)

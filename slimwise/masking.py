@@ -43,8 +43,9 @@ class ExpertMask:
         plan.validate(self.adapter.min_kept_per_group(model.config))
         plan.check_model(model, self.adapter)
         layers = self.adapter.moe_layers(model)
-        hidden = int(self.adapter.text_config(model.config).hidden_size)
-        vectors = gates.vectors([layer.index for layer in layers], num_experts, hidden)
+        hidden = self.adapter.text_config(model.config).hidden_size
+        vectors = {} if gates.gates != "substitute" else gates.vectors(
+            [layer.index for layer in layers], num_experts, int(hidden))
         for layer in layers:
             pruned = torch.ones(num_experts, dtype=torch.bool, device=execution_device(layer.router))
             pruned[plan.kept(layer.index)] = False
@@ -85,7 +86,7 @@ class ExpertMask:
                 back = falls_back(full[1], slot_pruned, gates.fallback) & rows
                 self._count(index, rows, slot_pruned.any(dim=-1), back)
                 rows = rows & ~back
-                if gates.gates in ("drop", "substitute"):
+                if gates.routes_as_drop:
                     placeholder = torch.full_like(full[2][:, 0], first_kept)
                     slot_pruned = slot_pruned & rows[:, None]
                     weights, ids = drop_pruned(full[1], full[2], slot_pruned, placeholder)

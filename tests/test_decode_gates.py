@@ -185,32 +185,23 @@ def test_substitution_vectors_are_the_calibration_mean(tmp_path):
     adapter = get_adapter(model.config)
     layer = adapter.moe_layers(model)[1]
     prompts = random_prompts(3, seed=4)
+    from slimwise.calibrate import ExpertObserver
+
     seen = []
-    state = {"phase": None}
+    observer = ExpertObserver(model, "decode", output_sums=True)
 
-    class Phase:
-        def before_forward(self, phase, rows):
-            state["phase"], state["rows"] = phase, rows
+    def record(module, args, output):  # the router's input and picks where the observer counts (decode rows)
+        if observer.rows is not None and observer.rows.any():
+            seen.append((args[0].detach().clone(), output[2].clone(), observer.rows))
 
-    handle = layer.router.register_forward_hook(
-        lambda module, args, output: seen.append((args[0].detach().clone(), output[2].clone(), state["rows"]))
-        if state["phase"] == "decode" else None)
+    handle = layer.router.register_forward_hook(record)
     try:
-        from slimwise.calibrate import ExpertObserver
-
-        observer = ExpertObserver(model, "decode", output_sums=True)
-
-        class Both:
-            def before_forward(self, phase, rows):
-                Phase().before_forward(phase, rows)
-                observer.before_forward(phase, rows)
-
         PhaseSplitEngine(model).generate(prompts, "full", GenerationConfig(max_new_tokens=4, eos_token_id=-1),
-                                         observer=Both())
+                                         observer=observer)
         stats = observer.stats
-        observer.remove()
     finally:
         handle.remove()
+        observer.remove()
     sums = torch.zeros(16, model.config.hidden_size, dtype=torch.float64)
     counts = torch.zeros(16)
     with torch.no_grad():

@@ -25,7 +25,8 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
-def _signed_pp(d: dict | None) -> str:
+def signed_pp(d: dict | None) -> str:
+    """A paired difference as "+x.x pp [lo, hi]", marked where the interval excludes 0."""
     if not d:
         return "–"
     mark = " **↑**" if d["ci_low"] > 0 else (" **↓**" if d["ci_high"] < 0 else "")
@@ -136,8 +137,8 @@ def summary_lines(report: dict) -> list[str]:
             d = report.get("distilled") or {}
             lines.append(f"- Distilled decoder ({'+'.join(d.get('params') or [])}, {d.get('steps')} steps) "
                          f"at {c['criterion']}/{c['phase']}/{c['ratio']:g}: distilled − SlimWise "
-                         f"{_signed_pp(c['distilled_minus_slimwise'])}, distilled − full "
-                         f"{_signed_pp(c.get('distilled_minus_full'))}.")
+                         f"{signed_pp(c['distilled_minus_slimwise'])}, distilled − full "
+                         f"{signed_pp(c.get('distilled_minus_full'))}.")
     return lines + _headline_lines(report, ftr)
 
 
@@ -310,7 +311,7 @@ def write_markdown(report: dict, path: str | Path) -> Path:
         rows = []
         for c in sorted(report["comparisons"], key=lambda c: (c["criterion"], str(c["phase"]), c["ratio"])):
             rows.append([c["criterion"], str(c["phase"]), f"{c['ratio']:.2f}",
-                         *(_signed_pp(c.get(k)) for k in keys)])
+                         *(signed_pp(c.get(k)) for k in keys)])
         lines += _md_table(["criterion", "calib", "ratio", *(k.replace("_minus_", " − ") for k in keys)],
                            rows)
     if report.get("other_domains"):
@@ -402,7 +403,7 @@ def readme_table(report: dict) -> list[str]:
         rows.append([f"{ratio:.0%}", _pct(full["accuracy"]), _pct(u["accuracy"]) if u else "–",
                      _pct(w["accuracy"]) if w else "–",
                      *([_pct(d["accuracy"]) if d else "–"] if distilled else []),
-                     _signed_pp(comps.get((crit, phase, ratio), {}).get("slimwise_minus_uniform")),
+                     signed_pp(comps.get((crit, phase, ratio), {}).get("slimwise_minus_uniform")),
                      f"{_num(u and u['length_ratio_mean'])} / {_num(w and w['length_ratio_mean'])}",
                      f"{_num(u and u.get('kl_mean'), '.3f')} / {_num(w and w.get('kl_mean'), '.3f')}",
                      f"{_num(tr_f, '.1f')} → {_num(tr_w, '.1f')}"])
@@ -441,7 +442,7 @@ def transfer_table(report: dict, criterion: str | None = None) -> list[str]:
                      f"{_pct(full['accuracy'])} / {acc(u, 'metrics')} / {acc(w, 'metrics')}",
                      f"{_pct(ofull['accuracy'])} / {acc(u, 'other_metrics')} / {acc(w, 'other_metrics')}",
                      *(_pct(w["other_metrics"]["by_domain"][d]["accuracy"]) if w else "–" for d in domains),
-                     _signed_pp(comps.get(label, {}).get("slimwise_minus_uniform"))])
+                     signed_pp(comps.get(label, {}).get("slimwise_minus_uniform"))])
     title = (f"{report['model']['name']} — {crit}: target ({report['tasks'].get('domain')}, "
              f"{report['tasks']['n']} problems) and other domains ({od['n']} problems)")
     return [f"**{title}**", "", *_md_table(header, rows)]

@@ -255,7 +255,7 @@ class DecodeRouting(nn.Module):
                                 "fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
         else:
             self._install(module, pruned, routers.pop(layer, None), layer, full)
-        if full is not None and self.gates.gates in ("drop", "substitute"):
+        if full is not None and self.gates.routes_as_drop:
             self._install_prerouted(runner.router, full)
         if full is not None and layer in self.substitutes:
             self._install_substitution(name.rsplit(".", 1)[0], model, module, full, self.substitutes[layer])
@@ -454,7 +454,7 @@ class DecodeRouting(nn.Module):
             entry[0] += int(routed.sum())
             entry[1] += int((slot_pruned.any(dim=-1) & routed).sum())
             entry[2] += int(back.sum())
-        if self.gates.gates == "renorm":
+        if not self.gates.routes_as_drop:
             return logits.masked_fill(rows_pruned & ~back[:, None], float("-inf"))
         slot_pruned = slot_pruned & ~back[:, None]
         encoded = encode_prerouted(weights, ids, slot_pruned, gate.slimwise_first_kept[row_plan],
