@@ -288,6 +288,42 @@ def test_build_synthetic_smoke_with_skew(tmp_path):
         build_synthetic("smoke", tmp_path / "other", routing_skew_from=bad.save(tmp_path / "bad.safetensors"))
 
 
+def test_synthetic_top_k_runs_a_plan_that_names_it(tmp_path):
+    """`slimwise bench --synthetic P --top-k K`: the preset's sizes with K routed experts per token, so that a
+    plan made for a top-K model of the same family and expert count is accepted; the build is reused only for
+    the same K."""
+    from slimwise.baseline_plans import random_plan
+    from slimwise.perf.bench import prepare_model, prepare_plan, synthetic_dir
+    from slimwise.perf.bench_config import BenchConfig
+    from slimwise.plan import PrunePlan
+
+    out = build_synthetic("smoke", tmp_path / "k2", dtype=torch.float32, top_k=2)
+    assert json.loads((out / "slimwise_synthetic.json").read_text())["top_k"] == 2
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_experts_per_tok == 2
+    plan = random_plan(model, 0.5, seed=0)
+    assert plan.top_k == 2
+    plan.check_model(model)
+    default = AutoModelForCausalLM.from_pretrained(build_synthetic("smoke", tmp_path / "k4",
+                                                                   dtype=torch.float32))
+    with pytest.raises(SlimWiseError, match="top-2"):
+        plan.check_model(default)
+    assert prepare_model(BenchConfig(synthetic="smoke", top_k=2, synthetic_dir=str(out)), log=print) == out
+    with pytest.raises(SlimWiseError, match="another synthetic model"):
+        prepare_model(BenchConfig(synthetic="smoke", synthetic_dir=str(out)), log=print)
+    assert synthetic_dir(BenchConfig(synthetic="cpu", layers=4, top_k=8)).name == "synthetic-cpu-L4-k8"
+    # a plan made on other weights of the same shape (a trained model's): its kept sets, no fingerprint
+    other = AutoModelForCausalLM.from_pretrained(build_synthetic("smoke", tmp_path / "seed1", seed=1,
+                                                                 dtype=torch.float32, top_k=2))
+    trained = random_plan(other, 0.5, seed=3)
+    config = BenchConfig(synthetic="smoke", top_k=2, synthetic_dir=str(out), variants=("full", "slimwise"),
+                         plan=str(trained.save(tmp_path / "trained.json")))
+    lines = []
+    got, path, _ = prepare_plan(config, out, tmp_path / "bench", log=lines.append)
+    assert got.kept_experts == trained.kept_experts and got.fingerprint is None
+    assert PrunePlan.load(path).meta["made_for"] == trained.fingerprint and "kept sets" in lines[0]
+
+
 # ----- CLI and hardware --------------------------------------------------------------------------------
 
 def _run(argv: list[str]) -> None:

@@ -45,7 +45,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from slimwise.baseline_plans import random_plan
@@ -151,6 +151,8 @@ def synthetic_dir(config: BenchConfig) -> Path:
     name = f"synthetic-{preset.name}"
     if config.layers is not None and config.layers != preset.build_layers:
         name += f"-L{config.layers}"
+    if config.top_k is not None:
+        name += f"-k{config.top_k}"
     if config.routing_skew:
         name += "-skew-" + Path(config.routing_skew).stem
     if config.seed:
@@ -172,7 +174,7 @@ def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Pa
     manifest = out / "slimwise_synthetic.json"
     if manifest.is_file():
         m = json.loads(manifest.read_text())
-        want = {"preset": preset.name, "layers": layers, "seed": config.seed,
+        want = {"preset": preset.name, "layers": layers, "seed": config.seed, "top_k": config.top_k,
                 "routing_skew_from": str(config.routing_skew) if config.routing_skew else None}
         have = {k: m.get(k) for k in want}
         if have != want:
@@ -182,7 +184,8 @@ def prepare_model(config: BenchConfig, log: Callable[[str], None] = print) -> Pa
         return out
     log(f"synthetic {preset.name}: building {layers} layers into {out} (random weights, bf16) ...")
     t0 = time.perf_counter()
-    build_synthetic(preset.name, out, layers=layers, seed=config.seed, routing_skew_from=config.routing_skew)
+    build_synthetic(preset.name, out, layers=layers, seed=config.seed, routing_skew_from=config.routing_skew,
+                    top_k=config.top_k)
     log(f"built in {time.perf_counter() - t0:.0f}s")
     return out
 
@@ -207,6 +210,11 @@ def prepare_plan(config: BenchConfig, model_dir: Path, out: Path, log: Callable[
 
     need_pruned = "pruned" in config.variants and not config.pruned_model
     plan = PrunePlan.load(config.plan) if config.plan else None
+    if plan is not None and config.synthetic and plan.fingerprint is not None:
+        # random weights: a trained model's plan applies by its kept sets (family, expert count, top-k and
+        # layers are still checked below), so the bench's copy names no weights
+        plan = replace(plan, fingerprint=None, meta={**plan.meta, "made_for": plan.fingerprint})
+        log(f"plan: {config.plan}'s kept sets on the synthetic model (the plan was made for other weights)")
     pruned_dir = Path(config.pruned_model) if config.pruned_model else None
     if plan is not None and not need_pruned:  # made for this model: refused before any engine starts
         from slimwise.models import structure_model

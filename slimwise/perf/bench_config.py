@@ -34,6 +34,9 @@ class BenchConfig:
         "choices": PRESET_NAMES, "help": "random-weight model of a real configuration"})
     layers: int | None = field(default=None, metadata={
         "type": integer(1), "help": "--synthetic: layer count (default: the preset's build default)"})
+    top_k: int | None = field(default=None, metadata={
+        "type": integer(1), "help": "--synthetic: routed experts per token (default: the preset's), so that "
+                                    "a trained model's plan, which names its top-k, runs on these sizes"})
     routing_skew: str | None = field(default=None, metadata={
         "help": "--synthetic: calibration stats whose usage shares the routers follow"})
     synthetic_dir: str | None = field(default=None, metadata={  # runs/synthetic-<preset>[...]

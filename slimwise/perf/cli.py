@@ -321,7 +321,7 @@ def cmd_policy_quality(args) -> None:
 
 
 #: the options of `slimwise bench` before --from-json, in the order --help lists them
-BENCH_OPTIONS = ("model", "synthetic", "layers", "routing_skew", "synthetic_dir", "plan", "stats",
+BENCH_OPTIONS = ("model", "synthetic", "layers", "top_k", "routing_skew", "synthetic_dir", "plan", "stats",
                  "criterion", "ratio", "plan_b", "pruned_model", "variants", "batches", "prompt_len",
                  "output_len", "repetitions", "warmup_tokens", "dtype", "enforce_eager", "kv_cache_bytes",
                  "max_num_batched_tokens", "in_process", "restart", "resume", "count_experts",

@@ -305,8 +305,11 @@ def write_synthetic_tokenizer(out_dir: str | Path, vocab_size: int) -> dict:
 
 def build_synthetic(name: str, out_dir: str | Path, layers: int | None = None, seed: int = 0,
                     dtype: torch.dtype = torch.bfloat16, routing_skew_from: str | Path | None = None,
-                    force: bool = False) -> Path:
+                    force: bool = False, top_k: int | None = None) -> Path:
     """Write a random-weight checkpoint of preset `name` (scaled to `layers`) plus a tokenizer and a manifest.
+
+    top_k (default: the preset's) sets the routed experts per token, so that a trained model's plan (which
+    names its top-k) runs on the preset's sizes.
 
     layers=None takes the preset's build default (sized for this machine, not the real count). With
     routing_skew_from (a `slimwise calibrate` stats file) the routers are rescaled so that random inputs
@@ -320,9 +323,12 @@ def build_synthetic(name: str, out_dir: str | Path, layers: int | None = None, s
     n = _layer_count(preset, preset.build_layers if layers is None else layers)
     out = Path(out_dir)
     refuse_existing(out, force)
-    config = preset_config(name, layers=n)
+    config = preset_config(name, layers=n, **({} if top_k is None else {"num_experts_per_tok": top_k}))
     text = getattr(config, "text_config", config)
     adapter = get_adapter(config)
+    if adapter.top_k(config) > adapter.num_experts(config):
+        raise SlimWiseError(f"--top-k {top_k}: preset {name} has {adapter.num_experts(config)} experts "
+                            "per layer")
     ids = {"eos_token_id": 0, "pad_token_id": 1, "bos_token_id": 2}
     for key, value in ids.items():
         setattr(text, key, value)
@@ -336,7 +342,8 @@ def build_synthetic(name: str, out_dir: str | Path, layers: int | None = None, s
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     manifest: dict = {"preset": name, "layers": n, "real_layers": preset.real_layers, "seed": seed,
                       "dtype": str(dtype).removeprefix("torch."), "source": preset.source,
-                      "routing_skew_from": str(routing_skew_from) if routing_skew_from else None}
+                      "routing_skew_from": str(routing_skew_from) if routing_skew_from else None,
+                      "top_k": top_k}
     if skew_rows is not None:
         moe = adapter.moe_layers(model)
         if len(moe) != len(skew_rows):
