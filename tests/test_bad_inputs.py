@@ -429,6 +429,11 @@ for opt, value in [("--port", "99999"), ("--port", "0"), ("--port", "http"), ("-
 case("serve-disaggregated-no-plan", ["serve", M, "--disaggregated"], None)
 case("serve-fallback-disaggregated", ["serve", M, "--plan", P, "--disaggregated", "--fallback", "0.5"], None)
 case("serve-gates-no-plan", ["serve", M, "--gates", "drop"], None)
+case("serve-gates-over-running-instances", ["serve", M, "--plan", P, "--disaggregated", "--gates", "drop",
+                                            "--prefill-url", "http://127.0.0.1:9", "--decode-url",
+                                            "http://127.0.0.1:9"], None)
+case("serve-gates-disaggregated-hf-overrides", ["serve", M, "--plan", P, "--disaggregated", "--gates", "drop",
+                                                "--hf-overrides", "{{}}"], None)
 case("serve-substitutes-no-output-sums",
      ["serve", M, "--plan", P, "--gates", "substitute", "--substitutes", "{root}/stats.safetensors"], None)
 case("serve-fallback-out-of-range", ["serve", M, "--plan", P, "--fallback", "2"], None)
@@ -467,8 +472,10 @@ case("roofline-out-under-file", ["roofline", "--preset", "cpu", "--out", IN_FILE
 # ----- bench (never reaches vLLM) ---------------------------------------------------------------------------
 BENCH = ["bench", M, "--out", OUT]
 for opt, value in [("--batch", "0"), ("--ratio", "1"), ("--output-len", "1"), ("--repetitions", "0"),
-                   ("--kv-cache-gb", "0"), ("--synthetic", "gpt-9")]:
+                   ("--kv-cache-gb", "0"), ("--synthetic", "gpt-9"), ("--top-k", "0")]:
     case(f"bench-{opt[2:]}-{value}", [*BENCH, opt, value])
+case("bench-synthetic-top-k-above-experts", ["bench", "--synthetic", "smoke", "--top-k", "17",
+                                             "--synthetic-dir", "{root}/synthetic-k17", "--out", OUT])
 case("bench-variants-unknown", [*BENCH, "--variants", "full", "warp"])
 case("bench-variants-without-full", [*BENCH, "--variants", "slimwise"])
 case("bench-gated-without-gates", [*BENCH, "--variants", "full", "gated"])

@@ -237,3 +237,55 @@ def test_substitute_ends_and_zero_vectors(family, planned, tmp_path):
     zero_gates = DecodeGates("substitute", None, str(tmp_path / "zero.safetensors"))
     assert tokens(model, plan, "slimwise", zero_gates) == drop
     assert tokens(model, plan, "slimwise", sub) != drop
+
+
+def test_gates_file_holds_the_pruned_router_rows_and_means(tmp_path):
+    """`slimwise.gate_sidecar`: what a pruned checkpoint's decode instance reads under drop / substitute. Per
+    MoE layer: the plan's kept and pruned ids, the full checkpoint's router rows of the pruned experts (bit
+    for bit, read from its files) and their calibration means; refused for a fallback, for the plain gates,
+    for a grouped router and for a statistics file of another model."""
+    from slimwise.gate_sidecar import GateSidecar, write_gate_sidecar
+    from slimwise.stats import ExpertStats
+
+    model = build_tiny_model("qwen2_moe", seed=0, initializer_range=TINY_INIT)
+    model.save_pretrained(tmp_path / "full")
+    stats = calibrate(model, random_prompts(6, seed=2), config=CalibrationConfig(
+        max_new_tokens=6, output_sums=True), progress=False)
+    stats_path = stats.save(tmp_path / "stats.safetensors")
+    plan = plan_from_stats(stats, "reap", 0.5)
+    gates = DecodeGates("substitute", None, str(stats_path))
+    path = write_gate_sidecar(tmp_path / "full", plan, gates, tmp_path / "gates.safetensors")
+    side = GateSidecar.load(path)
+    adapter = get_adapter(model.config)
+    means = ExpertStats.load(stats_path).output_mean()
+    assert side.gates == "substitute" and side.num_experts == plan.num_experts and side.top_k == plan.top_k
+    assert sorted(side.layers) == sorted(plan.kept_experts)
+    for layer in adapter.moe_layers(model):
+        lg = side.layers[layer.index]
+        assert lg.kept.tolist() == sorted(plan.kept(layer.index))
+        assert lg.pruned.tolist() == plan.pruned_mask(layer.index).nonzero().flatten().tolist()
+        assert torch.equal(lg.rows, layer.router.weight.detach()[lg.pruned])
+        assert lg.bias is None
+        assert torch.equal(lg.vectors, means[stats.row(layer.index)][lg.pruned].float())
+    drop = GateSidecar.load(write_gate_sidecar(tmp_path / "full", plan, DecodeGates("drop"),
+                                               tmp_path / "drop.safetensors"))
+    assert drop.gates == "drop" and all(lg.vectors is None for lg in drop.layers.values())
+    for bad in (DecodeGates("drop", 0.5), PLAIN):
+        with pytest.raises(SlimWiseError, match="no --fallback"):
+            write_gate_sidecar(tmp_path / "full", plan, bad, tmp_path / "x.safetensors")
+    other = build_tiny_model("qwen3_moe", seed=0, initializer_range=TINY_INIT, hidden_size=48)
+    other_stats = calibrate(other, random_prompts(2, seed=2), config=CalibrationConfig(
+        max_new_tokens=2, output_sums=True), progress=False).save(tmp_path / "other.safetensors")
+    with pytest.raises(SlimWiseError, match="calibrate this model"):
+        write_gate_sidecar(tmp_path / "full", plan, DecodeGates("substitute", None, str(other_stats)),
+                           tmp_path / "x.safetensors")
+    deepseek = build_tiny_model("deepseek_v3", seed=0, initializer_range=TINY_INIT)
+    deepseek.save_pretrained(tmp_path / "ds")
+    ds_plan = plan_from_stats(calibrate(deepseek, random_prompts(2, seed=2), config=CalibrationConfig(
+        max_new_tokens=2), progress=False), "reap", 0.5)
+    with pytest.raises(SlimWiseError, match="expert groups"):
+        write_gate_sidecar(tmp_path / "ds", ds_plan, DecodeGates("drop"), tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a file")
+    with pytest.raises(SlimWiseError, match="not a SlimWise gates file"):
+        GateSidecar.load(tmp_path / "garbage.safetensors")

@@ -848,6 +848,13 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
     overrides = json.loads(option_value(gated, "--hf-overrides"))
     assert (overrides["slimwise_gates"], overrides["slimwise_fallback"]) == ("substitute", 0.0)
     assert overrides["slimwise_substitutes"] == str((Path.cwd() / "stats.safetensors").resolve())
+    # --disaggregated --gates drop/substitute: the decode instance's overrides name the gates file (the served
+    # run: tests/test_vllm_serve.py::test_disaggregated_serve_with_substitute_gates, make test-matrix)
+    from slimwise.engines.vllm_engine import pruned_gates_overrides
+
+    assert pruned_gates_overrides(qwen, "g.safetensors") == {
+        "architectures": ["SlimWiseQwen3MoeForCausalLM"],
+        "slimwise_pruned_gates": str((Path.cwd() / "g.safetensors").resolve())}
     mine = colocated_command(ServeConfig(model=qwen, vllm_args=["--tokenizer-mode", "hf"]))
     assert mine.count("--tokenizer-mode") == 1 and option_value(mine, "--tokenizer-mode") == "hf"
     # the start-up health and tokenizer checks reach the server where it listens

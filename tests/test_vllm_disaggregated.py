@@ -36,9 +36,10 @@ CONFIG = GenerationConfig(max_new_tokens=10, eos_token_id=-1)
 PROMPTS = random_prompts(6, seed=11, lengths=(5, 9, 1, 14, 3, 33))
 
 
-def _instance(model_dir, role: str, kv_dir, dtype: str):
+def _instance(model_dir, role: str, kv_dir, dtype: str, overrides: dict | None = None):
     """One instance as `slimwise serve --disaggregated` starts it (`serving.server.cpu_fix_args`: SlimWise's
-    class where it fixes vLLM on CPU, DeepSeek-V3; stock vLLM elsewhere)."""
+    class where it fixes vLLM on CPU, DeepSeek-V3; stock vLLM elsewhere; `overrides`: the decode instance's
+    under --gates)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -51,7 +52,7 @@ def _instance(model_dir, role: str, kv_dir, dtype: str):
         enforce_eager=True,
         skip_tokenizer_init=True,
         seed=0,
-        hf_overrides=json.loads(fix[1]) if fix else None,
+        hf_overrides=overrides or (json.loads(fix[1]) if fix else None),
         kv_cache_memory_bytes=256 << 20,
         enable_prefix_caching=False,
         kv_transfer_config=KVTransferConfig(
@@ -107,3 +108,51 @@ def test_disaggregated_instances_give_the_reference_slimwise_tokens(family, tmp_
                     for pruned in (True, False))
     assert sum(right) / len(right) <= BF16_MEAN_GAP, right
     assert sum(wrong) / len(wrong) >= BF16_WRONG_GAP, wrong
+
+
+@pytest.mark.parametrize(("family", "gates"), [("qwen2_moe", "substitute"), ("qwen3_moe", "drop")])
+def test_pruned_decode_instance_decodes_with_the_full_routers_gates(family, gates, tmp_path):
+    """`slimwise serve --disaggregated --gates substitute --substitutes S`: the pruned checkpoint's decode
+    instance reads the gates file (`slimwise.gate_sidecar`: the full router's rows of the pruned experts and
+    their calibration means) and decodes with the full router's gates, pruned share substituted, as the
+    colocated engine does: token for token the reference engine's `--gates substitute` tokens in float32.
+    qwen2_moe does not renormalize its top-k, so the kept experts' weights differ from the pruned router's
+    own softmax in every row (the substitute path includes drop's routing, plus the vectors); `--gates drop`
+    on qwen3_moe, which renormalizes over the full top-k."""
+    from vllm import SamplingParams
+
+    from slimwise.decode_gates import DecodeGates
+    from slimwise.engines.vllm_engine import pruned_gates_overrides
+    from slimwise.gate_sidecar import write_gate_sidecar
+
+    model = build_tiny_model(family, seed=0, initializer_range=TINY_INIT, **VLLM_TINY.get(family, {}))
+    model.save_pretrained(tmp_path / "full")
+    model = load_model(tmp_path / "full")
+    stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(
+        max_new_tokens=8, output_sums=True), progress=False)
+    plan = plan_from_stats(stats, "reap", 0.5)
+    sums = str(stats.save(tmp_path / "stats.safetensors")) if gates == "substitute" else None
+    decode_gates = DecodeGates(gates, None, sums)
+    engine = PhaseSplitEngine(model, plan=plan, gates=decode_gates)
+    want = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
+    plain = [o.token_ids for o in PhaseSplitEngine(model, plan=plan).generate(PROMPTS, "slimwise", CONFIG)]
+    assert want != plain  # the gates change tokens here, so equality below is theirs
+    decode_dir = export_pruned(model, plan, tmp_path / "pruned", source_dir=tmp_path / "full")
+    side = write_gate_sidecar(tmp_path / "full", plan, decode_gates, tmp_path / "gates.safetensors")
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    prefill = _instance(tmp_path / "full", "kv_producer", tmp_path / "kv", "float32")
+    try:
+        firsts = [o.outputs[0].token_ids[0] for o in prefill.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=1, **greedy),
+            use_tqdm=False)]
+    finally:
+        prefill.llm_engine.engine_core.shutdown()
+    decode = _instance(decode_dir, "kv_consumer", tmp_path / "kv", "float32",
+                       overrides=pruned_gates_overrides(decode_dir, side))
+    try:
+        outs = decode.generate([{"prompt_token_ids": p + [t]} for p, t in zip(PROMPTS, firsts, strict=True)],
+                               SamplingParams(max_tokens=CONFIG.max_new_tokens - 1, **greedy), use_tqdm=False)
+    finally:
+        decode.llm_engine.engine_core.shutdown()
+    assert [o.num_cached_tokens for o in outs] == [len(p) for p in PROMPTS]
+    assert [[t, *o.outputs[0].token_ids] for t, o in zip(firsts, outs, strict=True)] == want

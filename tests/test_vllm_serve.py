@@ -348,21 +348,48 @@ def test_colocated_serve_with_a_fallback(served):
     reference engine with the same fallback (float32), which differs from plain SlimWise here, and the log
     states the setting."""
     from slimwise.decode_gates import DecodeGates
+
+    text = serve_gated(served, DecodeGates("renorm", 0.3), ["--fallback", "0.3"], "fallback.log")
+    assert "gates renorm, fallback above a pruned share of 0.3" in text
+
+
+def serve_gated(served, gates, args: list[str], log_name: str, vllm_args: list[str] = VLLM_ARGS) -> str:
+    """`slimwise serve MODEL --plan P ARGS` against the reference engine with `gates` (which must change the
+    tokens here): completions, streams and chat equal; returns the server's log."""
     from slimwise.plan import PrunePlan
 
     root, prompts, ref = served
     model, tok = load_model(root / "model"), load_tokenizer(root / "model")
-    gates = DecodeGates("renorm", 0.3)
     with PhaseSplitEngine(model, tok, plan=PrunePlan.load(root / "plan.json"), gates=gates) as engine:
         want = engine.generate(prompts, "slimwise", GenerationConfig(max_new_tokens=MAX_TOKENS))
     assert [g.token_ids for g in want] != [g.token_ids for g in ref["slimwise"]]
     port = free_port()
-    log = open(root / "fallback.log", "w")  # noqa: SIM115
-    proc = start([str(root / "model"), "--plan", str(root / "plan.json"), "--fallback", "0.3"], port, log)
+    log = open(root / log_name, "w")  # noqa: SIM115
+    proc = start([str(root / "model"), "--plan", str(root / "plan.json"), *args], port, log,
+                 vllm_args=vllm_args)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         check_completions(client, prompts, want)
     finally:
         stop(proc)
         log.close()
-    assert "gates renorm, fallback above a pruned share of 0.3" in (root / "fallback.log").read_text()
+    return (root / log_name).read_text()
+
+
+@pytest.mark.matrix  # a disaggregated server start (about 100 s here): `make test-matrix`
+def test_disaggregated_serve_with_substitute_gates(served):
+    """`slimwise serve --disaggregated --gates substitute --substitutes S`, as a user starts it: the pruned
+    decode instance reads the gates file the server writes, and text completions, streams and chat equal the
+    reference engine with the same gates (float32), which differ from plain SlimWise here."""
+    from slimwise.decode_gates import DecodeGates
+
+    root = served[0]
+    model, tok = load_model(root / "model"), load_tokenizer(root / "model")
+    stats = calibrate(model, [s.prompt for s in make_split("calib", 1)], tok,
+                      CalibrationConfig(max_new_tokens=8, output_sums=True), progress=False)
+    sums = str(stats.save(root / "sums.safetensors"))
+    text = serve_gated(served, DecodeGates("substitute", None, sums),
+                       ["--disaggregated", "--gates", "substitute", "--substitutes", sums],
+                       "pd-substitute.log", vllm_args=["--dtype", "float32", "--enforce-eager"])
+    assert "writing the decode instance's gates file (substitute)" in text
+    assert "pruned checkpoint decoding with gates substitute" in text

@@ -38,6 +38,7 @@ from slimwise.serving.routing import (
     MIN_BATCH_KEY,
     PLAN_KEY,
     PLANS_KEY,
+    PRUNED_GATES_KEY,
     REQUEST_PLAN_ARG,
     SUBSTITUTES_KEY,
 )
@@ -48,6 +49,18 @@ PlanLike = PrunePlan | str | Path
 
 def _plan_value(plan: PlanLike) -> dict | str:
     return plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
+
+
+def pruned_gates_overrides(decode_dir: str | Path, gates_file: str | Path) -> dict:
+    """The `hf_overrides` of a pruned checkpoint's decode instance that decodes with `--gates drop` or
+    `substitute`: SlimWise's class and the gates file (`slimwise.gate_sidecar`)."""
+    config = json.loads((Path(decode_dir) / "config.json").read_text())
+    arch = (config.get("architectures") or [None])[0]
+    if arch not in STOCK_ARCHS:
+        raise SlimWiseError(
+            f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}"
+        )
+    return {"architectures": [slimwise_arch(arch)], PRUNED_GATES_KEY: str(Path(gates_file).resolve())}
 
 
 def slimwise_overrides(

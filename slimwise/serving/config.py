@@ -46,7 +46,7 @@ class ServeConfig:
         "help": "load-aware: use the pruned experts only when a step has at least this many decode tokens"})
     log_every: int = field(default=0, metadata={
         "type": integer(0), "help": "log routing counters every N steps (0: never)"})
-    gates: str = gates_field()  # colocated only (preflight refuses it with --disaggregated)
+    gates: str = gates_field()  # --disaggregated: drop/substitute without --fallback (gate_sidecar)
     fallback: float | None = fallback_field()
     substitutes: str | None = substitutes_field()
     vllm_args: list[str] = field(default_factory=list)

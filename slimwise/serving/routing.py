@@ -53,6 +53,7 @@ REQUEST_PLAN_ARG = "slimwise_plan"  # a request's plan: SamplingParams.extra_arg
 DEFAULT_PLAN_NAME = "default"  # the name of a lone PLAN_KEY plan
 GATES_KEY = "slimwise_gates"  # the pruned rows' gate variant (slimwise.decode_gates.GATES)
 SUBSTITUTES_KEY = "slimwise_substitutes"  # `substitute`: the statistics file with expert output sums
+PRUNED_GATES_KEY = "slimwise_pruned_gates"  # a pruned checkpoint's gates file (slimwise.gate_sidecar)
 FALLBACK_KEY = "slimwise_fallback"  # route a decode token with every expert above this pruned share
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
@@ -187,6 +188,13 @@ class DecodeRouting(nn.Module):
         self.lora_blocks: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = {}
         self.lora_scale = 1.0
         if self.plan is None:
+            pruned_gates = _setting(hf_config, text_config, PRUNED_GATES_KEY)
+            if pruned_gates:  # a pruned checkpoint's decode instance under --gates drop/substitute
+                from slimwise.serving.pruned_gates import install_pruned_gates
+
+                names = {int(m.group(1)): n for n, module in model.named_modules()
+                         if (m := _GATE_NAME.search(n)) is not None and hasattr(module, "weight")}
+                self.hooked["gates"] = install_pruned_gates(model, pruned_gates, names, _selection_router)
             self._install_counting(model, text_config)
             return
         for plan in self.plans.values():

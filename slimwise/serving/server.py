@@ -239,6 +239,20 @@ def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
     return str(out)
 
 
+def _decode_gates_file(cfg: ServeConfig, plan: PrunePlan) -> Path:
+    """The decode instance's gates file (`slimwise.gate_sidecar`), written at every start from the full
+    checkpoint, the plan and the --substitutes statistics (a few router rows and vectors per layer)."""
+    from slimwise.gate_sidecar import write_gate_sidecar
+
+    gates = cfg.decode_gates
+    key = hashlib.sha256(json.dumps([plan.fingerprint, plan.kept_experts, gates.gates,
+                                     str(Path(gates.substitutes).resolve()) if gates.substitutes else None],
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    out = Path.home() / ".cache" / "slimwise" / "gates" / f"{Path(cfg.model).name}-{key}.safetensors"
+    print(f"writing the decode instance's gates file ({gates.gates}) to {out}", flush=True)
+    return write_gate_sidecar(cfg.model, plan, gates, out)
+
+
 # The watchdog: `python -c WATCHDOG` (no SlimWise or torch import, a few MB), in a session of its own so
 # terminal signals miss it. It reads the supervisor's notes from a pipe whose write end only the supervisor
 # holds ("group PGID" / "dir PATH" while they are live, "ungroup"/"undir" once the supervisor cleaned them up
@@ -391,6 +405,34 @@ def _tokenizer_dir(cfg: ServeConfig, model_dir: str) -> str | None:
     return option_value(cfg.vllm_args, "--tokenizer") or model_dir
 
 
+def check_gates(cfg: ServeConfig) -> None:
+    """--gates / --fallback / --substitutes against the rest of the command line (no engine needed)."""
+    gates = cfg.decode_gates  # refuses an unknown variant or threshold
+    if gates.substitutes:  # a bad statistics file is refused here, before any engine starts
+        from slimwise.stats import ExpertStats
+
+        ExpertStats.load(gates.substitutes).output_mean()
+    if gates.plain:
+        return
+    if not (cfg.plan or cfg.plans):
+        raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router, which "
+                            "only an engine with a plan has: give --plan")
+    if cfg.delta:
+        raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
+                            "--gates/--fallback, or serve them without --distilled")
+    if not cfg.disaggregated:
+        return
+    if gates.fallback is not None:
+        raise SlimWiseError("--fallback routes a token with every expert, which the pruned decode checkpoint "
+                            "no longer holds: serve colocated (drop --disaggregated)")
+    if cfg.prefill_url or cfg.decode_url:
+        raise SlimWiseError("--gates over running instances: start the decode instance with the gates file "
+                            "yourself, or let `slimwise serve --disaggregated` start both")
+    if option_value(cfg.vllm_args, "--hf-overrides") is not None:
+        raise SlimWiseError("--gates on --disaggregated sets the decode instance's --hf-overrides itself: "
+                            "drop yours")
+
+
 def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names
     resolve to theirs; nothing is looked up on a hub) and the plans were made for it. Returns the plans,
@@ -420,19 +462,17 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
                                 f"({', '.join(cfg.plans)}) or 'full'")
     elif cfg.default_plan is not None:
         raise SlimWiseError("--default-plan chooses among named plans: give them as --plan NAME=PLAN")
-    gates = cfg.decode_gates  # refuses an unknown variant or threshold
-    if gates.substitutes:  # a bad statistics file is refused here, before any engine starts
-        from slimwise.stats import ExpertStats
-
-        ExpertStats.load(gates.substitutes).output_mean()
-    if not gates.plain and (cfg.disaggregated or not (cfg.plan or cfg.plans)):
-        raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router, which "
-                            "only a colocated engine with a plan has: drop --disaggregated, or give --plan")
-    if not gates.plain and cfg.delta:
-        raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
-                            "--gates/--fallback, or serve them without --distilled")
+    check_gates(cfg)
     paths = dict(cfg.plans) or ({"": cfg.plan} if cfg.plan else {})
     plans = {name: PrunePlan.load(path) for name, path in paths.items()}
+    if cfg.disaggregated and not cfg.decode_gates.plain:
+        from slimwise.gate_sidecar import GROUPED_FAMILIES
+
+        for plan in plans.values():
+            if plan.family in GROUPED_FAMILIES:
+                raise SlimWiseError(f"--gates {cfg.gates} on --disaggregated: a {plan.family} router "
+                                    "selects within expert groups the pruned checkpoint no longer has; serve "
+                                    "colocated")
     if plans and Path(cfg.model, "config.json").is_file():
         config = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
         for plan in plans.values():
@@ -553,6 +593,11 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
                         "--kv-dir-max-gb)"})
     common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
     prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
+    if not cfg.decode_gates.plain:  # the decode instance routes with the full router's gates: its file
+        from slimwise.engines.vllm_engine import pruned_gates_overrides
+
+        decode_fix = ["--hf-overrides",
+                      json.dumps(pruned_gates_overrides(decode_dir, _decode_gates_file(cfg, plan)))]
     # hybrid models: the connector hands over linear-attention state in Mamba cache mode "none"
     # (prefix caching off); prefix caching would switch the prefill instance to "align" mode
     # (checkpoints at block boundaries)
