@@ -10,13 +10,16 @@ from pathlib import Path
 from slimwise.argtypes import OneLineParser, integer, number
 from slimwise.decode_gates import FALLBACK_HELP, GATES, GATES_HELP, SUBSTITUTES_HELP, DecodeGates
 from slimwise.devices import parse_max_memory, resolve_device
+from slimwise.embedded import EMBEDDED
 from slimwise.errors import SlimWiseError, run_command
 from slimwise.io import atomic_write_text, refuse_blocked_parent, refuse_existing
 from slimwise.options import add_dataclass_options, config_from_args
 
+MODEL_HELP = f"local checkpoint directory (or an embedded name: {', '.join(EMBEDDED)})"
+
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights dtype (default auto: as saved on the CPU, bf16 on a GPU)")
 
@@ -607,7 +610,7 @@ def _add_distill(sub) -> None:
     p = sub.add_parser("distill",
                        help="distil a decode-only delta (router / norm / LoRA) so the pruned decoder "
                             "continues full-model caches like the full model")
-    p.add_argument("model", help="local checkpoint directory (or an embedded name: testbed-a, testbed-b)")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights dtype for training (default: float32 on the CPU, bf16 on a GPU)")
     _add_device(p)
