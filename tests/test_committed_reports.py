@@ -67,3 +67,18 @@ def test_layer_budgets_table_rerenders():
     data = json.loads((RESULTS / "layer-budgets" / "layer-budgets.json").read_text())
     assert markdown(data["results"], data["environment"]) \
         == (RESULTS / "layer-budgets" / "layer-budgets.md").read_text()
+
+
+def test_frontier_table_rerenders_with_its_pareto_marks():
+    from experiments.frontier import markdown, merged, pareto
+
+    data = json.loads((RESULTS / "frontier" / "frontier.json").read_text())
+    assert markdown(data) == (RESULTS / "frontier.md").read_text()
+    # every benched row not on the front is beaten on both axes by another benched row or by full
+    for model in {r["model"] for r in data["speed"]}:
+        rows = [r for r in merged(data) if r["model"] == model and r["bench"]]
+        points = [(r["bench"]["speedup"], r["accuracy"]) for r in rows] + [(1.0, rows[0]["full"]["accuracy"])]
+        front = pareto(points)
+        for i, (x, y) in enumerate(points):
+            if i not in front:
+                assert any(x2 >= x and y2 >= y for j, (x2, y2) in enumerate(points) if j != i)
