@@ -9,15 +9,15 @@ per-token fallback at tau = 0.5, alone and with budgets.
 
 Accuracy: `slimwise eval` in the float32 reference engine on all three backbones (target and other domains,
 paired against plain at the same ratio). Speed: `slimwise bench`, paired rounds at batch 32, on a synthetic
-model of the preset's sizes whose MoE shape is the backbone's (4 layers, 64 experts, top-8: `--layers 4
---top-k 8`) and whose routers follow the backbone's decode usage (`--routing-skew`), running the backbone's
-own kept sets: testbed-a on `cpu` (qwen3_moe), testbed-c on `cpu-hybrid` (its Gated-DeltaNet layout).
-testbed-b has 32 experts per layer, which no preset has: its rows carry accuracy and the experts a step reads.
+model of the preset's sizes whose MoE shape is the backbone's (4 layers, its experts and top-k: `--layers 4
+--top-k K`) and whose routers follow the backbone's decode usage (`--routing-skew`), running the backbone's
+own plans: testbed-a on `cpu` (qwen3_moe, 64 experts top-8), testbed-b on `cpu-shared` (qwen2_moe with a
+shared expert, 32 experts top-4), testbed-c on `cpu-hybrid` (its Gated-DeltaNet layout, 64 experts top-8).
 
     python -m experiments.frontier --work runs/decode-gates --out docs/results/frontier
 
 Each bench writes WORK/frontier-bench/<model>/<run>/bench.json and is skipped when that file exists (the runs
-take about 40 minutes here); `--report-only` re-renders from OUT/frontier.json.
+take about an hour here); `--report-only` re-renders from OUT/frontier.json.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text, save_figure
 
 MODELS = ("testbed-a", "testbed-b", "testbed-c")
-#: backbone -> the bench preset whose layout it shares (testbed-b: 32 experts, no preset)
-PRESETS = {"testbed-a": "cpu", "testbed-c": "cpu-hybrid"}
+#: backbone -> the bench preset whose layout it shares
+PRESETS = {"testbed-a": "cpu", "testbed-b": "cpu-shared", "testbed-c": "cpu-hybrid"}
 BATCH, OUTPUT_LEN, ROUNDS = 32, 48, 3
 SLIMWISE = str(Path(sys.executable).parent / "slimwise")  # the CLI of this environment
 
@@ -137,6 +137,7 @@ def synthetic_output_sums(model_dir: Path, out: Path) -> Path:
 
 def speed(model: str, work: Path) -> list[dict]:
     preset, plans = PRESETS[model], plan_files(model, work)
+    top_k = str(json.loads(Path(plans["layer"][0.5]).read_text())["top_k"])
     root = work / "frontier-bench" / model
     skew = _stats_of(model, work)  # the decode statistics the plans were made from
     synthetic = root / "synthetic"
@@ -149,7 +150,7 @@ def speed(model: str, work: Path) -> list[dict]:
                     options = [*options, "--substitutes",
                                str(synthetic_output_sums(synthetic, root / "synthetic-sums.safetensors"))]
                 cmd = [SLIMWISE, "bench", "--synthetic", preset, "--layers", "4",
-                       "--top-k", "8", "--routing-skew", skew, "--synthetic-dir", str(synthetic),
+                       "--top-k", top_k, "--routing-skew", skew, "--synthetic-dir", str(synthetic),
                        "--plan", plans[scope][ratio], *options, "--batch", str(BATCH), "--output-len",
                        str(OUTPUT_LEN), "--repetitions", str(ROUNDS), "--hardware", "none", "--in-process",
                        "--out", str(out)]
@@ -242,9 +243,9 @@ def markdown(data: dict) -> str:
         "bootstrap 95% interval. Experts/step: distinct routed experts per MoE layer per decode step",
         f"in the reference (full model's in the header). Speedup: `slimwise bench`, batch {BATCH},",
         f"{OUTPUT_LEN} output tokens, {ROUNDS} paired rounds, median (min-max) over rounds, on the",
-        "backbone's preset with `--layers 4 --top-k 8`, routers skewed like the backbone's decode usage and",
-        "the backbone's own kept sets",
-        "(testbed-a: `cpu`; testbed-c: `cpu-hybrid`; testbed-b's 32 experts match no preset). ✓: on the",
+        "backbone's preset with `--layers 4 --top-k K` (its MoE shape), routers skewed like the backbone's",
+        "decode usage and the backbone's own plans",
+        "(testbed-a: `cpu`; testbed-b: `cpu-shared`; testbed-c: `cpu-hybrid`). ✓: on the",
         "Pareto front of accuracy against measured speedup (the full model at 1.0x included). Plot:",
         "[frontier.png](frontier/frontier.png)."]), "",
              f"Machine: {env['lscpu']}; ISA {', '.join(env['cpu']['isa'])}.", ""]

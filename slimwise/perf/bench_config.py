@@ -10,7 +10,7 @@ from slimwise.argtypes import gib_to_bytes, integer, number
 from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
 
 # kept literal (slimwise.perf.presets imports transformers); a test checks they match the presets
-PRESET_NAMES = ("cpu", "cpu-hybrid", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
+PRESET_NAMES = ("cpu", "cpu-hybrid", "cpu-shared", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
 DEFAULT_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)
 BASE_VARIANTS = ("full", "slimwise", "pruned", "uniform")
 GATED = "gated"  # slimwise with --gates / --fallback / --substitutes, beside the plain slimwise variant

@@ -107,6 +107,16 @@ _CPU_HYBRID = dict(
     attn_output_gate=True, mamba_ssm_dtype="float32", tie_word_embeddings=False,
 )
 
+# Qwen2-MoE's layout (Qwen1.5-MoE-A2.7B: a shared expert with its sigmoid gate beside the routed experts,
+# softmax top-k without renormalization) at the `cpu` preset's width, with testbed-b's 32 experts and top-4
+_CPU_SHARED = dict(
+    vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=4,
+    moe_intermediate_size=512, shared_expert_intermediate_size=1024, num_experts=32, num_experts_per_tok=4,
+    norm_topk_prob=False, qkv_bias=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=4096, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False,
+)
+
 _SMOKE = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
     head_dim=32, moe_intermediate_size=32, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
@@ -154,6 +164,16 @@ PRESETS: dict[str, Preset] = {
             _CPU_HYBRID,
             layer_multiple=4,
             bytes_note="about 1.8 GB in bf16",
+        ),
+        Preset(
+            "cpu-shared",
+            "qwen2_moe",
+            8,
+            8,
+            "Qwen2-MoE's layout (shared expert + gate, top-k not renormalized) at the cpu preset's width, "
+            "testbed-b's 32 experts top-4",
+            _CPU_SHARED,
+            bytes_note="about 0.9 GB in bf16",
         ),
         Preset("smoke", "qwen3_moe", 2, 2, "tiny test model", _SMOKE),
     )
