@@ -110,15 +110,17 @@ def test_disaggregated_instances_give_the_reference_slimwise_tokens(family, tmp_
     assert sum(wrong) / len(wrong) >= BF16_WRONG_GAP, wrong
 
 
-@pytest.mark.parametrize(("family", "gates"), [("qwen2_moe", "substitute"), ("qwen3_moe", "drop")])
-def test_pruned_decode_instance_decodes_with_the_full_routers_gates(family, gates, tmp_path):
+@pytest.mark.parametrize(("family", "gates", "ratio"),
+                         [("qwen2_moe", "substitute", 0.5), ("qwen3_moe", "drop", 0.75)])
+def test_pruned_decode_instance_decodes_with_the_full_routers_gates(family, gates, ratio, tmp_path):
     """`slimwise serve --disaggregated --gates substitute --substitutes S`: the pruned checkpoint's decode
     instance reads the gates file (`slimwise.gate_sidecar`: the full router's rows of the pruned experts and
     their calibration means) and decodes with the full router's gates, pruned share substituted, as the
     colocated engine does: token for token the reference engine's `--gates substitute` tokens in float32.
     qwen2_moe does not renormalize its top-k, so the kept experts' weights differ from the pruned router's
     own softmax in every row (the substitute path includes drop's routing, plus the vectors); `--gates drop`
-    on qwen3_moe, which renormalizes over the full top-k."""
+    on qwen3_moe, which renormalizes over the full top-k, at 75%: 4 kept experts = top-4, where a row routed
+    to kept experts only carries no -inf to mark it pre-routed (the pruned router reads every row as such)."""
     from vllm import SamplingParams
 
     from slimwise.decode_gates import DecodeGates
@@ -130,7 +132,7 @@ def test_pruned_decode_instance_decodes_with_the_full_routers_gates(family, gate
     model = load_model(tmp_path / "full")
     stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(
         max_new_tokens=8, output_sums=True), progress=False)
-    plan = plan_from_stats(stats, "reap", 0.5)
+    plan = plan_from_stats(stats, "reap", ratio)
     sums = str(stats.save(tmp_path / "stats.safetensors")) if gates == "substitute" else None
     decode_gates = DecodeGates(gates, None, sums)
     engine = PhaseSplitEngine(model, plan=plan, gates=decode_gates)
