@@ -1,0 +1,149 @@
+"""Long-prompt task families: problems whose prompt (256 to 1,024 tokens) decides the answer.
+
+The families of `slimwise.testbed.tasks` have prompts of 9 to 36 tokens, so decode dominates every measurement
+and a full-model prefill has little to protect. These put the information in the prompt:
+- `lookup`: N `key=value` facts, then one key to find; the answer is its value.
+- `chain`: N `a>b` links over distinct names, then a start to follow twice; the answer is the name two links
+  on (the other links are distractors).
+- `infer`: worked examples `in: w out: f(w)` of one transformation drawn per prompt (reverse, uppercase, drop
+  the vowels, double each letter), then a query; the rule is only in the examples.
+
+`length` (the knob of every family) is the prompt's size in characters: items are added while the next would
+still fit. The testbed tokenizer spells these prompts letter by letter with a few whole-word tokens, so a
+prompt holds between 0.75 x length and length tokens (tests/test_long_tasks.py). Targets are short worked
+solutions ending in `#### answer`, graded by `tasks.grade` like every family.
+
+They are a registry of their own (domain "long"), not in `tasks.FAMILIES`: the shipped backbones were trained
+without them and their cards' bars are over FAMILIES. Splits use the same hash buckets as `make_split`, so
+train, calib and test never share a prompt.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+
+from slimwise.testbed.tasks import (
+    SPLIT_BUCKETS,
+    SPLITS,
+    VOWELS,
+    Sample,
+    _solution,
+    _word,
+    split_bucket,
+)
+
+LONG_DOMAIN = "long"
+#: the prompt lengths the measurement sweeps (characters; about as many tokens)
+LENGTHS = (64, 256, 512, 1024)
+LongFn = Callable[[random.Random, int], tuple[str, str, str]]
+LONG_FAMILIES: dict[str, LongFn] = {}
+
+
+def register_long(name: str) -> Callable[[LongFn], LongFn]:
+    def deco(fn: LongFn) -> LongFn:
+        if name in LONG_FAMILIES:
+            raise ValueError(f"long task family {name!r} registered twice")
+        LONG_FAMILIES[name] = fn
+        return fn
+
+    return deco
+
+
+def _fill(head: str, items: list[str], tail: str, length: int) -> str:
+    """head + as many of `items` (one per line) as fit with tail in `length` characters (at least one)."""
+    body, size = [], len(head) + len(tail)
+    for item in items:
+        if body and size + len(item) + 1 > length:
+            break
+        body.append(item)
+        size += len(item) + 1
+    return head + "".join(line + "\n" for line in body) + tail
+
+
+def _names(rng: random.Random, n: int, size: int = 3) -> list[str]:
+    out: list[str] = []
+    seen: set[str] = set()
+    while len(out) < n:
+        w = _word(rng, size)
+        if w not in seen:
+            seen.add(w)
+            out.append(w)
+    return out
+
+
+@register_long("lookup")
+def gen_lookup(rng: random.Random, length: int) -> tuple[str, str, str]:
+    keys = _names(rng, max(2, length // 6))  # "abc=42" + newline: 7 characters per fact
+    facts = [f"{k}={rng.randint(10, 99)}" for k in keys]
+    tail_of = lambda k: f"find {k}\n"  # noqa: E731
+    prompt = _fill("facts:\n", facts, tail_of(keys[0]), length)  # sizes the prompt with a same-length tail
+    shown = prompt.split("\n")[1:-2]
+    key, value = rng.choice(shown).split("=")
+    prompt = prompt[: -len(tail_of(keys[0]))] + tail_of(key)
+    return prompt, _solution([f"{key}={value}"], value), value
+
+
+@register_long("chain")
+def gen_chain(rng: random.Random, length: int) -> tuple[str, str, str]:
+    names = _names(rng, max(4, length // 4 + 3))
+    a, b, c = names[:3]
+    others = names[3:]
+    # distractor links never leave a, b or c, so the two hops from a are unique
+    links = [f"{x}>{rng.choice(names)}" for x in others]
+    links[:0] = [f"{a}>{b}", f"{b}>{c}"]
+    tail = f"follow {a} twice\n"
+    kept = _fill("links:\n", links, tail, length).split("\n")[1:-2]
+    rng.shuffle(kept)
+    prompt = "links:\n" + "".join(line + "\n" for line in kept) + tail
+    return prompt, _solution([f"{a}>{b}", f"{b}>{c}"], c), c
+
+
+_RULES: dict[str, Callable[[str], str]] = {
+    "reverse": lambda w: w[::-1],
+    "uppercase": str.upper,
+    "novowel": lambda w: "".join(ch for ch in w if ch not in VOWELS) or w,
+    "double": lambda w: "".join(ch + ch for ch in w),
+}
+
+
+@register_long("infer")
+def gen_infer(rng: random.Random, length: int) -> tuple[str, str, str]:
+    rule = rng.choice(sorted(_RULES))
+    f = _RULES[rule]
+    words = _names(rng, max(3, length // 12 + 2), size=4)
+    query, examples = words[0], [f"in: {w} out: {f(w)}" for w in words[1:]]
+    tail = f"in: {query} out:\n"
+    prompt = _fill("", examples, tail, length)
+    return prompt, _solution([f"rule: {rule}"], f(query)), f(query)
+
+
+def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
+                    families: Iterable[str] | None = None) -> list[Sample]:
+    """Deterministic, deduplicated samples of one split at one prompt length, grouped by family; the split's
+    hash buckets as in `tasks.make_split`."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    names = list(LONG_FAMILIES) if families is None else list(families)
+    unknown = [n for n in names if n not in LONG_FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown long task families {unknown}; known: {sorted(LONG_FAMILIES)}")
+    if length < 32:
+        raise ValueError(f"length must be >= 32 characters, got {length}")
+    lo, hi = SPLIT_BUCKETS[split]
+    samples = []
+    for name in names:
+        rng = random.Random(f"slimwise-testbed-long:{seed}:{split}:{length}:{name}")
+        seen: set[str] = set()
+        for _ in range(200 * n_per_family + 1000):
+            if len(seen) == n_per_family:
+                break
+            prompt, target, answer = LONG_FAMILIES[name](rng, length)
+            if prompt in seen or not lo <= split_bucket(prompt) < hi:
+                continue
+            samples.append(Sample(f"{split}-long-{name}-{length}-{len(seen):05d}", name, LONG_DOMAIN, prompt,
+                                  target, answer, {"length": length}, split, "train"))
+            seen.add(prompt)
+        else:
+            raise RuntimeError(f"{name}: only {len(seen)} distinct {split} problems at length {length}")
+    return samples
