@@ -205,3 +205,20 @@ def test_stop_strings_eos_and_length(tmp_path):
     ended = engine.generate(prompts, "full", GenerationConfig(max_new_tokens=16, eos_token_id=eos))
     assert ended[1].finish_reason == "eos" and ended[1].token_ids[-1] == eos
     assert len(ended[1].token_ids) == free[1].token_ids.index(eos) + 1
+
+
+def test_positions_past_the_trained_range_are_warned_about():
+    """The reference engine runs past max_position_embeddings (transformers computes RoPE on the fly) where
+    vLLM refuses: a long-prompt user hears about it once per call; within the range nothing is said."""
+    import warnings
+
+    from tiny import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe", seed=0, max_position_embeddings=24)
+    engine = PhaseSplitEngine(model)
+    past = r"reach 26 positions, past the model's max_position_embeddings \(24\)"
+    with pytest.warns(UserWarning, match=past):
+        engine.generate([list(range(3, 19))], "full", GenerationConfig(max_new_tokens=10, eos_token_id=-1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.generate([list(range(3, 13))], "full", GenerationConfig(max_new_tokens=10, eos_token_id=-1))

@@ -17,6 +17,7 @@ The loop is gpt-fast style: left-padded batch, one prefill forward, then one for
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -276,6 +277,7 @@ class PhaseSplitEngine:
                  keep_first_logits: bool = False) -> list[Generation]:
         config = config or GenerationConfig()
         ids = self.encode(prompts)
+        _warn_past_positions(self.model, max(map(len, ids), default=0) + config.max_new_tokens)
         eos = _eos_ids(config, self.tokenizer, self.model)
         generator = torch.Generator().manual_seed(config.seed)
         results: list[Generation] = []
@@ -372,3 +374,15 @@ class PhaseSplitEngine:
             results.append(Generation(p, generated[i], reason, text,
                                       first_logits[i] if first_logits is not None else None))
         return results
+
+
+def _warn_past_positions(model: nn.Module, positions: int) -> None:
+    """transformers runs positions past the config's max_position_embeddings (RoPE is computed, not looked
+    up), but the model never trained there and vLLM refuses such prompts (max_model_len): say so once per
+    call."""
+    text = getattr(model.config, "text_config", None) or model.config
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit and positions > limit:
+        warnings.warn(f"prompt + max_new_tokens reach {positions} positions, past the model's "
+                      f"max_position_embeddings ({limit}): positions beyond it were never trained, and vLLM "
+                      "refuses such requests", stacklevel=3)
