@@ -15,6 +15,7 @@ bit for bit in the router's stored dtype; nothing here loads a model's weights.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,11 +86,9 @@ def _router_names(source_dir: Path, plan: PrunePlan) -> tuple[dict[int, str], in
              if layer.index in plan.kept_experts}, int(adapter.text_config(model.config).hidden_size))
 
 
-def write_gate_sidecar(source_dir: str | Path, plan: PrunePlan, gates: DecodeGates, out: str | Path) -> Path:
-    """Write the gates file of `plan` on the full checkpoint `source_dir` (atomically; see the module doc)."""
-    from slimwise.export_stream import stored_tensors, weight_files
-    from slimwise.models import resolve_model_dir
-
+def refuse_unservable(plan: PrunePlan, gates: DecodeGates) -> None:
+    """What a pruned checkpoint cannot decode with: a fallback (it needs the pruned experts' weights), the
+    plain gates (nothing to carry) and grouped routers; `slimwise serve` asks before anything starts."""
     if gates.gates not in SIDECAR_GATES or gates.fallback is not None:
         raise SlimWiseError(f"a pruned checkpoint decodes with --gates {' or '.join(SIDECAR_GATES)} and no "
                             "--fallback (falling back needs the pruned experts' weights: serve colocated)")
@@ -97,6 +96,14 @@ def write_gate_sidecar(source_dir: str | Path, plan: PrunePlan, gates: DecodeGat
         raise SlimWiseError(f"--gates {gates.gates} on a pruned {plan.family} checkpoint: its router selects "
                             "within expert groups with a per-expert bias, which the pruned checkpoint no "
                             "longer has; serve colocated")
+
+
+def write_gate_sidecar(source_dir: str | Path, plan: PrunePlan, gates: DecodeGates, out: str | Path) -> Path:
+    """Write the gates file of `plan` on the full checkpoint `source_dir` (atomically; see the module doc)."""
+    from slimwise.export_stream import stored_tensors, weight_files
+    from slimwise.models import resolve_model_dir
+
+    refuse_unservable(plan, gates)
     source = Path(resolve_model_dir(source_dir))
     stored = stored_tensors(weight_files(source))
     routers, hidden = _router_names(source, plan)
@@ -104,24 +111,27 @@ def write_gate_sidecar(source_dir: str | Path, plan: PrunePlan, gates: DecodeGat
         gates.vectors(sorted(routers), plan.num_experts, hidden)
     tensors: dict[str, torch.Tensor] = {}
     layers = []
-    for layer, name in sorted(routers.items()):
-        kept = torch.tensor(sorted(plan.kept(layer)), dtype=torch.int64)
-        pruned = plan.pruned_mask(layer).nonzero().flatten().to(torch.int64)
-        if pruned.numel() == 0:
-            continue
-        key = f"{name}.weight"
-        if key not in stored:
-            raise SlimWiseError(f"{source}: the router weight {key} is not in the checkpoint's files; this "
-                                "layout cannot decode with --gates drop/substitute on a pruned checkpoint")
-        with safe_open(str(stored[key].file), "pt") as f:
-            tensors[f"{layer}.rows"] = f.get_tensor(key)[pruned].contiguous()
-        if f"{name}.bias" in stored:
-            with safe_open(str(stored[f"{name}.bias"].file), "pt") as f:
-                tensors[f"{layer}.bias"] = f.get_tensor(f"{name}.bias")[pruned].contiguous()
-        tensors[f"{layer}.kept"], tensors[f"{layer}.pruned"] = kept, pruned
-        if vectors is not None:
-            tensors[f"{layer}.vectors"] = vectors[layer][pruned].float().contiguous()
-        layers.append(layer)
+    with ExitStack() as stack:
+        files = {path: stack.enter_context(safe_open(str(path), "pt"))  # each file's header parsed once
+                 for path in sorted({s.file for s in stored.values()})}
+        for layer, name in sorted(routers.items()):
+            pruned = plan.pruned_mask(layer).nonzero().flatten().to(torch.int64)
+            if pruned.numel() == 0:
+                continue
+            key = f"{name}.weight"
+            if key not in stored:
+                raise SlimWiseError(f"{source}: the router weight {key} is not in the checkpoint's files; "
+                                    "this layout cannot decode with --gates drop/substitute on a pruned "
+                                    "checkpoint")
+            tensors[f"{layer}.rows"] = files[stored[key].file].get_tensor(key)[pruned].contiguous()
+            if f"{name}.bias" in stored:
+                bias = files[stored[f"{name}.bias"].file].get_tensor(f"{name}.bias")
+                tensors[f"{layer}.bias"] = bias[pruned].contiguous()
+            tensors[f"{layer}.kept"] = torch.tensor(sorted(plan.kept(layer)), dtype=torch.int64)
+            tensors[f"{layer}.pruned"] = pruned
+            if vectors is not None:
+                tensors[f"{layer}.vectors"] = vectors[layer][pruned].float().contiguous()
+            layers.append(layer)
     head = {"format": FORMAT, "gates": gates.gates, "num_experts": plan.num_experts, "top_k": plan.top_k,
             "family": plan.family, "layers": layers}
     out = Path(out)

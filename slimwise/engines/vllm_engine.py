@@ -51,16 +51,22 @@ def _plan_value(plan: PlanLike) -> dict | str:
     return plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
 
 
-def pruned_gates_overrides(decode_dir: str | Path, gates_file: str | Path) -> dict:
-    """The `hf_overrides` of a pruned checkpoint's decode instance that decodes with `--gates drop` or
-    `substitute`: SlimWise's class and the gates file (`slimwise.gate_sidecar`)."""
-    config = json.loads((Path(decode_dir) / "config.json").read_text())
+def _stock_arch(model_dir: str | Path) -> str:
+    """The checkpoint's vLLM architecture, refused unless SlimWise has a class for it."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     arch = (config.get("architectures") or [None])[0]
     if arch not in STOCK_ARCHS:
         raise SlimWiseError(
             f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}"
         )
-    return {"architectures": [slimwise_arch(arch)], PRUNED_GATES_KEY: str(Path(gates_file).resolve())}
+    return arch
+
+
+def pruned_gates_overrides(decode_dir: str | Path, gates_file: str | Path) -> dict:
+    """The `hf_overrides` of a pruned checkpoint's decode instance that decodes with `--gates drop` or
+    `substitute`: SlimWise's class and the gates file (`slimwise.gate_sidecar`)."""
+    return {"architectures": [slimwise_arch(_stock_arch(decode_dir))],
+            PRUNED_GATES_KEY: str(Path(gates_file).resolve())}
 
 
 def slimwise_overrides(
@@ -78,12 +84,7 @@ def slimwise_overrides(
     """The `hf_overrides` that turn a stock checkpoint into a SlimWise-served one. `plan` a dict: several
     named plans in one engine, each request choosing its own (`default_plan`: for requests that name none; a
     plan's name or "full"; default the first)."""
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    arch = (config.get("architectures") or [None])[0]
-    if arch not in STOCK_ARCHS:
-        raise SlimWiseError(
-            f"architecture {arch!r} has no SlimWise vLLM class; supported: {', '.join(STOCK_ARCHS)}"
-        )
+    arch = _stock_arch(model_dir)
     if plan is None:  # the full model: stock, except where the SlimWise class carries a vLLM CPU fix
         return {"architectures": [slimwise_arch(arch)]} if slimwise_arch(arch) in CPU_ROPE_FIX else {}
     if isinstance(plan, dict):

@@ -466,13 +466,10 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     paths = dict(cfg.plans) or ({"": cfg.plan} if cfg.plan else {})
     plans = {name: PrunePlan.load(path) for name, path in paths.items()}
     if cfg.disaggregated and not cfg.decode_gates.plain:
-        from slimwise.gate_sidecar import GROUPED_FAMILIES
+        from slimwise.gate_sidecar import refuse_unservable
 
         for plan in plans.values():
-            if plan.family in GROUPED_FAMILIES:
-                raise SlimWiseError(f"--gates {cfg.gates} on --disaggregated: a {plan.family} router "
-                                    "selects within expert groups the pruned checkpoint no longer has; serve "
-                                    "colocated")
+            refuse_unservable(plan, cfg.decode_gates)
     if plans and Path(cfg.model, "config.json").is_file():
         config = AutoConfig.from_pretrained(cfg.model, local_files_only=True)
         for plan in plans.values():
