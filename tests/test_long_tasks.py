@@ -8,7 +8,7 @@ import re
 import pytest
 
 from slimwise.testbed import build_tokenizer
-from slimwise.testbed.long_tasks import LENGTHS, LONG_DOMAIN, LONG_FAMILIES, make_long_split
+from slimwise.testbed.long_tasks import LENGTHS, LONG_DOMAIN, LONG_FAMILIES, MIN_LENGTH, make_long_split
 from slimwise.testbed.tasks import EOS_TOKEN, FAMILIES, check_disjoint, grade
 
 
@@ -51,6 +51,13 @@ def test_length_control_answers_and_grading(length, tok):
         assert not grade(s, s.target.replace(f"#### {s.answer}", f"#### {s.answer}9") + EOS_TOKEN).correct
 
 
+@pytest.mark.parametrize("length", [MIN_LENGTH, MIN_LENGTH + 8])
+def test_shortest_prompts_still_decide_the_answer(length):
+    """Where only one or two items fit: the chain keeps both of its links, the examples pin the rule."""
+    for s in make_long_split("test", 30, length):
+        assert len(s.prompt) <= length and solve(s.family, s.prompt) == s.answer, s.prompt
+
+
 def test_determinism_and_disjoint_splits():
     a, b = make_long_split("calib", 5, 256, seed=3), make_long_split("calib", 5, 256, seed=3)
     assert [s.to_dict() for s in a] == [s.to_dict() for s in b]
@@ -66,4 +73,4 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown long task families"):
         make_long_split("test", 1, 256, families=["add"])
     with pytest.raises(ValueError, match="length"):
-        make_long_split("test", 1, 16)
+        make_long_split("test", 1, MIN_LENGTH - 1)

@@ -1,4 +1,4 @@
-"""Long-prompt task families: problems whose prompt (256 to 1,024 tokens) decides the answer.
+"""Long-prompt task families: problems whose prompt (up to 1,024 tokens) decides the answer.
 
 The families of `slimwise.testbed.tasks` have prompts of 9 to 36 tokens, so decode dominates every measurement
 and a full-model prefill has little to protect. These put the information in the prompt:
@@ -36,6 +36,7 @@ from slimwise.testbed.tasks import (
 LONG_DOMAIN = "long"
 #: the prompt lengths the measurement sweeps (characters; about as many tokens)
 LENGTHS = (64, 256, 512, 1024)
+MIN_LENGTH = 48
 LongFn = Callable[[random.Random, int], tuple[str, str, str]]
 LONG_FAMILIES: dict[str, LongFn] = {}
 
@@ -50,11 +51,12 @@ def register_long(name: str) -> Callable[[LongFn], LongFn]:
     return deco
 
 
-def _fill(head: str, items: list[str], tail: str, length: int) -> str:
-    """head + as many of `items` (one per line) as fit with tail in `length` characters (at least one)."""
+def _fill(head: str, items: list[str], tail: str, length: int, keep: int = 1) -> str:
+    """head + as many of `items` (one per line) as fit with tail in `length` characters (at least the first
+    `keep`: the ones the answer needs)."""
     body, size = [], len(head) + len(tail)
     for item in items:
-        if body and size + len(item) + 1 > length:
+        if len(body) >= keep and size + len(item) + 1 > length:
             break
         body.append(item)
         size += len(item) + 1
@@ -89,11 +91,11 @@ def gen_chain(rng: random.Random, length: int) -> tuple[str, str, str]:
     names = _names(rng, max(4, length // 4 + 3))
     a, b, c = names[:3]
     others = names[3:]
-    # distractor links never leave a, b or c, so the two hops from a are unique
+    # no distractor link starts at a, b or c, so the two hops from a are unique
     links = [f"{x}>{rng.choice(names)}" for x in others]
     links[:0] = [f"{a}>{b}", f"{b}>{c}"]
     tail = f"follow {a} twice\n"
-    kept = _fill("links:\n", links, tail, length).split("\n")[1:-2]
+    kept = _fill("links:\n", links, tail, length, keep=2).split("\n")[1:-2]
     rng.shuffle(kept)
     prompt = "links:\n" + "".join(line + "\n" for line in kept) + tail
     return prompt, _solution([f"{a}>{b}", f"{b}>{c}"], c), c
@@ -111,11 +113,14 @@ _RULES: dict[str, Callable[[str], str]] = {
 def gen_infer(rng: random.Random, length: int) -> tuple[str, str, str]:
     rule = rng.choice(sorted(_RULES))
     f = _RULES[rule]
-    words = _names(rng, max(3, length // 12 + 2), size=4)
-    query, examples = words[0], [f"in: {w} out: {f(w)}" for w in words[1:]]
-    tail = f"in: {query} out:\n"
-    prompt = _fill("", examples, tail, length)
-    return prompt, _solution([f"rule: {rule}"], f(query)), f(query)
+    while True:  # redrawn until the examples shown fit no other rule (short prompts show one or two)
+        words = _names(rng, max(3, length // 12 + 2), size=4)
+        query, examples = words[0], [f"in: {w} out: {f(w)}" for w in words[1:]]
+        tail = f"in: {query} out:\n"
+        prompt = _fill("", examples, tail, length)
+        shown = [w for w in words[1:] if f"in: {w} out: {f(w)}\n" in prompt]
+        if all(any(g(w) != f(w) for w in shown) for name, g in _RULES.items() if name != rule):
+            return prompt, _solution([f"rule: {rule}"], f(query)), f(query)
 
 
 def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
@@ -128,8 +133,9 @@ def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
     unknown = [n for n in names if n not in LONG_FAMILIES]
     if unknown:
         raise ValueError(f"unknown long task families {unknown}; known: {sorted(LONG_FAMILIES)}")
-    if length < 32:
-        raise ValueError(f"length must be >= 32 characters, got {length}")
+    if length < MIN_LENGTH:
+        raise ValueError(f"length must be >= {MIN_LENGTH} characters (what a chain's two links need), got "
+                         f"{length}")
     lo, hi = SPLIT_BUCKETS[split]
     samples = []
     for name in names:
