@@ -650,3 +650,49 @@ def test_killing_the_training_command_stops_its_ranks(tmp_path):
         for p in [*children, psutil.Process(proc.pid) if proc.poll() is None else None]:
             if p is not None and p.is_running():
                 p.kill()
+
+
+def test_continued_training_with_long_families_starts_from_the_model_and_cards_them(tmp_path, tok, capsys):
+    """`--init-from MODEL --override max_position_embeddings=1152 --family-weights lookup=1,chain=1`: the run
+    starts from MODEL's weights and tokenizer with the longer context, draws the weighted long families at
+    lengths up to --long-max-length (and no other long family), and its card evaluates them at every swept
+    length. A model of another backbone or an unknown family is refused before anything is written."""
+    from transformers import AutoModelForCausalLM
+
+    from slimwise.errors import SlimWiseError
+    from slimwise.testbed.evaluate import main as card_main
+    from slimwise.testbed.long_tasks import LENGTHS, MIN_LENGTH
+    from slimwise.testbed.train import step_samples
+
+    source = train(tiny_config(tmp_path / "src", max_steps=2))
+    cfg = tiny_config(tmp_path, max_steps=2, init_from=str(source), family_weights={"lookup": 1, "chain": 2},
+                      model_overrides={"max_position_embeddings": 1152}, long_max_length=200, seq_len=256,
+                      eval_n_per_family=1, heldout_n_per_family=0)
+    drawn = step_samples(cfg, 0)
+    long = [s for s in drawn if s.domain == "long"]
+    assert sorted(s.family for s in long) == ["chain", "chain", "lookup"]
+    assert all(MIN_LENGTH - 10 <= len(s.prompt) <= 200 for s in long)
+    assert {s.family for s in drawn} - {"lookup", "chain"} == set(FAMILIES)
+    assert [s.prompt for s in long] == [s.prompt for s in step_samples(cfg, 0) if s.domain == "long"]
+    start = build_model(cfg, tok)
+    assert start.config.max_position_embeddings == 1152
+    src_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    for (name, p), q in zip(start.state_dict().items(), src_model.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    out = train(cfg)
+    assert (out / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    assert card_main(["evaluate", str(out), "--dtype", "float32"]) == 0
+    ev = json.loads((out / "eval.json").read_text())
+    assert list(ev["long"]["lengths"]) == [str(n) for n in LENGTHS]
+    top = ev["long"]["lengths"][str(LENGTHS[-1])]
+    assert set(top["families"]) == {"lookup", "chain", "infer"} and top["max_prompt_tokens"] <= LENGTHS[-1]
+    card = (out / "README.md").read_text()
+    assert card.startswith("# testbed-a-long:") and "### Long prompts" in card
+    assert f"--init-from {source} --override max_position_embeddings=1152" in card
+    assert "Long-prompt bar of the issue: >= 80% at the longest length (1,024 characters" in card
+    capsys.readouterr()
+    with pytest.raises(SlimWiseError, match="is a qwen3_moe model; backbone c is qwen3_5_moe_text"):
+        train(tiny_config(tmp_path / "wrong", "c", init_from=str(source)))
+    with pytest.raises(SlimWiseError, match=r"unknown families \['lookups'\]"):
+        train(tiny_config(tmp_path / "typo", family_weights={"lookups": 1}))
+    assert not (tmp_path / "wrong").exists() and not (tmp_path / "typo").exists()

@@ -35,6 +35,7 @@ from slimwise.testbed.backbones import (
     count_parameters,
     moe_blocks,
 )
+from slimwise.testbed.long_tasks import LENGTHS, LONG_DOMAIN, LONG_FAMILIES, make_long_split
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
 from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
 
@@ -150,17 +151,19 @@ def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "tes
                    domain: str | None = None, *, seed: int = 0, batch_size: int = 32,
                    max_new_tokens: int | None = None, model=None, tokenizer=None,
                    dtype: str | torch.dtype = "auto", routing: bool = True, families: list[str] | None = None,
-                   progress: bool = False, examples: int = 2) -> dict:
+                   progress: bool = False, examples: int = 2, samples: list[Sample] | None = None) -> dict:
     """Greedy accuracy per family and per domain on a split, mean generated length, EOS share, routing load.
 
     Pass a model directory (loaded with stock transformers) or an already loaded `model` + `tokenizer`.
-    `max_new_tokens` defaults to 1.5x the longest target (EOS included) of the evaluated samples.
+    `max_new_tokens` defaults to 1.5x the longest target (EOS included) of the evaluated samples. `samples`
+    replaces the make_split draw (the long-prompt families: `evaluate_long`).
     """
     if model is None:
         model, tokenizer = load_trained(model_dir, dtype=dtype)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir)
-    samples = make_split(split, n_per_family, seed=seed, families=families, domain=domain)
+    if samples is None:
+        samples = make_split(split, n_per_family, seed=seed, families=families, domain=domain)
     longest = max(len(encode_sample(tokenizer, s)[1]) for s in samples)
     max_new = max_new_tokens or math.ceil(1.5 * longest)
     t0 = time.perf_counter()
@@ -185,13 +188,13 @@ def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "tes
             r["failures"].append({"prompt": s.prompt, "answer": s.answer, "output": g.text})
 
     fam_out = {}
-    for name in (f for f in FAMILIES if f in per):
+    for name in (f for f in [*FAMILIES, *LONG_FAMILIES] if f in per):
         r = per[name]
         fam_out[name] = {"domain": r["domain"], "n": r["n"], "accuracy": r["correct"] / r["n"],
                          "mean_tokens": r["tokens"] / r["n"], "eos_share": r["eos"] / r["n"],
                          "stopped_share": r["stopped"] / r["n"], "failures": r["failures"]}
     dom_out = {}
-    for d in DOMAINS:
+    for d in (*DOMAINS, LONG_DOMAIN):
         rows = [per[f] for f in fam_out if fam_out[f]["domain"] == d]
         if rows:
             n = sum(r["n"] for r in rows)
@@ -209,6 +212,32 @@ def evaluate_model(model_dir: str | os.PathLike | None = None, split: str = "tes
     if routing:
         result["routing"] = routing_load(model, tokenizer, samples, batch_size)
     return result
+
+
+def evaluate_long(model, tokenizer, n_per_family: int, lengths: Sequence[int] = LENGTHS, *, seed: int = 0,
+                  split: str = "test", batch_size: int = 16) -> dict:
+    """Greedy accuracy of the long-prompt families at each prompt length (`long_tasks.make_long_split`), with
+    the prompts' mean length in tokens. The model must hold the longest prompt plus its answer
+    (max_position_embeddings)."""
+    out: dict = {"split": split, "n_per_family": n_per_family, "seed": seed, "lengths": {}}
+    for length in lengths:
+        samples = make_long_split(split, n_per_family, length, seed=seed)
+        r = evaluate_model(samples=samples, model=model, tokenizer=tokenizer, batch_size=batch_size,
+                           routing=False, examples=1)
+        prompt_tokens = [len(encode_sample(tokenizer, s)[0]) for s in samples]
+        out["lengths"][str(length)] = {
+            "accuracy": r["accuracy"], "mean_tokens": r["mean_tokens"],
+            "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
+            "max_prompt_tokens": max(prompt_tokens),
+            "families": {f: {k: v for k, v in row.items() if k != "domain"}
+                         for f, row in r["families"].items()},
+        }
+    return out
+
+
+def trains_long(train_config: dict) -> bool:
+    """Whether a run's stream held the long-prompt families (their weights default to 0)."""
+    return any((train_config.get("family_weights") or {}).get(f, 0) > 0 for f in LONG_FAMILIES)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -326,7 +355,12 @@ def _training_fields(tc: dict, summary: dict, test: dict, hybrid: bool) -> dict:
         "muon": _part("muon") + " " if tc.get("optimizer", "adamw") == "muon" else "",
         "lr": tc["lr"], "betas": tuple(tc["betas"]), "weight_decay": tc["weight_decay"],
         "grad_clip": tc["grad_clip"], "warmup_steps": tc["warmup_steps"], "min_lr_ratio": tc["min_lr_ratio"],
-        "pair_init": _part("pair_init") if tc.get("pair_init") and tc.get("spaced_pairs", True) else "",
+        "init": (_part("init_from", source=tc["init_from"], overrides=tc.get("model_overrides") or "none")
+                 if tc.get("init_from") else
+                 _part("init_default", pair_init=_part("pair_init")
+                       if tc.get("pair_init") and tc.get("spaced_pairs", True) else "")),
+        "long_data": (_part("long_data", max_length=f"{tc.get('long_max_length', 1024):,}")
+                      if trains_long(tc) else ""),
         "linear_attention_kernel": kernel,
     }
 
@@ -379,6 +413,30 @@ def _evaluation_fields(test: dict, heldout: dict | None) -> dict:
     }
 
 
+#: The long-prompt bar: the full model's accuracy at the longest swept length, over the long families.
+LONG_BAR = 0.80
+
+
+def _long_section(long: dict | None) -> str:
+    """Accuracy per long family and prompt length, and the long-prompt bar at the longest length."""
+    if not long:
+        return ""
+    lengths = long["lengths"]
+    families = list(next(iter(lengths.values()))["families"])
+    rows = [f"| prompt length (characters) | mean prompt tokens | {' | '.join(families)} | all |",
+            "| --- | --- |" + " --- |" * (len(families) + 1)]
+    for length, r in lengths.items():
+        cells = " | ".join(_pct(r["families"][f]["accuracy"]) for f in families)
+        rows.append(f"| {int(length):,} | {r['mean_prompt_tokens']:,.0f} | {cells} | {_pct(r['accuracy'])} |")
+    longest = max(lengths, key=int)
+    top = lengths[longest]
+    return _paragraph("long_section", n=long["n_per_family"], table="\n".join(rows),
+                      longest=f"{int(longest):,}", tokens=f"{top['mean_prompt_tokens']:,.0f}",
+                      accuracy=_pct(top["accuracy"]),
+                      met="met" if top["accuracy"] >= LONG_BAR else "NOT met",
+                      long_below_bar=_part("long_below_bar") if top["accuracy"] < LONG_BAR else "")
+
+
 def _limitations(cfg: dict, test: dict, heldout: dict | None) -> str:
     items = []
     weak = [f for f, r in test["families"].items() if r["accuracy"] < 0.6]
@@ -428,7 +486,7 @@ def _routing_section(test: dict) -> str:
 
 
 def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
-                command: str, pruning: dict | None = None) -> dict:
+                command: str, pruning: dict | None = None, long: dict | None = None) -> dict:
     """Every field of the card template's `card` part, optional parts already rendered (or empty)."""
     from slimwise.embedded import EMBEDDED
 
@@ -445,6 +503,9 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
         "command": command,
         **_training_fields(tc, summary, test, hybrid),
         **_evaluation_fields(test, heldout),
+        "long_intro": (" " + _part("long_intro", source=tc.get("init_from") or "a fresh init",
+                             max_length=f"{tc.get('long_max_length', 1024):,}") if trains_long(tc) else ""),
+        "long_section": _long_section(long),
         "limitations": _limitations(cfg, test, heldout),
         "pruning": _pruning_section(pruning), "routing": _routing_section(test),
         "tokenizer_class": "PreTrainedTokenizerFast" if hybrid else "AutoTokenizer",
@@ -454,9 +515,9 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
 
 
 def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
-                command: str, pruning: dict | None = None) -> str:
+                command: str, pruning: dict | None = None, long: dict | None = None) -> str:
     """The model card (README.md) of a trained model directory: card.md.tmpl filled in with `card_fields`."""
-    fields = card_fields(out, name, train_config, summary, test, heldout, command, pruning)
+    fields = card_fields(out, name, train_config, summary, test, heldout, command, pruning, long)
     return _card_parts()["card"].substitute(fields) + "\n"
 
 
@@ -478,6 +539,8 @@ def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str |
         heldout = evaluate_model(out, "heldout", tc["heldout_n_per_family"], model=model, tokenizer=tok,
                                  batch_size=tc.get("eval_batch_size", 32))
     result = {"test": test, "heldout": heldout, "train": summary}
+    if trains_long(tc):
+        result["long"] = evaluate_long(model, tok, tc["eval_n_per_family"])
     atomic_write_text((out / "eval.json"), json.dumps(result, indent=2) + "\n")
     write_card(out, command)
     return result
@@ -489,10 +552,13 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     out = Path(out)
     tc = json.loads((out / "train_config.json").read_text())
     ev = json.loads((out / "eval.json").read_text())
-    name = CARD_NAMES.get(tc["backbone"], out.name)
+    name = card_name(tc, out)
     weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
     command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} "
                           f"--out {tc.get('out', out)} "
+                          + (f"--init-from {tc['init_from']} " if tc.get("init_from") else "")
+                          + "".join(f"--override {k}={json.dumps(v)} "
+                                    for k, v in (tc.get("model_overrides") or {}).items())
                           + (f"--minutes {tc['minutes']:g} " if tc.get("minutes") else "")
                           + (f"--max-steps {tc['max_steps']} " if tc.get("max_steps") else "")
                           + f"--seed {tc['seed']}"
@@ -508,11 +574,19 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                              if tc.get("optimizer", "adamw") != "adamw" else "")
                           + (f" --samples-per-family {tc['samples_per_family']}"
                              if tc.get("samples_per_family", 3) != 3 else "")
+                          + (f" --long-max-length {tc['long_max_length']}"
+                             if trains_long(tc) and tc.get("long_max_length", 1024) != 1024 else "")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"],
-                                                     command, ev.get("pruning")))
+                                                     command, ev.get("pruning"), ev.get("long")))
     return out / "README.md"
+
+
+def card_name(train_config: dict, out: Path) -> str:
+    """testbed-a|b|c, with "-long" for a run that trained the long-prompt families."""
+    base = CARD_NAMES.get(train_config["backbone"], out.name)
+    return f"{base}-long" if trains_long(train_config) and base in CARD_NAMES.values() else base
 
 
 def ship(run_dir: str | os.PathLike, name: str) -> Path:
@@ -538,7 +612,7 @@ def build_card_parser() -> argparse.ArgumentParser:
     c.add_argument("--pruning-report", help="report.json of `slimwise eval` on this model (target domain)")
     c.add_argument("--pruning-command", default="slimwise eval", help="the command that wrote the report")
     c.add_argument("--ship", metavar="NAME",
-                   help="then copy the model into the package as NAME (testbed-a|b|c)")
+                   help="then copy the model into the package as NAME (an embedded name, e.g. testbed-a)")
     e = sub.add_parser("evaluate", help="evaluate a trained model directory (a run with --no-eval) and write "
                                         "its eval.json and README.md")
     e.add_argument("model_dir")

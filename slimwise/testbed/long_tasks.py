@@ -20,6 +20,8 @@ train, calib and test never share a prompt.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 from collections.abc import Callable, Iterable
 
@@ -153,3 +155,21 @@ def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
         else:
             raise RuntimeError(f"{name}: only {len(seen)} distinct {split} problems at length {length}")
     return samples
+
+
+def draw_long_samples(family: str, n: int, seed: int, max_length: int, split: str = "train") -> list[Sample]:
+    """`n` samples of one long family for a training step: each at a prompt length drawn log-uniformly from
+    [MIN_LENGTH, max_length] characters, in the split's hash buckets. A pure function of its arguments.
+
+    Log-uniform, not uniform: a short prompt teaches the same retrieval as a long one at a fraction of the
+    tokens, so most samples are short and cheap, while every octave up to max_length still gets its share
+    (retrieval learnt only on short prompts does not reach longer ones)."""
+    if max_length < MIN_LENGTH:
+        raise ValueError(f"max_length must be >= {MIN_LENGTH} characters, got {max_length}")
+    rng = random.Random(f"slimwise-testbed-long-draw:{seed}:{split}:{family}")
+    out = []
+    for j in range(n):
+        length = round(math.exp(rng.uniform(math.log(MIN_LENGTH), math.log(max_length))))
+        sample = make_long_split(split, 1, length, seed=seed * 1_000 + j, families=[family])[0]
+        out.append(dataclasses.replace(sample, id=f"{split}-long-{family}-{length}-draw{j}"))
+    return out

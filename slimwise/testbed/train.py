@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -60,9 +60,10 @@ from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.models import is_hybrid
 from slimwise.options import add_dataclass_options, config_from_args
 from slimwise.testbed import cpu_parallel as dp
-from slimwise.testbed.backbones import backbone_config, moe_blocks
+from slimwise.testbed.backbones import BACKBONES, backbone_config, moe_blocks
 from slimwise.testbed.cpu_parallel import ThreadTuner
 from slimwise.testbed.fast_experts import FAST_EXPERTS
+from slimwise.testbed.long_tasks import LONG_FAMILIES, draw_long_samples
 from slimwise.testbed.muon import Muon, MuonAdamW, muon_parameters
 from slimwise.testbed.packed_linear_attention import packed_sequences, segment_aware_linear_attention
 from slimwise.testbed.tasks import FAMILIES, make_split
@@ -77,13 +78,17 @@ LOG_FILE = "train_log.jsonl"
 
 
 def step_samples(config: TrainConfig, step: int) -> list:
-    """The training samples of one step: a fresh make_split draw over every
-    family, shuffled (seeded by step)."""
+    """The training samples of one step: a fresh make_split draw over every family, and the long families
+    that have a weight, shuffled (seeded by step)."""
     seed = config.seed * 1_000_003 + step
     samples = []
     for name in FAMILIES:
         n = max(1, round(config.samples_per_family * config.family_weights.get(name, 1.0)))
         samples += make_split("train", n, seed=seed, families=[name])
+    for name in LONG_FAMILIES:  # only those given a weight: a stream without them is the earlier runs' stream
+        n = round(config.samples_per_family * config.family_weights.get(name, 0.0))
+        if n > 0:
+            samples += draw_long_samples(name, n, seed, config.long_max_length)
     random.Random(f"slimwise-train:{config.seed}:{step}").shuffle(samples)
     return samples
 
@@ -334,7 +339,8 @@ def save_state(path: Path, model, optimizer, config: TrainConfig, step: int, ela
     }, path)
 
 
-_ARCH_KEYS = ("backbone", "model_overrides", "seed", "samples_per_family", "family_weights", "seq_len")
+_ARCH_KEYS = ("backbone", "init_from", "model_overrides", "seed", "samples_per_family", "family_weights",
+              "long_max_length", "seq_len")
 
 
 def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
@@ -386,10 +392,15 @@ def build_model(config: TrainConfig, tokenizer) -> nn.Module:
     torch.manual_seed(config.seed)
     # documents the recipe
     overrides = {"router_aux_loss_coef": config.aux_loss_coef, **config.model_overrides}
-    model_config = backbone_config(config.backbone, tokenizer, **overrides)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
-    if config.pair_init:
-        tie_pair_rows(model, word_pairs(tokenizer))
+    if config.init_from:
+        src = init_dir(config)
+        model_config = AutoConfig.from_pretrained(src, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(src, config=model_config, dtype=torch.float32)
+    else:
+        model_config = backbone_config(config.backbone, tokenizer, **overrides)
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+        if config.pair_init:
+            tie_pair_rows(model, word_pairs(tokenizer))
     model.set_experts_implementation(config.experts_implementation)
     return model
 
@@ -423,10 +434,29 @@ def _built_tokenizer_dir(spaced_pairs: bool = True) -> Path:
     return path
 
 
-def prepare_tokenizer(out: Path, spaced_pairs: bool = True):
-    """Write the testbed tokenizer files into `out` and load them from there."""
-    src = _built_tokenizer_dir(spaced_pairs)
-    for f in sorted(src.iterdir()):
+def init_dir(config: TrainConfig) -> Path:
+    """The model directory `init_from` names (a path or an embedded name), checked against the backbone."""
+    from slimwise.embedded import embedded_model_dir
+
+    src = embedded_model_dir(config.init_from) or Path(config.init_from)
+    if not (src / "config.json").is_file():
+        raise SlimWiseError(f"--init-from {config.init_from}: no config.json there; pass a trained model "
+                            "directory or an embedded name")
+    model_type = json.loads((src / "config.json").read_text()).get("model_type")
+    expected = BACKBONES[config.backbone]["model_type"]
+    if model_type != expected:
+        raise SlimWiseError(f"--init-from {config.init_from} is a {model_type} model; backbone "
+                            f"{config.backbone} is {expected}")
+    return src
+
+
+def prepare_tokenizer(out: Path, spaced_pairs: bool = True, init_from: Path | None = None):
+    """Write the testbed tokenizer files into `out` (those of `init_from` when continuing a trained model)
+    and load them from there."""
+    src = init_from or _built_tokenizer_dir(spaced_pairs)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json") if init_from else ():
+        shutil.copy2(src / name, out / name)
+    for f in () if init_from else sorted(src.iterdir()):
         shutil.copy2(f, out / f.name)
     return load_tokenizer(out)
 
@@ -438,6 +468,12 @@ def train(config: TrainConfig) -> Path:
     """
     if config.ranks < 1:
         raise SlimWiseError(f"--ranks must be 1 or more, got {config.ranks}")
+    unknown = sorted(set(config.family_weights) - set(FAMILIES) - set(LONG_FAMILIES))
+    if unknown:
+        raise SlimWiseError(f"--family-weights: unknown families {unknown}; known: {sorted(FAMILIES)} and "
+                            f"the long ones {sorted(LONG_FAMILIES)}")
+    if config.init_from:
+        init_dir(config)
     if config.ranks > 1:
         Path(config.out).mkdir(parents=True, exist_ok=True)
         dp.spawn(_train_rank, config.ranks, config)
@@ -459,7 +495,8 @@ class _Progress:
 def _start_rank(lead: bool, config: TrainConfig, out: Path):
     """Tokenizer, model, optimizer and progress of one rank, resumed from the state file when asked; rank 0
     writes the tokenizer and train_config.json. The RNG is seeded before the state is restored."""
-    tokenizer = prepare_tokenizer(out, config.spaced_pairs) if lead else None
+    tokenizer = (prepare_tokenizer(out, config.spaced_pairs, init_dir(config) if config.init_from else None)
+                 if lead else None)
     dp.barrier()  # the other ranks read the files rank 0 wrote
     if tokenizer is None:
         tokenizer = load_tokenizer(out)

@@ -12,10 +12,10 @@ from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 
 #: the options before --no-eval, in the order --help lists them
-TRAIN_OPTIONS = ("backbone", "out", "minutes", "max_steps", "seed", "resume", "lr", "optimizer",
+TRAIN_OPTIONS = ("backbone", "out", "init_from", "minutes", "max_steps", "seed", "resume", "lr", "optimizer",
                  "samples_per_family", "row_groups", "packing", "seq_len", "family_weights",
-                 "model_overrides", "experts_implementation", "threads", "ranks", "eval_n_per_family",
-                 "heldout_n_per_family", "pair_init", "spaced_pairs")
+                 "long_max_length", "model_overrides", "experts_implementation", "threads", "ranks",
+                 "eval_n_per_family", "heldout_n_per_family", "pair_init", "spaced_pairs")
 
 
 def _family_weights(text: str) -> dict[str, float]:
@@ -42,6 +42,10 @@ class TrainConfig:
     # schedule length in steps (None: the time budget alone)
     max_steps: int | None = field(default=None, metadata={"type": int, "help": None})
     seed: int = field(default=0, metadata={"type": int, "help": None})
+    # continued training: the weights, config and tokenizer of a trained model of the same backbone, with
+    # --override applied to its config (e.g. a longer max_position_embeddings)
+    init_from: str | None = field(default=None, metadata={
+        "help": "start from this trained model directory (or embedded name) instead of a fresh init"})
     resume: bool = field(default=False, metadata={"help": "continue from OUT/train_state.pt"})
     model_overrides: dict = field(default_factory=dict, metadata={  # backbone config fields (tests, sweeps)
         "flag": "--override", "action": "append", "convert": _model_overrides,
@@ -52,6 +56,10 @@ class TrainConfig:
     # multipliers of samples_per_family, per family
     family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS), metadata={
         "convert": _family_weights, "help": "e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)"})
+    # long-prompt families (long_tasks.LONG_FAMILIES) join the stream when --family-weights gives them a
+    # weight; each sample's prompt length is drawn from [MIN_LENGTH, long_max_length] characters
+    long_max_length: int = field(default=1024, metadata={
+        "type": integer(1), "help": "longest long-family prompt in the training stream, in characters"})
     seq_len: int = field(default=256, metadata={
         "type": integer(1),
         "help": "packed row length in tokens (at least the longest sample: 140 in the train split)"})
