@@ -6,7 +6,9 @@ from pathlib import Path
 
 CHECKPOINTS = Path(__file__).parent / "testbed" / "checkpoints"
 #: name -> directory under slimwise/testbed/checkpoints
-EMBEDDED = {"testbed-a": "qwen3moe-a", "testbed-b": "qwen2moe-b", "testbed-c": "qwen3_5moe-c"}
+EMBEDDED = {"testbed-a": "qwen3moe-a", "testbed-b": "qwen2moe-b", "testbed-c": "qwen3_5moe-c",
+            # testbed-a continued on the long-prompt families (slimwise.testbed.long_tasks), 1,152 positions
+            "testbed-a-long": "qwen3moe-a-long"}
 
 
 def embedded_model_dir(name: str) -> Path | None:

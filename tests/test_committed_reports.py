@@ -23,7 +23,7 @@ CHECKPOINTS = sorted(p for p in (ROOT / "slimwise" / "testbed" / "checkpoints").
 
 
 def test_there_is_something_to_compare():
-    assert len(EVAL_REPORTS) >= 9 and len(BENCH_REPORTS) >= 10 and len(CHECKPOINTS) == 3
+    assert len(EVAL_REPORTS) >= 9 and len(BENCH_REPORTS) >= 10 and len(CHECKPOINTS) == 4
 
 
 @pytest.mark.parametrize("path", EVAL_REPORTS, ids=lambda p: str(p.parent.relative_to(RESULTS)))
@@ -82,3 +82,17 @@ def test_frontier_table_rerenders_with_its_pareto_marks():
         for i, (x, y) in enumerate(points):
             if i not in front:
                 assert any(x2 >= x and y2 >= y for j, (x2, y2) in enumerate(points) if j != i)
+
+
+def test_long_prompts_table_rerenders_and_states_its_paired_figures():
+    """docs/results/long-prompts.md from its committed reports; and its headline differences recomputed from
+    the per-problem answers by another route (plain means) than the report's bootstrap."""
+    from experiments.long_prompts import comparisons, markdown
+
+    reports = json.loads((RESULTS / "long-prompts" / "reports.json").read_text())
+    assert markdown(reports) + "\n" == (RESULTS / "long-prompts.md").read_text()
+    for report in reports:
+        for e in comparisons(report):
+            row = report["ratios"][str(e["ratio"])]
+            sw, un = row["slimwise"][str(e["length"])]["correct"], row["uniform"][str(e["length"])]["correct"]
+            assert e["slimwise_vs_uniform"]["diff"] == pytest.approx((sum(sw) - sum(un)) / len(sw))
