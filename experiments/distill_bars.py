@@ -112,6 +112,16 @@ def evaluate_run(engine: PhaseSplitEngine, samples: list, mode: str, config: Bar
     return result
 
 
+def distill_delta(model, plan, prompts: list[str], tok, config: DistillConfig, mode: str, teacher,
+                  path: Path) -> Delta:
+    """One delta of `mode` ("slimwise" or the "uniform" baseline) on the shared teacher data, saved to
+    `path`."""
+    cfg = DistillConfig(**(asdict(config) | {"mode": mode, "progress": False}))
+    delta = distill(model, plan, prompts, tok, cfg, teacher=teacher)
+    delta.save(path, force=True)
+    return delta
+
+
 def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
     """Full / uniform / SlimWise / distilled / uniform-distilled on the target domain's test and held-out
     splits."""
@@ -159,9 +169,8 @@ def run_bars(model_name: str, out_dir: str | Path, config: BarsConfig) -> dict:
             }
         engine.close()
         for mode, label in (("slimwise", "distilled"), ("uniform", "uniform_distilled")):
-            cfg = DistillConfig(**(asdict(config.distill) | {"mode": mode, "progress": False}))
-            delta = distill(model, plan, distill_prompts, tok, cfg, teacher=teacher)
-            delta.save(out / f"delta-{label}-{ratio}", force=True)
+            delta = distill_delta(model, plan, distill_prompts, tok, config.distill, mode, teacher,
+                                  out / f"delta-{label}-{ratio}")
             engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
             row[label] = {name: evaluate_run(engine, s, "distilled", config, reference[name])
                           for name, s in splits.items()}

@@ -1,0 +1,326 @@
+"""Where full-model prefill pays: full / uniform / SlimWise / uniform-distilled / SlimWise-distilled on the
+long-prompt families (`slimwise.testbed.long_tasks`) as the prompt grows.
+
+An experiment, not library code: nothing in `slimwise/` imports it. It regenerates
+docs/results/long-prompts.md:
+  python -m experiments.long_prompts run testbed-a-long --out runs/long-prompts/testbed-a-long
+  python -m experiments.long_prompts run testbed-c-long --out runs/long-prompts/testbed-c-long
+  python -m experiments.long_prompts report runs/long-prompts/*/report.json --out docs/results/long-prompts
+
+Per backbone: REAP plans from decode-phase calibration on the long families' calib split (every swept length);
+the test split at each prompt length, the same problems for every mode, so every difference is paired. Uniform
+prunes prefill and decode; SlimWise prefills with the full model and decodes pruned; the two distilled modes
+train the same decode-only delta recipe on long calib prompts (distinct from the calibration and test ones),
+SlimWise's on the full prefill, the uniform baseline's on the pruned prefill (prefill trained too). A run
+resumes: the report is written after each ratio and a finished ratio is not run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from experiments.distill_bars import BarsConfig, distill_delta, evaluate_run
+from slimwise.distill import DistillConfig, build_teacher
+from slimwise.engines.reference import PhaseSplitEngine
+from slimwise.evaluation.metrics import paired_difference
+from slimwise.io import atomic_write_text
+from slimwise.testbed.long_tasks import LENGTHS, make_long_split
+
+MODES = ("uniform", "slimwise", "uniform_distilled", "distilled")
+LABELS = {"full": "full", "uniform": "uniform", "slimwise": "SlimWise",
+          "uniform_distilled": "uniform-distilled", "distilled": "SlimWise-distilled"}
+
+
+@dataclass
+class LongConfig:
+    ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
+    lengths: tuple[int, ...] = LENGTHS
+    test_per_family: int = 50  # per length: 150 problems per length, 600 per mode
+    calib_per_family: int = 8  # per length
+    calib_max_new_tokens: int = 32
+    distill_per_family: int = 100  # per length, drawn with another seed than calibration's prompts
+    max_new_tokens: int = 48  # the longest worked target is about 20 tokens
+    batch_size: int = 16
+    threads: int = 2
+    seed: int = 0
+    distilled: bool = True
+    distill: DistillConfig = field(default_factory=lambda: DistillConfig(max_minutes=7.0, max_new_tokens=32))
+
+
+def _bars(config: LongConfig) -> BarsConfig:
+    return BarsConfig(max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
+
+
+def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
+    """Every mode at every ratio and prompt length on one backbone; writes report.json after each ratio."""
+    from slimwise.calibrate import CalibrationConfig, calibrate
+    from slimwise.criteria import plan_from_stats
+    from slimwise.models import load_model, load_tokenizer
+
+    torch.set_num_threads(config.threads)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    if report and report.get("config") != json.loads(json.dumps(asdict(config))):
+        raise SystemExit(f"{path} was written with another configuration: pass another --out")
+    report |= {"model": model_name, "config": asdict(config), "machine": _lscpu()}
+    report.setdefault("ratios", {})
+    model = load_model(model_name, dtype="float32")
+    tok = load_tokenizer(model_name)
+    tests = {str(n): make_long_split("test", config.test_per_family, n, seed=config.seed)
+             for n in config.lengths}
+    bars = _bars(config)
+    if "full" not in report:
+        engine = PhaseSplitEngine(model, tok)
+        report["full"] = {n: evaluate_run(engine, s, "full", bars)
+                          for n, s in tqdm(tests.items(), desc="full")}
+        engine.close()
+        _write(out, report)
+    reference = {n: r["token_ids"] for n, r in report["full"].items()}
+    calib = [s.prompt for n in config.lengths
+             for s in make_long_split("calib", config.calib_per_family, n, seed=config.seed)]
+    stats = calibrate(model, calib, tok, CalibrationConfig(phase="decode",
+                                                           max_new_tokens=config.calib_max_new_tokens),
+                      progress=False)
+    # another seed than calibration's: distillation, calibration and test never share a prompt
+    distill_prompts = [s.prompt for n in config.lengths
+                       for s in make_long_split("calib", config.distill_per_family, n, seed=config.seed + 1)]
+    distill_prompts = [p for p in distill_prompts if p not in set(calib)]
+    teacher = None
+    for ratio in config.ratios:
+        if str(ratio) in report["ratios"]:
+            continue
+        plan = plan_from_stats(stats, "reap", ratio)
+        plan.save(out / f"plan-{ratio}.json")
+        row: dict = {}
+        engine = PhaseSplitEngine(model, tok, plan=plan)
+        for mode in ("uniform", "slimwise"):
+            row[mode] = {n: evaluate_run(engine, s, mode, bars, reference[n])
+                         for n, s in tqdm(tests.items(), desc=f"{ratio} {mode}")}
+        engine.close()
+        if config.distilled:
+            if teacher is None:  # depends on the model and the prompts only: one for every ratio and mode
+                teacher = build_teacher(model, distill_prompts, tok,
+                                        DistillConfig(**(asdict(config.distill) | {"progress": False})))
+            for mode, label in (("uniform", "uniform_distilled"), ("slimwise", "distilled")):
+                delta = distill_delta(model, plan, distill_prompts, tok, config.distill, mode, teacher,
+                                      out / f"delta-{label}-{ratio}")
+                engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
+                row[label] = {n: evaluate_run(engine, s, "distilled", bars, reference[n])
+                              for n, s in tqdm(tests.items(), desc=f"{ratio} {label}")}
+                row[label]["distill"] = {k: delta.manifest[k]
+                                         for k in ("seconds", "steps", "trainable_params")}
+                engine.close()
+        report["ratios"][str(ratio)] = row
+        _write(out, report)
+        tqdm.write(f"{model_name} {ratio}: " + "; ".join(
+            f"{LABELS[m]} " + "/".join(f"{row[m][n]['accuracy']:.0f}" for n in tests) for m in row))
+    return report
+
+
+def _lscpu() -> str:
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        return "lscpu unavailable"
+    keep = ("Model name", "CPU family", "Model:", "CPU(s):", "Flags")
+    lines = [line for line in text.splitlines() if line.startswith(keep)]
+    def short(line: str) -> str:  # the vector and matrix extensions are what the figures depend on
+        if not line.startswith("Flags"):
+            return " ".join(line.split())
+        return "Flags: " + " ".join(f for f in line.split() if f.startswith(("avx", "amx")))
+
+    return "\n".join(short(line) for line in lines)
+
+
+def _write(out: Path, report: dict) -> None:
+    atomic_write_text(out / "report.json", json.dumps(report, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Report
+
+
+def _pp(d: dict) -> str:
+    return f"{100 * d['diff']:+.1f} [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]"
+
+
+def comparisons(report: dict) -> list[dict]:
+    """Per ratio and length: each mode's accuracy, length and KL, and the paired differences the question
+    turns on (full prefill against pruned prefill, without and with distillation; each mode against full)."""
+    rows = []
+    for ratio, row in report["ratios"].items():
+        for n, full in report["full"].items():
+            entry = {"ratio": float(ratio), "length": int(n), "full": full["accuracy"],
+                     "full_length": full["mean_length"]}
+            for mode in MODES:
+                if mode not in row:
+                    continue
+                r = row[mode][n]
+                entry[mode] = {"accuracy": r["accuracy"], "mean_length": r["mean_length"], "kl": r.get("kl"),
+                               "vs_full": paired_difference(r["correct"], full["correct"])}
+            if "slimwise" in entry:
+                entry["slimwise_vs_uniform"] = paired_difference(row["slimwise"][n]["correct"],
+                                                                 row["uniform"][n]["correct"])
+            if "distilled" in entry:
+                entry["distilled_vs_uniform_distilled"] = paired_difference(
+                    row["distilled"][n]["correct"], row["uniform_distilled"][n]["correct"])
+            rows.append(entry)
+    return rows
+
+
+def _distill_line(report: dict) -> list[str]:
+    d = report.get("distill_config")
+    if not d:
+        return []
+    cfg = report["config"]
+    params = "+".join(d["params"])
+    steps = [f"{float(ratio):.0%} uniform-distilled {row['uniform_distilled']['distill']['steps']}, "
+             f"SlimWise-distilled {row['distilled']['distill']['steps']}"
+             for ratio, row in report["ratios"].items() if "distilled" in row]
+    return [f"Distilled: `slimwise distill`'s recipe ({params}, LoRA rank {d['lora_rank']}, up to "
+            f"{d['steps']} steps of {d['batch_size']} prompts, capped at {d['max_minutes']:g} min per delta) "
+            f"on {cfg['distill_per_family']} calib problems per family and length (another seed than the "
+            f"calibration's), the full model's continuations of up to {d['max_new_tokens']} tokens as the "
+            "teacher. Steps done within the cap (the uniform student backpropagates through the pruned "
+            "prefill of the whole prompt, SlimWise's only through its decode steps, so an equal wall-clock "
+            "budget is not an equal number of steps): " + "; ".join(steps) + ".", ""]
+
+
+def markdown(reports: Sequence[dict]) -> str:
+    lines = ["# Long prompts: full prefill against pruned prefill as the prompt grows", "",
+             "Generated by `python -m experiments.long_prompts report` from the reports below; accuracy "
+             "in %, paired differences in points with 95% bootstrap intervals over the same problems.", ""]
+    for report in reports:
+        cfg = report["config"]
+        lines += [f"## {report['model']}", "",
+                  f"{cfg['test_per_family']} test problems per family and length (lookup, chain, infer), "
+                  f"greedy, max {cfg['max_new_tokens']} new tokens; REAP plans from decode-phase calibration "
+                  f"on {cfg['calib_per_family']} calib problems per family and length. Machine: "
+                  + report["machine"].replace("\n", "; ") + ".", "", *_distill_line(report),
+                  "| ratio | prompt chars | full | uniform | SlimWise | SlimWise - uniform | "
+                  "uniform-distilled | SlimWise-distilled | distilled - uniform-distilled |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for e in comparisons(report):
+            def acc(m: str, e: dict = e) -> str:
+                return f"{e[m]['accuracy']:.1f}" if m in e else "-"
+
+            def diff(key: str, e: dict = e) -> str:
+                return _pp(e[key]) if key in e else "-"
+
+            lines.append(f"| {e['ratio']:.0%} | {e['length']:,} | {e['full']:.1f} | {acc('uniform')} | "
+                         f"{acc('slimwise')} | {diff('slimwise_vs_uniform')} | {acc('uniform_distilled')} | "
+                         f"{acc('distilled')} | {diff('distilled_vs_uniform_distilled')} |")
+        lines += ["", "Generated length (mean tokens) and KL(full || mode) per token over the full model's "
+                  "continuations:", "",
+                  "| ratio | prompt chars | full length | "
+                  + " | ".join(f"{LABELS[m]} length / KL" for m in MODES) + " |",
+                  "|---|---|---|" + "---|" * len(MODES)]
+        for e in comparisons(report):
+            cells = [f"{e[m]['mean_length']:.1f} / {e[m]['kl']:.3f}" if m in e else "-" for m in MODES]
+            lines.append(f"| {e['ratio']:.0%} | {e['length']:,} | {e['full_length']:.1f} | "
+                         + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(reports: Sequence[dict], path: Path) -> None:
+    """Accuracy against prompt length, one panel per backbone and ratio, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = sorted({float(r) for rep in reports for r in rep["ratios"]})
+    fig, axes = plt.subplots(len(reports), len(ratios), figsize=(4 * len(ratios), 3.2 * len(reports)),
+                             squeeze=False, sharey=True)
+    for i, report in enumerate(reports):
+        lengths = [int(n) for n in report["full"]]
+        for j, ratio in enumerate(ratios):
+            ax = axes[i][j]
+            ax.plot(lengths, [report["full"][str(n)]["accuracy"] for n in lengths], "k-o", label="full")
+            row = report["ratios"].get(str(ratio), {})
+            for mode, style in zip(MODES, ("C0--s", "C1-s", "C0:^", "C1-^"), strict=True):
+                if mode in row:
+                    ax.plot(lengths, [row[mode][str(n)]["accuracy"] for n in lengths], style,
+                            label=LABELS[mode])
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.set_title(f"{report['model']}, {ratio:.0%} pruned", fontsize=9)
+            ax.set_xlabel("prompt length (characters)")
+            if j == 0:
+                ax.set_ylabel("accuracy (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def merge(reports: Sequence[dict]) -> list[dict]:
+    """One report per model: runs of the same model (say all ratios training-free, then one ratio distilled)
+    share its full-model runs, which must agree; a ratio keeps the run with the most modes."""
+    merged: dict[str, dict] = {}
+    for rep in reports:
+        into = merged.setdefault(rep["model"], {**rep, "ratios": {}})
+        if any(into["full"][n]["correct"] != rep["full"][n]["correct"] for n in rep["full"]):
+            raise SystemExit(f"{rep['model']}: two reports disagree on the full model's answers")
+        for ratio, row in rep["ratios"].items():
+            if len(row) >= len(into["ratios"].get(ratio, {})):
+                into["ratios"][ratio] = row
+                if any(m in row for m in ("distilled", "uniform_distilled")):
+                    into["distill_config"] = rep["config"]["distill"]
+    return [dict(rep, ratios=dict(sorted(rep["ratios"].items(), key=lambda kv: float(kv[0]))))
+            for rep in merged.values()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.long_prompts")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="every mode, ratio and prompt length on one backbone")
+    r.add_argument("model")
+    r.add_argument("--out", required=True)
+    r.add_argument("--ratios", default="0.25,0.5,0.75")
+    r.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    r.add_argument("--test-per-family", type=int, default=LongConfig.test_per_family)
+    r.add_argument("--calib-per-family", type=int, default=LongConfig.calib_per_family)
+    r.add_argument("--distill-per-family", type=int, default=LongConfig.distill_per_family)
+    r.add_argument("--no-distill", action="store_true")
+    r.add_argument("--distill-minutes", type=float, default=7.0)
+    r.add_argument("--threads", type=int, default=2)
+    g = sub.add_parser("report", help="tables and plot from finished reports")
+    g.add_argument("reports", nargs="+")
+    g.add_argument("--out", required=True, help="writes OUT.md and OUT/accuracy_vs_length.png")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        config = LongConfig(ratios=tuple(float(x) for x in args.ratios.split(",")),
+                            lengths=tuple(int(x) for x in args.lengths.split(",")),
+                            test_per_family=args.test_per_family, calib_per_family=args.calib_per_family,
+                            distill_per_family=args.distill_per_family, distilled=not args.no_distill,
+                            threads=args.threads,
+                            distill=DistillConfig(max_minutes=args.distill_minutes, max_new_tokens=32))
+        run(args.model, args.out, config)
+        return 0
+    reports = merge([json.loads(Path(x).read_text()) for x in args.reports])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for report in reports:  # the committed copies keep what the tables need, not every token id
+        for by_length in report["full"].values():
+            by_length.pop("token_ids", None)
+    atomic_write_text(out.with_suffix(".md"), markdown(reports) + "\n")
+    plot(reports, out / "accuracy_vs_length.png")
+    atomic_write_text(out / "reports.json", json.dumps(reports, indent=1) + "\n")
+    print(out.with_suffix(".md"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
