@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from experiments.distill_bars import BarsConfig, distill_delta, evaluate_run
 from slimwise.distill import DistillConfig, build_teacher
 from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.evaluation.metrics import paired_difference
+from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text
 from slimwise.testbed.long_tasks import LENGTHS, make_long_split
 
@@ -72,7 +72,7 @@ def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
     report = json.loads(path.read_text()) if path.is_file() else {}
     if report and report.get("config") != json.loads(json.dumps(asdict(config))):
         raise SystemExit(f"{path} was written with another configuration: pass another --out")
-    report |= {"model": model_name, "config": asdict(config), "machine": _lscpu()}
+    report |= {"model": model_name, "config": asdict(config), "machine": _machine()}
     report.setdefault("ratios", {})
     model = load_model(model_name, dtype="float32")
     tok = load_tokenizer(model_name)
@@ -94,7 +94,8 @@ def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
     # another seed than calibration's: distillation, calibration and test never share a prompt
     distill_prompts = [s.prompt for n in config.lengths
                        for s in make_long_split("calib", config.distill_per_family, n, seed=config.seed + 1)]
-    distill_prompts = [p for p in distill_prompts if p not in set(calib)]
+    calib_set = set(calib)
+    distill_prompts = [p for p in distill_prompts if p not in calib_set]
     teacher = None
     for ratio in config.ratios:
         if str(ratio) in report["ratios"]:
@@ -127,19 +128,8 @@ def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
     return report
 
 
-def _lscpu() -> str:
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        return "lscpu unavailable"
-    keep = ("Model name", "CPU family", "Model:", "CPU(s):", "Flags")
-    lines = [line for line in text.splitlines() if line.startswith(keep)]
-    def short(line: str) -> str:  # the vector and matrix extensions are what the figures depend on
-        if not line.startswith("Flags"):
-            return " ".join(line.split())
-        return "Flags: " + " ".join(f for f in line.split() if f.startswith(("avx", "amx")))
-
-    return "\n".join(short(line) for line in lines)
+def _machine() -> str:
+    return f"{machine_line()}; ISA {', '.join(describe()['isa'])}"
 
 
 def _write(out: Path, report: dict) -> None:
@@ -206,7 +196,7 @@ def markdown(reports: Sequence[dict]) -> str:
                   f"{cfg['test_per_family']} test problems per family and length (lookup, chain, infer), "
                   f"greedy, max {cfg['max_new_tokens']} new tokens; REAP plans from decode-phase calibration "
                   f"on {cfg['calib_per_family']} calib problems per family and length. Machine: "
-                  + report["machine"].replace("\n", "; ") + ".", "", *_distill_line(report),
+                  + report["machine"] + ".", "", *_distill_line(report),
                   "| ratio | prompt chars | full | uniform | SlimWise | SlimWise - uniform | "
                   "uniform-distilled | SlimWise-distilled | distilled - uniform-distilled |",
                   "|---|---|---|---|---|---|---|---|---|"]

@@ -63,6 +63,7 @@ def pruning_regime(report: dict, source: str, command: str) -> dict:
                                                                   "length_mean": full["length_mean"]},
                  "n": len(full["correct"]), "phases": {}}
     runs = report["runs"]
+    out["criteria"] = sorted({r["criterion"] for r in runs})
     for phase in sorted({r["phase"] for r in runs}):
         at50 = [r for r in runs if r["phase"] == phase and r["mode"] == "uniform"
                 and abs(r["ratio"] - 0.5) < 1e-9]
@@ -449,6 +450,9 @@ def _limitations(cfg: dict, test: dict, heldout: dict | None) -> str:
     return "\n".join(items)
 
 
+_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four"}
+
+
 def _pruning_section(pruning: dict | None) -> str:
     """Uniform vs SlimWise accuracy and length per calibration phase and ratio, then each phase's verdict."""
     if not pruning:
@@ -469,7 +473,9 @@ def _pruning_section(pruning: dict | None) -> str:
                           change=f"{ph['uniform50_length_change_pct']:+.1f}",
                           verdict=_part("in_band" if ph["in_band"] else "not_in_band")))
     full = pruning["full"]
-    return _paragraph("pruning", n=pruning["n"], full_accuracy=_pct(full["accuracy"]),
+    count = len(pruning["criteria"])
+    return _paragraph("pruning", criteria=_COUNT_WORDS.get(count, str(count)), n=pruning["n"],
+                      full_accuracy=_pct(full["accuracy"]),
                       full_length=f"{full['length_mean']:.1f}", source=pruning["source"],
                       command=pruning["command"], rows="\n".join(rows))
 

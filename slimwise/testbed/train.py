@@ -71,6 +71,7 @@ from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_toke
 from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
 
 STATE_FILE = "train_state.pt"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LOG_FILE = "train_log.jsonl"
 
 # --------------------------------------------------------------------------------------------------------
@@ -453,11 +454,13 @@ def init_dir(config: TrainConfig) -> Path:
 def prepare_tokenizer(out: Path, spaced_pairs: bool = True, init_from: Path | None = None):
     """Write the testbed tokenizer files into `out` (those of `init_from` when continuing a trained model)
     and load them from there."""
-    src = init_from or _built_tokenizer_dir(spaced_pairs)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json") if init_from else ():
+    if init_from:  # a model directory holds more than the tokenizer
+        src, names = init_from, TOKENIZER_FILES
+    else:
+        src = _built_tokenizer_dir(spaced_pairs)
+        names = tuple(f.name for f in sorted(src.iterdir()))
+    for name in names:
         shutil.copy2(src / name, out / name)
-    for f in () if init_from else sorted(src.iterdir()):
-        shutil.copy2(f, out / f.name)
     return load_tokenizer(out)
 
 
