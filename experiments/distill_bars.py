@@ -60,10 +60,12 @@ def teacher_forced_fidelity(
     continuations: list[list[int]],
     mode: str,
     batch_size: int = 32,
-) -> dict[str, float]:
+) -> dict:
     """Mean KL(full || mode) and argmax disagreement (%) per token over the full model's continuations: a
-    low-noise view of what accuracy on a few hundred problems shows noisily."""
+    low-noise view of what accuracy on a few hundred problems shows noisily. `kl_per_problem`: each
+    continuation's mean KL per token, in prompt order, for paired intervals between modes."""
     kl = flips = count = 0.0
+    per_problem: list[float] = []
     for start in range(0, len(prompts), batch_size):
         p, c = prompts[start:start + batch_size], continuations[start:start + batch_size]
         width = max(len(x) for x in c)
@@ -74,10 +76,12 @@ def teacher_forced_fidelity(
             parts.append(continue_on_cache(engine, mode, cache, attention, positions, c, width))
         student = torch.cat(parts, dim=1)
         valid = torch.arange(width)[None, :] < torch.tensor([len(x) for x in c])[:, None]
-        kl += float((divergence(teacher, student) * valid).sum())
+        token_kl = divergence(teacher, student) * valid
+        kl += float(token_kl.sum())
+        per_problem += [round(x, 6) for x in (token_kl.sum(1) / valid.sum(1).clamp(min=1)).tolist()]
         flips += float(((teacher.argmax(-1) != student.argmax(-1)) & valid).sum())
         count += float(valid.sum())
-    return {"kl": kl / count, "flip_pct": 100 * flips / count}
+    return {"kl": kl / count, "flip_pct": 100 * flips / count, "kl_per_problem": per_problem}
 
 
 def evaluate_run(engine: PhaseSplitEngine, samples: list, mode: str, config: BarsConfig,

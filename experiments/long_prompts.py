@@ -12,7 +12,9 @@ the test split at each prompt length, the same problems for every mode, so every
 prunes prefill and decode; SlimWise prefills with the full model and decodes pruned; the two distilled modes
 train the same decode-only delta recipe on long calib prompts (distinct from the calibration and test ones),
 SlimWise's on the full prefill, the uniform baseline's on the pruned prefill (prefill trained too). A run
-resumes: the report is written after each ratio and a finished ratio is not run again.
+resumes: the report is written after each ratio and a finished ratio is not run again. The deltas train
+under a wall-clock cap (`--distill-minutes`, the same time for both students) or for `--distill-steps` each
+(the same steps).
 """
 
 from __future__ import annotations
@@ -158,12 +160,15 @@ def comparisons(report: dict) -> list[dict]:
                 r = row[mode][n]
                 entry[mode] = {"accuracy": r["accuracy"], "mean_length": r["mean_length"], "kl": r.get("kl"),
                                "vs_full": paired_difference(r["correct"], full["correct"])}
-            if "slimwise" in entry:
-                entry["slimwise_vs_uniform"] = paired_difference(row["slimwise"][n]["correct"],
-                                                                 row["uniform"][n]["correct"])
-            if "distilled" in entry:
-                entry["distilled_vs_uniform_distilled"] = paired_difference(
-                    row["distilled"][n]["correct"], row["uniform_distilled"][n]["correct"])
+            for key, a, b in (("slimwise_vs_uniform", "slimwise", "uniform"),
+                              ("distilled_vs_uniform_distilled", "distilled", "uniform_distilled")):
+                if a not in entry:
+                    continue
+                ra, rb = row[a][n], row[b][n]
+                entry[key] = paired_difference(ra["correct"], rb["correct"])
+                entry[f"{key}_length"] = paired_difference(ra["lengths"], rb["lengths"])
+                if "kl_per_problem" in ra and "kl_per_problem" in rb:  # reports from before it: no interval
+                    entry[f"{key}_kl"] = paired_difference(ra["kl_per_problem"], rb["kl_per_problem"])
             rows.append(entry)
     return rows
 
@@ -177,13 +182,22 @@ def _distill_line(report: dict) -> list[str]:
     steps = [f"{float(ratio):.0%} uniform-distilled {row['uniform_distilled']['distill']['steps']}, "
              f"SlimWise-distilled {row['distilled']['distill']['steps']}"
              for ratio, row in report["ratios"].items() if "distilled" in row]
-    return [f"Distilled: `slimwise distill`'s recipe ({params}, LoRA rank {d['lora_rank']}, up to "
-            f"{d['steps']} steps of {d['batch_size']} prompts, capped at {d['max_minutes']:g} min per delta) "
-            f"on {cfg['distill_per_family']} calib problems per family and length (another seed than the "
+    head = (f"Distilled: `slimwise distill`'s recipe ({params}, LoRA rank {d['lora_rank']}, ")
+    tail = (f"on {cfg['distill_per_family']} calib problems per family and length (another seed than the "
             f"calibration's), the full model's continuations of up to {d['max_new_tokens']} tokens as the "
-            "teacher. Steps done within the cap (the uniform student backpropagates through the pruned "
-            "prefill of the whole prompt, SlimWise's only through its decode steps, so an equal wall-clock "
-            "budget is not an equal number of steps): " + "; ".join(steps) + ".", ""]
+            "teacher.")
+    if d["max_minutes"] is None:  # --distill-steps: both students train the same number of steps
+        return [head + f"{d['steps']} steps of {d['batch_size']} prompts for each delta, no time cap) " + tail
+                + " Equal steps, not equal time: the uniform student backpropagates through the pruned "
+                "prefill of the whole prompt, SlimWise's only through its decode steps. Seconds per delta: "
+                + "; ".join(f"{float(ratio):.0%} uniform-distilled "
+                            f"{row['uniform_distilled']['distill']['seconds']:.0f}, SlimWise-distilled "
+                            f"{row['distilled']['distill']['seconds']:.0f}"
+                            for ratio, row in report["ratios"].items() if "distilled" in row) + ".", ""]
+    return [head + f"up to {d['steps']} steps of {d['batch_size']} prompts, capped at {d['max_minutes']:g} "
+            "min per delta) " + tail + " Steps done within the cap (the uniform student backpropagates "
+            "through the pruned prefill of the whole prompt, SlimWise's only through its decode steps, so an "
+            "equal wall-clock budget is not an equal number of steps): " + "; ".join(steps) + ".", ""]
 
 
 def markdown(reports: Sequence[dict]) -> str:
@@ -219,6 +233,22 @@ def markdown(reports: Sequence[dict]) -> str:
             cells = [f"{e[m]['mean_length']:.1f} / {e[m]['kl']:.3f}" if m in e else "-" for m in MODES]
             lines.append(f"| {e['ratio']:.0%} | {e['length']:,} | {e['full_length']:.1f} | "
                          + " | ".join(cells) + " |")
+        lines += ["", "Paired differences in length (tokens) and KL per problem (the problem's mean over its "
+                  "tokens), with 95% bootstrap intervals (\"-\" under KL: the report predates per-problem "
+                  "KL):", "",
+                  "| ratio | prompt chars | SlimWise - uniform: length | KL | distilled - uniform-distilled: "
+                  "length | KL |", "|---|---|---|---|---|---|"]
+        for e in comparisons(report):
+            def ci(key: str, digits: int, e: dict = e) -> str:
+                if key not in e:
+                    return "-"
+                d = e[key]
+                return f"{d['diff']:+.{digits}f} [{d['ci_low']:+.{digits}f}, {d['ci_high']:+.{digits}f}]"
+
+            lines.append(f"| {e['ratio']:.0%} | {e['length']:,} | "
+                         + " | ".join(ci(f"{k}{suffix}", digits) for k in ("slimwise_vs_uniform",
+                                                                           "distilled_vs_uniform_distilled")
+                                      for suffix, digits in (("_length", 2), ("_kl", 3))) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -272,6 +302,15 @@ def merge(reports: Sequence[dict]) -> list[dict]:
             for rep in merged.values()]
 
 
+def _distill_config(minutes: float, steps: int | None) -> DistillConfig:
+    """The wall-clock cap by default; with `steps`, that many steps for each delta and no cap."""
+    if steps is None:
+        return DistillConfig(max_minutes=minutes, max_new_tokens=32)
+    if steps < 1:
+        raise SystemExit(f"--distill-steps must be at least 1, got {steps}")
+    return DistillConfig(steps=steps, max_minutes=None, max_new_tokens=32)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.long_prompts")
     sub = p.add_subparsers(dest="command", required=True)
@@ -284,7 +323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--calib-per-family", type=int, default=LongConfig.calib_per_family)
     r.add_argument("--distill-per-family", type=int, default=LongConfig.distill_per_family)
     r.add_argument("--no-distill", action="store_true")
-    r.add_argument("--distill-minutes", type=float, default=7.0)
+    r.add_argument("--distill-minutes", type=float, default=7.0, help="wall-clock cap per delta")
+    r.add_argument("--distill-steps", type=int, default=None,
+                   help="each delta trains exactly this many steps, no time cap (equal steps)")
     r.add_argument("--threads", type=int, default=2)
     g = sub.add_parser("report", help="tables and plot from finished reports")
     g.add_argument("reports", nargs="+")
@@ -296,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             test_per_family=args.test_per_family, calib_per_family=args.calib_per_family,
                             distill_per_family=args.distill_per_family, distilled=not args.no_distill,
                             threads=args.threads,
-                            distill=DistillConfig(max_minutes=args.distill_minutes, max_new_tokens=32))
+                            distill=_distill_config(args.distill_minutes, args.distill_steps))
         run(args.model, args.out, config)
         return 0
     reports = merge([json.loads(Path(x).read_text()) for x in args.reports])

@@ -96,3 +96,5 @@ def test_long_prompts_table_rerenders_and_states_its_paired_figures():
             row = report["ratios"][str(e["ratio"])]
             sw, un = row["slimwise"][str(e["length"])]["correct"], row["uniform"][str(e["length"])]["correct"]
             assert e["slimwise_vs_uniform"]["diff"] == pytest.approx((sum(sw) - sum(un)) / len(sw))
+            ls, lu = row["slimwise"][str(e["length"])]["lengths"], row["uniform"][str(e["length"])]["lengths"]
+            assert e["slimwise_vs_uniform_length"]["diff"] == pytest.approx((sum(ls) - sum(lu)) / len(ls))

@@ -648,3 +648,23 @@ def test_activation_checkpointing_needs_the_switches_it_saw(setup):
             assert not torch.equal(grad(()), want)
     finally:
         engine.close()
+
+
+def test_fidelity_records_each_problems_kl(setup):
+    """`teacher_forced_fidelity`'s per-problem KL (the intervals of experiments.long_prompts): one value per
+    continuation, each the mean over its own tokens, so the token-weighted mean is the run's KL; the full
+    model against itself is 0 everywhere; SlimWise is 0 on a one-token continuation (its first token comes
+    from the full prefill) and not on the longer ones."""
+    from experiments.distill_bars import teacher_forced_fidelity
+
+    model, plan = setup()
+    engine = PhaseSplitEngine(model, None, plan=plan)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (5, 9, 7)]
+    conts = [torch.randint(3, 100, (n,), generator=gen).tolist() for n in (4, 1, 6)]
+    got = teacher_forced_fidelity(engine, prompts, conts, "slimwise", batch_size=2)
+    per = got["kl_per_problem"]
+    assert len(per) == 3 and per[1] == 0.0 and per[0] > 0 and per[2] > 0
+    weighted = sum(k * len(c) for k, c in zip(per, conts, strict=True)) / sum(map(len, conts))
+    assert weighted == pytest.approx(got["kl"], rel=1e-4)
+    assert teacher_forced_fidelity(engine, prompts, conts, "full")["kl_per_problem"] == [0.0] * 3
