@@ -8,7 +8,14 @@ import re
 import pytest
 
 from slimwise.testbed import build_tokenizer
-from slimwise.testbed.long_tasks import LENGTHS, LONG_DOMAIN, LONG_FAMILIES, MIN_LENGTH, make_long_split
+from slimwise.testbed.long_tasks import (
+    LENGTHS,
+    LONG_DOMAIN,
+    LONG_FAMILIES,
+    MIN_LENGTH,
+    draw_long_samples,
+    make_long_split,
+)
 from slimwise.testbed.tasks import EOS_TOKEN, FAMILIES, check_disjoint, grade
 
 
@@ -65,6 +72,30 @@ def test_determinism_and_disjoint_splits():
     assert check_disjoint(make_long_split("train", 40, 256), make_long_split("calib", 40, 256),
                           make_long_split("test", 40, 256))
     assert not set(LONG_FAMILIES) & set(FAMILIES)  # not in the shipped backbones' training stream or cards
+
+
+def test_training_draw_lengths_and_top_share():
+    """The training stream's lengths: log-uniform in [MIN_LENGTH, max] (more short than long), a pure
+    function of its arguments; top_share sends that share of the samples to the top octave and leaves the
+    rest of the draw as it was (top_share 0 is exactly the default stream)."""
+    def lengths(samples):
+        return [s.difficulty["length"] for s in samples]
+
+    base = draw_long_samples("chain", 400, seed=7, max_length=1024)
+    assert [s.to_dict() for s in base] == [s.to_dict() for s in draw_long_samples("chain", 400, 7, 1024)]
+    assert [s.to_dict() for s in base] == [s.to_dict() for s in draw_long_samples("chain", 400, 7, 1024,
+                                                                                  top_share=0.0)]
+    n = lengths(base)
+    assert min(n) >= MIN_LENGTH and max(n) <= 1024
+    assert all(len(s.prompt) <= s.difficulty["length"] for s in base)
+    # log-uniform over 48..1,024: a quarter in the top octave (ln 2 / ln(1024/48) = 0.23), the median 222
+    assert 0.15 < sum(x >= 512 for x in n) / len(n) < 0.31 and sum(x < 300 for x in n) > len(n) / 2
+    top = lengths(draw_long_samples("chain", 400, seed=7, max_length=1024, top_share=0.5))
+    assert all(512 <= x <= 1024 for x in top[:200])
+    assert 0.55 < sum(x >= 512 for x in top) / len(top) < 0.7  # the top half, plus a quarter of the rest
+    assert all(MIN_LENGTH <= x <= 96 for x in lengths(draw_long_samples("lookup", 20, 1, 96, top_share=1.0)))
+    with pytest.raises(ValueError, match="top_share"):
+        draw_long_samples("chain", 2, 0, 1024, top_share=1.5)
 
 
 def test_bad_arguments():

@@ -655,8 +655,9 @@ def test_killing_the_training_command_stops_its_ranks(tmp_path):
 def test_continued_training_with_long_families_starts_from_the_model_and_cards_them(tmp_path, tok, capsys):
     """`--init-from MODEL --override max_position_embeddings=1152 --family-weights lookup=1,chain=1`: the run
     starts from MODEL's weights and tokenizer with the longer context, draws the weighted long families at
-    lengths up to --long-max-length (and no other long family), and its card evaluates them at every swept
-    length. A model of another backbone or an unknown family is refused before anything is written."""
+    lengths up to --long-max-length (half of them in the top octave: --long-top-share 0.5; and no other long
+    family), and its card evaluates them at every swept length and states the draw. A model of another
+    backbone or an unknown family is refused before anything is written."""
     from transformers import AutoModelForCausalLM
 
     from slimwise.errors import SlimWiseError
@@ -667,7 +668,7 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     source = train(tiny_config(tmp_path / "src", max_steps=2))
     cfg = tiny_config(tmp_path, max_steps=2, init_from=str(source), family_weights={"lookup": 1, "chain": 2},
                       model_overrides={"max_position_embeddings": 1152}, long_max_length=200, seq_len=256,
-                      eval_n_per_family=1, heldout_n_per_family=0)
+                      long_top_share=0.5, eval_n_per_family=1, heldout_n_per_family=0)
     drawn = step_samples(cfg, 0)
     long = [s for s in drawn if s.domain == "long"]
     assert sorted(s.family for s in long) == ["chain", "chain", "lookup"]
@@ -689,6 +690,8 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     card = (out / "README.md").read_text()
     assert card.startswith("# testbed-a-long:") and "### Long prompts" in card
     assert f"--init-from {source} --override max_position_embeddings=1152" in card
+    assert "--long-max-length 200 --long-top-share 0.5" in card
+    assert "log-uniformly from 48 to 200 characters, 50% of them uniformly from 100 to 200 instead" in card
     assert "Long-prompt bar of the issue: >= 80% at the longest length (1,024 characters" in card
     capsys.readouterr()
     with pytest.raises(SlimWiseError, match="is a qwen3_moe model; backbone c is qwen3_5_moe_text"):

@@ -329,6 +329,7 @@ def _batches(tc: dict, summary: dict, hybrid: bool) -> str:
 
 def _training_fields(tc: dict, summary: dict, test: dict, hybrid: bool) -> dict:
     fl, nan = summary.get("final_loss", {}), float("nan")
+    long_max = tc.get("long_max_length", 1024)
     kernel = ""
     if hybrid:
         kernel = _part("linear_attention_kernel",
@@ -360,7 +361,10 @@ def _training_fields(tc: dict, summary: dict, test: dict, hybrid: bool) -> dict:
                  if tc.get("init_from") else
                  _part("init_default", pair_init=_part("pair_init")
                        if tc.get("pair_init") and tc.get("spaced_pairs", True) else "")),
-        "long_data": (_part("long_data", max_length=f"{tc.get('long_max_length', 1024):,}")
+        "long_data": (_part("long_data", max_length=f"{long_max:,}",
+                            top=_part("long_top", share=f"{tc['long_top_share']:.0%}",
+                                      half=f"{long_max // 2:,}", max_length=f"{long_max:,}")
+                            if tc.get("long_top_share") else "")
                       if trains_long(tc) else ""),
         "linear_attention_kernel": kernel,
     }
@@ -582,6 +586,8 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
                              if tc.get("samples_per_family", 3) != 3 else "")
                           + (f" --long-max-length {tc['long_max_length']}"
                              if trains_long(tc) and tc.get("long_max_length", 1024) != 1024 else "")
+                          + (f" --long-top-share {tc['long_top_share']:g}"
+                             if trains_long(tc) and tc.get("long_top_share", 0.0) else "")
                           + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
                              " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"],

@@ -157,19 +157,29 @@ def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
     return samples
 
 
-def draw_long_samples(family: str, n: int, seed: int, max_length: int, split: str = "train") -> list[Sample]:
+def draw_long_samples(family: str, n: int, seed: int, max_length: int, split: str = "train",
+                      top_share: float = 0.0) -> list[Sample]:
     """`n` samples of one long family for a training step: each at a prompt length drawn log-uniformly from
     [MIN_LENGTH, max_length] characters, in the split's hash buckets. A pure function of its arguments.
 
     Log-uniform, not uniform: a short prompt teaches the same retrieval as a long one at a fraction of the
     tokens, so most samples are short and cheap, while every octave up to max_length still gets its share
-    (retrieval learnt only on short prompts does not reach longer ones)."""
+    (retrieval learnt only on short prompts does not reach longer ones). The first round(n * top_share)
+    samples are drawn uniformly from the top octave [max_length / 2, max_length] instead: under log-uniform
+    lengths the positions next to max_length are the least trained. top_share 0 draws exactly the
+    log-uniform stream (the same random calls)."""
     if max_length < MIN_LENGTH:
         raise ValueError(f"max_length must be >= {MIN_LENGTH} characters, got {max_length}")
+    if not 0.0 <= top_share <= 1.0:
+        raise ValueError(f"top_share must be in [0, 1], got {top_share}")
     rng = random.Random(f"slimwise-testbed-long-draw:{seed}:{split}:{family}")
+    top = round(n * top_share)
     out = []
     for j in range(n):
-        length = round(math.exp(rng.uniform(math.log(MIN_LENGTH), math.log(max_length))))
+        if j < top:
+            length = round(rng.uniform(max(MIN_LENGTH, max_length / 2), max_length))
+        else:
+            length = round(math.exp(rng.uniform(math.log(MIN_LENGTH), math.log(max_length))))
         sample = make_long_split(split, 1, length, seed=seed * 1_000 + j, families=[family])[0]
         out.append(dataclasses.replace(sample, id=f"{split}-long-{family}-{length}-draw{j}"))
     return out

@@ -89,7 +89,8 @@ def step_samples(config: TrainConfig, step: int) -> list:
     for name in LONG_FAMILIES:  # only those given a weight: a stream without them is the earlier runs' stream
         n = round(config.samples_per_family * config.family_weights.get(name, 0.0))
         if n > 0:
-            samples += draw_long_samples(name, n, seed, config.long_max_length)
+            samples += draw_long_samples(name, n, seed, config.long_max_length,
+                                         top_share=config.long_top_share)
     random.Random(f"slimwise-train:{config.seed}:{step}").shuffle(samples)
     return samples
 
@@ -341,7 +342,7 @@ def save_state(path: Path, model, optimizer, config: TrainConfig, step: int, ela
 
 
 _ARCH_KEYS = ("backbone", "init_from", "model_overrides", "seed", "samples_per_family", "family_weights",
-              "long_max_length", "seq_len")
+              "long_max_length", "long_top_share", "seq_len")
 
 
 def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
@@ -352,9 +353,11 @@ def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
         raise SlimWiseError(f"training state {path} is unreadable ({type(exc).__name__}): delete it to start "
                             "the run again, or resume from the directory that wrote it") from exc
     saved = state["config"]
+    defaults = TrainConfig.__dataclass_fields__
     for key in _ARCH_KEYS:
         now = config.to_dict()[key]
-        if saved.get(key) != now:
+        # a state saved before a key existed ran with its default
+        if saved.get(key, defaults[key].default) != now:
             raise ValueError(f"cannot resume: {key} was {saved.get(key)!r}, now {now!r}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -7,14 +7,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from slimwise.argtypes import integer
+from slimwise.argtypes import integer, number
 from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 
 #: the options before --no-eval, in the order --help lists them
 TRAIN_OPTIONS = ("backbone", "out", "init_from", "minutes", "max_steps", "seed", "resume", "lr", "optimizer",
                  "samples_per_family", "row_groups", "packing", "seq_len", "family_weights",
-                 "long_max_length", "model_overrides", "experts_implementation", "threads", "ranks",
+                 "long_max_length", "long_top_share", "model_overrides", "experts_implementation", "threads",
+                 "ranks",
                  "eval_n_per_family", "heldout_n_per_family", "pair_init", "spaced_pairs")
 
 
@@ -60,6 +61,10 @@ class TrainConfig:
     # weight; each sample's prompt length is drawn from [MIN_LENGTH, long_max_length] characters
     long_max_length: int = field(default=1024, metadata={
         "type": integer(1), "help": "longest long-family prompt in the training stream, in characters"})
+    # the rest are log-uniform (long_tasks.draw_long_samples), so the last positions are the rarest
+    long_top_share: float = field(default=0.0, metadata={
+        "type": number(0, 1),
+        "help": "share of long-family samples drawn uniformly from the top octave of prompt lengths"})
     seq_len: int = field(default=256, metadata={
         "type": integer(1),
         "help": "packed row length in tokens (at least the longest sample: 140 in the train split)"})
