@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from experiments.distill_bars import BarsConfig, distill_delta, evaluate_run
+from slimwise.argtypes import integer
 from slimwise.distill import DistillConfig, build_teacher
 from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.evaluation.metrics import paired_difference
@@ -306,8 +307,6 @@ def _distill_config(minutes: float, steps: int | None) -> DistillConfig:
     """The wall-clock cap by default; with `steps`, that many steps for each delta and no cap."""
     if steps is None:
         return DistillConfig(max_minutes=minutes, max_new_tokens=32)
-    if steps < 1:
-        raise SystemExit(f"--distill-steps must be at least 1, got {steps}")
     return DistillConfig(steps=steps, max_minutes=None, max_new_tokens=32)
 
 
@@ -324,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--distill-per-family", type=int, default=LongConfig.distill_per_family)
     r.add_argument("--no-distill", action="store_true")
     r.add_argument("--distill-minutes", type=float, default=7.0, help="wall-clock cap per delta")
-    r.add_argument("--distill-steps", type=int, default=None,
+    r.add_argument("--distill-steps", type=integer(1), default=None,
                    help="each delta trains exactly this many steps, no time cap (equal steps)")
     r.add_argument("--threads", type=int, default=2)
     g = sub.add_parser("report", help="tables and plot from finished reports")

@@ -414,6 +414,13 @@ def test_resume_continues_the_same_run(tmp_path, tok):
         torch.testing.assert_close(exp_b[k]["exp_avg_sq"], exp_a[k]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
     with pytest.raises(ValueError, match="cannot resume"):
         train(tiny_config(tmp_path / "cut", max_steps=6, resume=True, seq_len=128))
+    # a state saved before --long-top-share existed: resumed under its default, refused under another value
+    state = torch.load(cut / STATE_FILE, weights_only=True)
+    del state["config"]["long_top_share"]
+    torch.save(state, cut / STATE_FILE)
+    with pytest.raises(ValueError, match="cannot resume: long_top_share was 0.0, now 0.5"):
+        train(tiny_config(tmp_path / "cut", max_steps=6, resume=True, long_top_share=0.5))
+    assert train(tiny_config(tmp_path / "cut", max_steps=6, resume=True)) == resumed
     # a crafted state file (a pickle that writes a file when loaded) is refused in one line and runs nothing
     from test_distill import _Payload
 

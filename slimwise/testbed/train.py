@@ -352,13 +352,12 @@ def load_state(path: Path, model, optimizer, config: TrainConfig) -> dict:
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
         raise SlimWiseError(f"training state {path} is unreadable ({type(exc).__name__}): delete it to start "
                             "the run again, or resume from the directory that wrote it") from exc
-    saved = state["config"]
+    saved, now = state["config"], config.to_dict()
     defaults = TrainConfig.__dataclass_fields__
     for key in _ARCH_KEYS:
-        now = config.to_dict()[key]
-        # a state saved before a key existed ran with its default
-        if saved.get(key, defaults[key].default) != now:
-            raise ValueError(f"cannot resume: {key} was {saved.get(key)!r}, now {now!r}")
+        was = saved.get(key, defaults[key].default)  # a state saved before a key existed ran with its default
+        if was != now[key]:
+            raise ValueError(f"cannot resume: {key} was {was!r}, now {now[key]!r}")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
