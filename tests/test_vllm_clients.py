@@ -13,14 +13,15 @@ a server serves (`MODEL`, `MODEL:full`, `MODEL:<plan>`):
   tests/test_vllm_hybrid.py;
 - the tiny families serve one named plan (the case whose `MODEL:full` used to be served pruned), the shipped
   backbones two (`math` and `general`, as the README suggests).
-Disaggregated through the same client with text: testbed-a and -c here (testbed-c, the hybrid, also with
-its KV size chosen by SlimWise and ended by kill -9 of the supervisor), the tiny qwen3_moe at TP 2
-(tests/test_vllm_serve.py); the instances of every family at the engine level:
+Disaggregated through the same client with text: testbed-c here (the hybrid, with its KV size chosen by
+SlimWise and ended by kill -9 of the supervisor), the tiny qwen3_moe at TP 2 (tests/test_vllm_serve.py); the
+instances of every family at the engine level:
 tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to CI). Servers of
 one group start side by side (their start-up is mostly vLLM imports, one core each), and the server the
-tokenizer check refuses starts with the first group. CI runs testbed-a and -c; testbed-b's server (two plans,
-and disaggregated) and the tiny families' servers are `make test-matrix`, their engines' token equality CI's
-(tests/test_vllm_plugin.py, tests/test_vllm_disaggregated.py): CI has to stay under 30 minutes.
+tokenizer check refuses starts with the first group. CI runs testbed-a and -c colocated and testbed-c
+disaggregated; testbed-b's server (two plans, and disaggregated), testbed-a disaggregated and the tiny
+families' servers are `make test-matrix`, their engines' token equality CI's (tests/test_vllm_plugin.py,
+tests/test_vllm_disaggregated.py): CI has to stay under 30 minutes.
 """
 
 from __future__ import annotations
@@ -338,17 +339,19 @@ def kill_9_leaves_nothing(proc) -> None:
 
 
 def test_shipped_backbones_disaggregated_answer_text_as_the_reference(tmp_path):
-    """`slimwise serve testbed-X --plan plan.json --disaggregated` (full-model prefill instance, exported
-    pruned decode instance, proxy) for a and c, side by side: served as `testbed-X`, completions, streams
-    and chats with text equal the reference engine's SlimWise text (testbed-c bf16: the gap bound and the same
-    answers). The proxy refuses a request over --max-n as the colocated server does.
+    """`slimwise serve testbed-c --plan plan.json --disaggregated` (full-model prefill instance, exported
+    pruned decode instance, proxy): served as `testbed-c`, completions, streams and chats with text equal the
+    reference engine's SlimWise text (bf16: the gap bound and the same answers). The proxy refuses a request
+    over --max-n as the colocated server does. (Float32 token-exact disaggregated serving through the
+    client: the tiny qwen3_moe at TP 2 in tests/test_vllm_serve.py; testbed-a and -b disaggregated: `make
+    test-matrix`.)
 
     testbed-c, the hybrid: no KV size is given, and SlimWise sizes the cache itself, linear-attention state
     included; the prefill instance runs without prefix caching (the connector refuses the 'align' Mamba cache
     mode); the decode instance loads the full model's handed-over state. Its server ends with kill -9 of the
     supervisor, and nothing of it is left."""
     entries = []
-    for name in ("testbed-a", "testbed-c"):  # testbed-b (qwen2_moe): `make test-matrix`
+    for name in ("testbed-c",):  # testbed-a and -b: `make test-matrix`
         served = shipped_served(name, 1, tmp_path)
         entries.append((served, disaggregated_args(served, name), vllm_dtype(served.model_dir)))
     run_group(entries, tmp_path, disaggregated=True,
@@ -422,7 +425,7 @@ MATRIX = [
     ("two-plans", ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")),
     ("two-plans", ("mixtral", "olmoe", "qwen3_next")),
     ("two-plans", ("deepseek_v3", "gpt_oss")),
-    ("disaggregated", ("testbed-b",)),
+    ("disaggregated", ("testbed-a", "testbed-b")),
     ("disaggregated", ("qwen3_moe", "qwen2_moe")),
     ("disaggregated", ("qwen3_5_moe", "mixtral")),
     ("disaggregated", ("olmoe", "qwen3_next")),

@@ -293,21 +293,23 @@ def greedy_gaps(model_dir, plan, outputs, decode_pruned: bool, prompts=None) -> 
 
 
 # qwen2_moe: testbed-b (test_testbed_shipped.py) and test_distilled_delta_in_vllm_equals_reference.
-# Compiled runs: qwen3_moe (testbed-a and the distilled delta) and deepseek_v3 here, where
-# torch.compile traces the router's selection mask once; compiled equals the float32 reference
-# token for token, as eager does.
-COMPILED = {"deepseek_v3"}
+# Compiled runs: qwen3_moe (testbed-a and the distilled delta) in CI; deepseek_v3 compiled, where
+# torch.compile traces the router's selection mask once, in `make test-matrix` (a CPU compile costs more than
+# the eager run itself); compiled equals the float32 reference token for token, as eager does.
+SERVED_FAMILIES = [*(pytest.param(f, True, id=f) for f in ("mixtral", "olmoe", "gpt_oss", "deepseek_v3",
+                                                              "qwen3_next")),
+                   pytest.param("deepseek_v3", False, marks=pytest.mark.matrix, id="deepseek_v3-compiled")]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "gpt_oss", "deepseek_v3", "qwen3_next"])
-def test_other_served_families(family, setup):
+@pytest.mark.parametrize(("family", "eager"), SERVED_FAMILIES)
+def test_other_served_families(family, eager, setup):
     """Every family whose stock vLLM model runs on this CPU (qwen2_moe, qwen3_next: routed + shared expert;
-    deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection, compiled;
+    deepseek_v3: sigmoid + correction bias + grouped top-k, masked at the selection, eager and compiled;
     qwen3_next: hybrid Gated DeltaNet, bf16 only on CPU, so checked greedy-consistent with the float32
     reference instead of token-equal)."""
     model_dir, plan, ref, _ = setup(family)
     engine = VllmEngine(model_dir, plan, dtype=VLLM_DTYPE.get(family, "float32"),
-                        enforce_eager=family not in COMPILED)
+                        enforce_eager=eager)
     try:
         got = [o.token_ids for o in engine.generate(PROMPTS, "slimwise", CONFIG)]
         counters = totals(engine.counters())
@@ -392,7 +394,8 @@ def test_gate_variants_and_fallback_equal_reference(family, gates, eager, setup)
         assert {int(k): v for k, v in counters["fallback"].items()} == counts
 
 
-@pytest.mark.parametrize(("family", "eager"), [("qwen2_moe", True), ("qwen3_moe", False)])
+@pytest.mark.parametrize(("family", "eager"), [("qwen2_moe", True),
+                                              pytest.param("qwen3_moe", False, marks=pytest.mark.matrix)])
 def test_substitute_gates_equal_reference(family, eager, setup, tmp_path):
     """`--gates substitute` with a fallback: the MoE block adds the pruned slots' weighted mean outputs
     (vectors from a calibration with output sums); tokens equal the reference engine's, float32, eager and

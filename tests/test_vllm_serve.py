@@ -201,7 +201,7 @@ def test_disaggregated_serve(served):
     binds each instance's ranks, as vLLM's NUMA auto-binding refuses on one node): each rank stores and loads
     its own shard, the tokens are the reference engine's SlimWise tokens, the load test and bad input pass, a
     killed decode instance is named, and nothing is left behind: no process, no KV directory, no shared-memory
-    segment. (TP 1 disaggregated serving: the shipped backbones in tests/test_vllm_clients.py, real servers
+    segment. (TP 1 disaggregated serving: testbed-c, the hybrid, in tests/test_vllm_clients.py, a real server
     too. One server here for both, as the TP 1 and TP 2 servers took 132 and 141 s each on an AVX2-only
     VM.)"""
     from slimwise.serving import shm

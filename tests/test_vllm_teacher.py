@@ -6,8 +6,6 @@ either is the same delta within that rounding (relative distance per tensor; the
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,7 +22,10 @@ LOGPROB_ATOL = 1e-4
 DELTA_RTOL = 0.05
 
 
-def test_vllm_teacher_equals_the_transformers_teacher(tmp_path):
+# vLLM's engine core in this process (tests/conftest.py): a spawned engine core and CPU worker would import
+# vLLM twice more; the command is the CLI's main(), the function a process runs
+@pytest.mark.vllm_in_process
+def test_vllm_teacher_equals_the_transformers_teacher(tmp_path, capsys):
     prompts = [s.prompt for s in make_split("calib", 2, seed=3, domain="arithmetic")]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     model, tok = load_model("testbed-a", dtype="float32"), load_tokenizer("testbed-a")
@@ -33,13 +34,15 @@ def test_vllm_teacher_equals_the_transformers_teacher(tmp_path):
     plan = plan_from_stats(stats, "reap", 0.5)
     plan.save(tmp_path / "plan.json")
     # the user's command: vLLM builds the teacher file (2 steps are enough to exercise training on it)
-    proc = subprocess.run(
-        [sys.executable, "-m", "slimwise.cli", "distill", "testbed-a", "--plan", str(tmp_path / "plan.json"),
-         "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "delta"), "--steps", "2",
-         "--max-new-tokens", "24", "--teacher", str(tmp_path / "teacher.pt"), "--teacher-engine", "vllm",
-         "--max-num-seqs", "16"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "wrote teacher data" in proc.stdout and (tmp_path / "delta" / "delta.json").is_file()
+    from slimwise.cli import main
+
+    capsys.readouterr()
+    assert main(["distill", "testbed-a", "--plan", str(tmp_path / "plan.json"), "--data",
+                 str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "delta"), "--steps", "2",
+                 "--max-new-tokens", "24", "--teacher", str(tmp_path / "teacher.pt"),
+                 "--teacher-engine", "vllm", "--max-num-seqs", "16"]) == 0
+    assert "wrote teacher data" in capsys.readouterr().out
+    assert (tmp_path / "delta" / "delta.json").is_file()
     vllm_teacher = TeacherData.load(tmp_path / "teacher.pt")
     assert vllm_teacher.source["engine"] == "vllm"
     assert vllm_teacher.source["engine_kwargs"] == {"max_num_seqs": 16}
