@@ -207,7 +207,7 @@ def markdown(reports: Sequence[dict]) -> str:
              "in %, paired differences in points with 95% bootstrap intervals over the same problems.", ""]
     for report in reports:
         cfg = report["config"]
-        lines += [f"## {report['model']}", "",
+        lines += [f"## {report.get('section', report['model'])}", "",
                   f"{cfg['test_per_family']} test problems per family and length (lookup, chain, infer), "
                   f"greedy, max {cfg['max_new_tokens']} new tokens; REAP plans from decode-phase calibration "
                   f"on {cfg['calib_per_family']} calib problems per family and length. Machine: "
@@ -270,28 +270,45 @@ def plot(reports: Sequence[dict], path: Path) -> None:
             ax = axes[i][j]
             ax.plot(lengths, [report["full"][str(n)]["accuracy"] for n in lengths], "k-o", label="full")
             row = report["ratios"].get(str(ratio), {})
+            if not row:  # a section run at some ratios only (an equal-steps run, say)
+                ax.text(0.5, 0.5, "not run at this ratio", ha="center", va="center", transform=ax.transAxes,
+                        fontsize=8, color="0.4")
             for mode, style in zip(MODES, ("C0--s", "C1-s", "C0:^", "C1-^"), strict=True):
                 if mode in row:
                     ax.plot(lengths, [row[mode][str(n)]["accuracy"] for n in lengths], style,
                             label=LABELS[mode])
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(n) for n in lengths])
-            ax.set_title(f"{report['model']}, {ratio:.0%} pruned", fontsize=9)
+            ax.set_title(f"{report.get('section', report['model'])}, {ratio:.0%} pruned", fontsize=8)
             ax.set_xlabel("prompt length (characters)")
             if j == 0:
                 ax.set_ylabel("accuracy (%)")
-    axes[0][0].legend(fontsize=7)
+    # one legend for the figure: the first panel may lack modes a later one has (a 25% row run training-free)
+    handles = {label: h for ax in axes.flat for h, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _section(report: dict) -> str:
+    """Runs whose deltas train equal steps (`--distill-steps`) get their own section: merged into the
+    wall-clock-capped one, a ratio would show one regime's students under the other's "Distilled:" line."""
+    cfg = report["config"]
+    if cfg.get("distilled", True) and cfg["distill"]["max_minutes"] is None:
+        return f"{report['model']}, equal distillation steps"
+    return report["model"]
+
+
 def merge(reports: Sequence[dict]) -> list[dict]:
-    """One report per model: runs of the same model (say all ratios training-free, then one ratio distilled)
-    share its full-model runs, which must agree; a ratio keeps the run with the most modes."""
+    """One report per model and distillation regime: runs of the same model (say all ratios training-free,
+    then one ratio distilled) share its full-model runs, which must agree; a ratio keeps the run with the most
+    modes."""
     merged: dict[str, dict] = {}
     for rep in reports:
-        into = merged.setdefault(rep["model"], {**rep, "ratios": {}})
+        section = _section(rep)
+        into = merged.setdefault(section, {**rep, "ratios": {}} | ({"section": section}
+                                                                     if section != rep["model"] else {}))
         if any(into["full"][n]["correct"] != rep["full"][n]["correct"] for n in rep["full"]):
             raise SystemExit(f"{rep['model']}: two reports disagree on the full model's answers")
         for ratio, row in rep["ratios"].items():

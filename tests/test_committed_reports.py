@@ -98,3 +98,33 @@ def test_long_prompts_table_rerenders_and_states_its_paired_figures():
             assert e["slimwise_vs_uniform"]["diff"] == pytest.approx((sum(sw) - sum(un)) / len(sw))
             ls, lu = row["slimwise"][str(e["length"])]["lengths"], row["uniform"][str(e["length"])]["lengths"]
             assert e["slimwise_vs_uniform_length"]["diff"] == pytest.approx((sum(ls) - sum(lu)) / len(ls))
+
+
+def test_long_prompts_equal_steps_runs_get_their_own_section(tmp_path):
+    """A run whose deltas train equal steps renders beside the wall-clock-capped run of the same model, not
+    into it (one "Distilled:" line per regime), while training-free runs still merge into the capped
+    section."""
+    from experiments.long_prompts import main, merge
+
+    capped = json.loads((RESULTS / "long-prompts" / "reports.json").read_text())[0]
+    steps = json.loads(json.dumps(capped))
+    steps["config"]["distilled"] = True  # the committed merge keeps its training-free run's config
+    steps["config"]["distill"] |= {"max_minutes": None, "steps": 120}
+    steps["ratios"] = {"0.5": steps["ratios"]["0.5"]}
+    free = json.loads(json.dumps(capped))
+    free["config"]["distilled"] = False
+    free["ratios"] = {r: {m: row[m] for m in ("uniform", "slimwise")} for r, row in free["ratios"].items()}
+    merged = merge([capped, steps, free])
+    assert [r.get("section", r["model"]) for r in merged] == [capped["model"],
+                                                               f"{capped['model']}, equal distillation steps"]
+    assert merged[0]["ratios"] == capped["ratios"]  # the fuller capped rows win over the training-free ones
+    assert list(merged[1]["ratios"]) == ["0.5"]
+    paths = []
+    for i, rep in enumerate((capped, steps)):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(rep))
+    assert main(["report", *map(str, paths), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out.md").read_text()
+    assert f"## {capped['model']}, equal distillation steps" in text
+    assert text.count("Distilled:") == 2 and "120 steps of" in text and "capped at 7 min" in text
+    assert (tmp_path / "out" / "accuracy_vs_length.png").stat().st_size > 10_000
