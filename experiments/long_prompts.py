@@ -207,7 +207,7 @@ def markdown(reports: Sequence[dict]) -> str:
              "in %, paired differences in points with 95% bootstrap intervals over the same problems.", ""]
     for report in reports:
         cfg = report["config"]
-        lines += [f"## {report.get('section', report['model'])}", "",
+        lines += [f"## {_section(report)}", "",
                   f"{cfg['test_per_family']} test problems per family and length (lookup, chain, infer), "
                   f"greedy, max {cfg['max_new_tokens']} new tokens; REAP plans from decode-phase calibration "
                   f"on {cfg['calib_per_family']} calib problems per family and length. Machine: "
@@ -279,7 +279,7 @@ def plot(reports: Sequence[dict], path: Path) -> None:
                             label=LABELS[mode])
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(n) for n in lengths])
-            ax.set_title(f"{report.get('section', report['model'])}, {ratio:.0%} pruned", fontsize=8)
+            ax.set_title(f"{_section(report)}, {ratio:.0%} pruned", fontsize=8)
             ax.set_xlabel("prompt length (characters)")
             if j == 0:
                 ax.set_ylabel("accuracy (%)")
@@ -293,7 +293,8 @@ def plot(reports: Sequence[dict], path: Path) -> None:
 
 def _section(report: dict) -> str:
     """Runs whose deltas train equal steps (`--distill-steps`) get their own section: merged into the
-    wall-clock-capped one, a ratio would show one regime's students under the other's "Distilled:" line."""
+    wall-clock-capped one, a ratio would show one regime's students under the other's "Distilled:" line. A
+    merged report keeps its first run's config, so its section is derived again from it."""
     cfg = report["config"]
     if cfg.get("distilled", True) and cfg["distill"]["max_minutes"] is None:
         return f"{report['model']}, equal distillation steps"
@@ -306,9 +307,7 @@ def merge(reports: Sequence[dict]) -> list[dict]:
     modes."""
     merged: dict[str, dict] = {}
     for rep in reports:
-        section = _section(rep)
-        into = merged.setdefault(section, {**rep, "ratios": {}} | ({"section": section}
-                                                                     if section != rep["model"] else {}))
+        into = merged.setdefault(_section(rep), {**rep, "ratios": {}})
         if any(into["full"][n]["correct"] != rep["full"][n]["correct"] for n in rep["full"]):
             raise SystemExit(f"{rep['model']}: two reports disagree on the full model's answers")
         for ratio, row in rep["ratios"].items():

@@ -104,7 +104,7 @@ def test_long_prompts_equal_steps_runs_get_their_own_section(tmp_path):
     """A run whose deltas train equal steps renders beside the wall-clock-capped run of the same model, not
     into it (one "Distilled:" line per regime), while training-free runs still merge into the capped
     section."""
-    from experiments.long_prompts import main, merge
+    from experiments.long_prompts import _section, main, merge
 
     capped = json.loads((RESULTS / "long-prompts" / "reports.json").read_text())[0]
     steps = json.loads(json.dumps(capped))
@@ -115,8 +115,7 @@ def test_long_prompts_equal_steps_runs_get_their_own_section(tmp_path):
     free["config"]["distilled"] = False
     free["ratios"] = {r: {m: row[m] for m in ("uniform", "slimwise")} for r, row in free["ratios"].items()}
     merged = merge([capped, steps, free])
-    assert [r.get("section", r["model"]) for r in merged] == [capped["model"],
-                                                               f"{capped['model']}, equal distillation steps"]
+    assert [_section(r) for r in merged] == [capped["model"], f"{capped['model']}, equal distillation steps"]
     assert merged[0]["ratios"] == capped["ratios"]  # the fuller capped rows win over the training-free ones
     assert list(merged[1]["ratios"]) == ["0.5"]
     paths = []
