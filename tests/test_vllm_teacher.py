@@ -23,7 +23,8 @@ DELTA_RTOL = 0.05
 
 
 # vLLM's engine core in this process (tests/conftest.py): a spawned engine core and CPU worker would import
-# vLLM twice more; the command is the CLI's main(), the function a process runs
+# vLLM twice more; the command is the CLI's main(), the function a process runs (a CLI process that starts
+# vLLM itself: tests/test_vllm_calibrate.py)
 @pytest.mark.vllm_in_process
 def test_vllm_teacher_equals_the_transformers_teacher(tmp_path, capsys):
     prompts = [s.prompt for s in make_split("calib", 2, seed=3, domain="arithmetic")]
