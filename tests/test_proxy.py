@@ -347,6 +347,45 @@ def test_stream_ending_at_the_first_token_is_still_sse(chat):
     assert events[-1]["choices"][0]["finish_reason"] == "length" and decoded == []
 
 
+ODD_CHOICES = [["A"], [None], [7], "A", None]
+
+
+@pytest.mark.parametrize("choices", ODD_CHOICES, ids=["str", "null", "int", "not-a-list", "none"])
+@pytest.mark.parametrize("who", ["prefill", "decode"])
+def test_an_instance_answer_not_in_vllms_shape_is_a_503_naming_it(who, choices):
+    """Choices that are not objects (a broken or foreign instance behind the port): 503 naming the
+    instance, not a 500 with a traceback."""
+    odd = {"model": "m", "prompt_token_ids": PROMPT_IDS, "choices": choices,
+           "usage": {"completion_tokens": 2}}
+
+    async def calls(client, prefill, decode):
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+
+    pre, dec = (prefill_storing(None, odd), decode_answering()) if who == "prefill" else \
+        (prefill_storing(None), decode_answering(payload=odd))
+    r = run_proxy(pre, dec, calls)
+    assert r.status_code == 503, r.text
+    assert f"{who} instance at" in r.json()["error"]["message"] and "unexpected answer" in r.text
+
+
+@pytest.mark.parametrize("event", [["B"], {"choices": ["B"]}, {"choices": "B"}])
+def test_a_stream_event_not_in_vllms_shape_ends_the_stream_with_an_error(event):
+    """The decode instance's stream sends an event that is not vLLM's: the client's stream still ends as SSE,
+    with t1's text, an error chunk naming the instance and [DONE]."""
+
+    async def respond(path, body):
+        return 200, [DECODE_EVENTS[0], event, DECODE_EVENTS[1]]
+
+    async def calls(client, prefill, decode):
+        return await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+
+    r = run_proxy(prefill_storing(None), respond, calls)
+    assert r.status_code == 200
+    events = sse(r.text)  # ends with [DONE]
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["A", "B"]
+    assert "decode instance at" in events[2]["error"]["message"] and len(events) == 3
+
+
 # ----- upstream answers and the KV folder -------------------------------------------------------------------
 VLLM_400 = {"error": {"message": "This model's maximum context length is 128 tokens.",
                       "type": "BadRequestError", "param": "max_tokens", "code": 400}}

@@ -108,7 +108,7 @@ class Pipeline:
             prompt_ids = [int(t) for t in out.get("prompt_token_ids") or choice.get("prompt_token_ids") or []]
             tokens = list(choice.get("token_ids") or [])
             text = choice["message"]["content"] if "message" in choice else choice["text"]
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise Unavailable(f"prefill instance at {self.upstream.urls['prefill']} gave an unexpected "
                               f"answer ({type(exc).__name__}: {exc})") from exc
         return First(prompt_ids, tokens[0] if tokens else -1, text or "", choice.get("finish_reason"), out)
@@ -179,7 +179,7 @@ class Pipeline:
             return completion(reply, first.text + choice["text"], choice.get("finish_reason"),
                               first.prompt_ids, 1 + int(usage.get("completion_tokens", 0)),
                               [first.t1, *(choice.get("token_ids") or [])])
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise Unavailable(f"decode instance at {self.upstream.urls['decode']} gave an unexpected answer "
                               f"({type(exc).__name__}: {exc})") from exc
 

@@ -63,7 +63,14 @@ async def relay(upstream: Instances, r: httpx.Response, t1_text: str, reply: Rep
                 part = json.loads(line[6:])
             except ValueError:
                 continue
-            for c in part.get("choices", []):
+            choices = part.get("choices", []) if isinstance(part, dict) else None
+            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                # not vLLM's shape: end with an error chunk naming the instance, not a broken response
+                msg = f"decode instance at {upstream.urls['decode']} sent an unexpected stream event"
+                yield f"data: {json.dumps({'error': {'message': msg}})}\n\n"
+                yield "data: [DONE]\n\n"
+                return  # the instance's stream did not end: `ended` stays False
+            for c in choices:
                 yield chunk(reply, c.get("text"), c.get("finish_reason"))
             if "error" in part:
                 yield f"data: {json.dumps({'error': part['error']})}\n\n"
