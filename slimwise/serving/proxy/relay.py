@@ -47,6 +47,14 @@ async def first_only(reply: Reply, text: str, reason: str):
     yield "data: [DONE]\n\n"
 
 
+def error_event(error: dict) -> str:
+    return f"data: {json.dumps({'error': error})}\n\n"
+
+
+class _NotVllmShape(Exception):
+    """A decode-stream event that is not an object with a list of object choices."""
+
+
 async def relay(upstream: Instances, r: httpx.Response, t1_text: str, reply: Reply, state: dict):
     """t1's chunk, then the decode instance's stream; `state["ended"]` once the instance finished it."""
     try:
@@ -65,21 +73,20 @@ async def relay(upstream: Instances, r: httpx.Response, t1_text: str, reply: Rep
                 continue
             choices = part.get("choices", []) if isinstance(part, dict) else None
             if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-                # not vLLM's shape: end with an error chunk naming the instance, not a broken response
-                msg = f"decode instance at {upstream.urls['decode']} sent an unexpected stream event"
-                yield f"data: {json.dumps({'error': {'message': msg}})}\n\n"
-                yield "data: [DONE]\n\n"
-                return  # the instance's stream did not end: `ended` stays False
+                raise _NotVllmShape
             for c in choices:
                 yield chunk(reply, c.get("text"), c.get("finish_reason"))
             if "error" in part:
-                yield f"data: {json.dumps({'error': part['error']})}\n\n"
+                yield error_event(part["error"])
         state["ended"] = True
     except httpx.HTTPError as exc:
         msg = f"decode instance at {upstream.urls['decode']} failed mid-stream ({type(exc).__name__})"
-        yield f"data: {json.dumps({'error': {'message': msg}})}\n\n"
+        yield error_event({"message": msg})
+    except _NotVllmShape:  # the instance's stream did not end: `ended` stays False
+        yield error_event({"message": f"decode instance at {upstream.urls['decode']} sent an unexpected "
+                                      "stream event"})
     except Unavailable as exc:  # the supervisor saw an instance exit while the stream waited
-        yield f"data: {json.dumps({'error': {'message': f'{exc}; restart slimwise serve'}})}\n\n"
+        yield error_event({"message": f"{exc}; restart slimwise serve"})
     yield "data: [DONE]\n\n"
 
 
