@@ -10,13 +10,22 @@ setup:
 demo: setup
 	$(VENV)/bin/slimwise demo
 
+# The suite in two passes. The tests that start no vLLM engine run on two pytest-xdist workers of one thread
+# each: the testbed models are small enough that a step is Python and dispatch, so two one-thread processes
+# finish them sooner than one two-thread process, and one thread each keeps OpenMP from oversubscribing the
+# cores. The vLLM tests then run one at a time: an engine takes both cores. Both passes always run; the
+# target fails if either did.
+XDIST := -n 2 --dist loadfile
 test: setup
 	$(VENV)/bin/ruff check slimwise tests scripts experiments
-	$(VENV)/bin/python -m pytest -q -ra --durations=30
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -ra -m "not matrix and not vllm" $(XDIST) --durations=20; \
+	  a=$$?; $(VENV)/bin/python -m pytest -q -ra -m "not matrix and vllm" --durations=20; b=$$?; \
+	  exit $$(( a || b ))
 
 test-fast: setup
 	$(VENV)/bin/ruff check slimwise tests scripts experiments
-	$(VENV)/bin/python -m pytest -q -ra -m "not vllm and not slow" --durations=10
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -ra -m "not matrix and not vllm and not slow" $(XDIST) \
+	  --durations=10
 
 # what CI leaves out to stay under 30 minutes on the slowest 2-core VM: the served-client cross-product beyond
 # CI's slice, compiled repeats of paths CI runs eager, and the full card re-evaluation of every backbone but one

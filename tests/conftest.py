@@ -56,18 +56,26 @@ def _vllm_engine_in_process(request, monkeypatch):
     (VLLM_ENABLE_V1_MULTIPROCESSING=0): the same engine, scheduler, worker and SlimWise plugin, without
     spawning and re-importing a process per engine. Measured on 2 cores: a tiny engine's start and first
     generate take 7 s (2 s from the second on) instead of 23-26 s, and closing it 2 s instead of 5.5 s; memory
-    is returned (RSS 859 -> 864 MiB over four engines). vLLM's CPU worker then replaces
-    `torch.set_num_threads` process-wide and sets VLLM_DIST_IDENT; both are restored after the test, so no
-    process state leaks into the next one. Servers the tests start (`slimwise serve`) never inherit the switch
-    (tests/test_vllm_serve.py `start`)."""
+    is returned (RSS 859 -> 864 MiB over four engines). vLLM's CPU worker binds its OpenMP threads, then
+    replaces `torch.set_num_threads` process-wide with a no-op and sets VLLM_DIST_IDENT. The function and
+    the environment are restored after the test; the thread count is not: changing it after a binding made
+    the next in-process engine's float32 tokens differ from the reference's (a test whose CLI ran
+    `--threads 1`, then a restore to 2), so the count an engine bound stays until the next engine binds its
+    own. An engine core also freezes vLLM's environment variables process-wide when it starts (`vllm.envs`'s
+    cache): without `disable_envs_cache()` after the test, every later engine in the process, marked or not,
+    reads this test's values (VLLM_ENABLE_V1_MULTIPROCESSING=0 among them, so it runs in-process), and the
+    teacher test's engine in the vLLM-only pass of `make test` gave garbage tokens. Servers the tests start
+    (`slimwise serve`) never inherit the switch (tests/test_vllm_serve.py `start`)."""
     if request.node.get_closest_marker("vllm_in_process") is None:
         yield
         return
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    set_num_threads, threads, env = torch.set_num_threads, torch.get_num_threads(), dict(os.environ)
+    set_num_threads, env = torch.set_num_threads, dict(os.environ)
     yield
+    from vllm import envs
+
+    envs.disable_envs_cache()
     torch.set_num_threads = set_num_threads
-    torch.set_num_threads(threads)
     for key in set(os.environ) - set(env):
         del os.environ[key]
     os.environ.update(env)
