@@ -63,9 +63,8 @@ def _vllm_engine_in_process(request, monkeypatch):
     `--threads 1`, then a restore to 2), so the count an engine bound stays until the next engine binds its
     own. An engine core also freezes vLLM's environment variables process-wide when it starts (`vllm.envs`'s
     cache): without `disable_envs_cache()` after the test, every later engine in the process, marked or not,
-    reads this test's values (VLLM_ENABLE_V1_MULTIPROCESSING=0 among them, so it runs in-process), and the
-    teacher test's engine in the vLLM-only pass of `make test` gave garbage tokens. Servers the tests start
-    (`slimwise serve`) never inherit the switch (tests/test_vllm_serve.py `start`)."""
+    reads this test's values (VLLM_ENABLE_V1_MULTIPROCESSING=0 among them, so it runs in-process). Servers
+    the tests start (`slimwise serve`) never inherit the switch (tests/test_vllm_serve.py `start`)."""
     if request.node.get_closest_marker("vllm_in_process") is None:
         yield
         return

@@ -24,9 +24,9 @@ DELTA_RTOL = 0.05
 
 # The command is the CLI's main(), the function a process runs (a CLI process that starts vLLM itself:
 # tests/test_vllm_calibrate.py). Its engine core runs in a process of its own, as a user's does, not in the
-# test process (`vllm_in_process`): after the other in-process engines of the vLLM tests, an in-process engine
-# here gave tokens unlike the reference's from the first one, while each subset of those tests before it
-# passed (docs/serving.md, "The suite in two passes")
+# test process (`vllm_in_process`): in-process after testbed-a's engine test and then the TP 2 test, its
+# engine gave tokens unlike the reference's from the first one, while either of those alone before it
+# passed; cause open (docs/serving.md, "The suite in two passes")
 def test_vllm_teacher_equals_the_transformers_teacher(tmp_path, capsys):
     prompts = [s.prompt for s in make_split("calib", 2, seed=3, domain="arithmetic")]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
