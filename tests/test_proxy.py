@@ -932,6 +932,25 @@ def _instance_encoding(ids: list[int]):
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
+def test_a_chosen_tokenizer_mode_is_checked_before_any_engine_starts():
+    """`--tokenizer-mode hf|auto`: the tokenizer is loaded by vLLM's own `get_tokenizer` before any engine
+    starts. testbed-a's (qwen3_moe) is its tokenizer.json and passes; testbed-c's (qwen3_5_moe) becomes
+    Qwen3_5Tokenizer and is refused in one line (through `slimwise serve`: tests/test_vllm_clients.py).
+    SlimWise's own mode, the default, needs no check."""
+    from slimwise.embedded import embedded_model_dir
+    from slimwise.errors import SlimWiseError
+    from slimwise.serving.tokenizer import check_tokenizer_before_start
+
+    a, c = str(embedded_model_dir("testbed-a")), str(embedded_model_dir("testbed-c"))
+    for mode in ("hf", "auto"):
+        check_tokenizer_before_start(a, ["--tokenizer-mode", mode], a)
+    with pytest.raises(SlimWiseError, match="the tokenizer vLLM loads with --tokenizer-mode hf encodes text "
+                                            "differently .* first difference at token 0"):
+        check_tokenizer_before_start(c, ["--tokenizer-mode", "hf"], c)
+    for args in ([], ["--tokenizer-mode", "slimwise"]):
+        check_tokenizer_before_start(c, args, c)
+
+
 def test_running_instances_are_probed_for_the_checkpoints_tokenizer(tmp_path):
     """`slimwise serve MODEL --disaggregated --prefill-url P --decode-url D`: instances started elsewhere
     (perhaps with another --tokenizer) are probed as the ones serve starts itself; one that encodes the probe

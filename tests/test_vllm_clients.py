@@ -17,8 +17,8 @@ Disaggregated through the same client with text: testbed-c here (the hybrid, wit
 SlimWise and ended by kill -9 of the supervisor), the tiny qwen3_moe at TP 2 (tests/test_vllm_serve.py); the
 instances of every family at the engine level:
 tests/test_vllm_disaggregated.py (a server per family would add minutes of vLLM start-ups to CI). Servers of
-one group start side by side (their start-up is mostly vLLM imports, one core each), and the server the
-tokenizer check refuses starts with the first group. CI runs testbed-a colocated and testbed-c
+one group start side by side (their start-up is mostly vLLM imports, one core each), and the reference runs
+while they start. CI runs testbed-a colocated and testbed-c
 disaggregated; testbed-b's and -c's colocated servers (two plans), testbed-a and -b disaggregated and the tiny
 families' servers are `make test-matrix`, their engines' token equality CI's (tests/test_vllm_plugin.py,
 tests/test_vllm_disaggregated.py): CI has to stay under 30 minutes.
@@ -71,7 +71,8 @@ def tiny_with_testbed_tokenizer(family: str, root) -> str:
 
 
 class Served:
-    """One model as served: its reference engine, plans and the reference text per routing."""
+    """One model as served: its reference engine, plans and (after `reference()`) the reference text per
+    routing. The plan files exist once it is built, so its server can start before the reference runs."""
 
     def __init__(
         self,
@@ -92,16 +93,21 @@ class Served:
         for plan_name, plan in plans.items():
             self.plan_files[plan_name] = tmp / f"{name}-{plan_name}.json"
             plan.save(self.plan_files[plan_name])
-        config = GenerationConfig(max_new_tokens=max_tokens)
         self.engines = {"full": PhaseSplitEngine(self.model, self.tok)}
         self.engines.update({n: PhaseSplitEngine(self.model, self.tok, plan=p) for n, p in plans.items()})
+        self.candidates, self.n_prompts = candidates, n_prompts
+
+    def reference(self) -> None:
+        """The reference text of every routing; keeps the prompts on which the routings differ."""
+        candidates, plans = self.candidates, self.plans
+        config = GenerationConfig(max_new_tokens=self.max_tokens)
         want = {"full": self.engines["full"].generate(candidates, "full", config)}
         want.update({n: self.engines[n].generate(candidates, "slimwise", config) for n in plans})
         # prompts on which some plan's reference text differs from full's, so the checks tell routings apart
         keep = [
             i for i in range(len(candidates)) if any(want[n][i].text != want["full"][i].text for n in plans)
         ]
-        keep = keep[:n_prompts]
+        keep = keep[: self.n_prompts]
         self.prompts = [candidates[i] for i in keep]
         self.want = {routing: [outs[i] for i in keep] for routing, outs in want.items()}
         for n in plans:
@@ -192,6 +198,8 @@ def run_group(entries: list[tuple[Served, list[str], list[str]]], root, disaggre
         for (served, args, vllm_args), port in zip(entries, ports, strict=True):
             log = open(root / f"{served.name}.log", "w")  # noqa: SIM115
             running.append((served, port, log, launch(args, port, log, vllm_args, name=None)))
+        for served, *_ in running:  # while the servers start (their start-up is imports on one core)
+            served.reference()
         for served, port, log, proc in running:
             wait_healthy(proc, port, log)
             check_client(port, served, disaggregated)
@@ -363,30 +371,24 @@ def test_shipped_backbones_disaggregated_answer_text_as_the_reference(tmp_path):
     assert "--no-enable-prefix-caching" in prefill_cmd
 
 
-@pytest.fixture(scope="module", autouse=True)
-def refused_server(tmp_path_factory):
-    """The server of test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint, started when
-    this module's tests start so that its vLLM start-up runs beside the first group's instead of alone."""
-    tmp = tmp_path_factory.mktemp("refused")
-    model_dir = tiny_with_testbed_tokenizer("qwen3_5_moe", tmp)
-    port, log = free_port(), open(tmp / "refused.log", "w")  # noqa: SIM115
+def test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint(tmp_path):
+    """`--tokenizer-mode hf` next to a qwen3_5_moe config: vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for
+    the shipped testbed tokenizer. The check before start-up loads the tokenizer as vLLM would and catches
+    it: one line, exit 2, no engine started, no server left running. (The same check against running
+    instances: tests/test_proxy.py.)"""
+    model_dir = tiny_with_testbed_tokenizer("qwen3_5_moe", tmp_path)
+    port, log = free_port(), open(tmp_path / "refused.log", "w")  # noqa: SIM115
     vllm_args = ["--dtype", "bfloat16", "--enforce-eager", "--tokenizer-mode", "hf"]
     proc = launch([model_dir], port, log, vllm_args, name=None)
     try:
-        yield proc, port, log
+        assert proc.wait(timeout=600) == 2
     finally:
         stop(proc)
-
-
-def test_the_server_refuses_a_tokenizer_that_disagrees_with_the_checkpoint(refused_server):
-    """`--tokenizer-mode hf` next to a qwen3_5_moe config: vLLM's AutoTokenizer swaps in Qwen3_5Tokenizer for
-    the shipped testbed tokenizer. The start-up probe catches it: one line, exit 2, no server left running."""
-    proc, port, log = refused_server
-    assert proc.wait(timeout=900) == 2
     text = Path(log.name).read_text()
     errors = [line for line in text.splitlines() if line.startswith("slimwise: error:")]
-    assert len(errors) == 1 and "tokenizer encodes text differently" in errors[0], text[-3000:]
-    assert "Traceback" not in text.split("slimwise: error:")[-1]
+    assert len(errors) == 1 and "the tokenizer vLLM loads with --tokenizer-mode hf encodes text differently" \
+        in errors[0], text[-3000:]
+    assert "Traceback" not in text and "starting vllm" not in text, text[-3000:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 

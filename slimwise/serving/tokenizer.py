@@ -96,9 +96,43 @@ def check_tokenizer(
     if r.status_code != 200:
         raise SlimWiseError(f"{what} at {url} answered the tokenizer check with HTTP {r.status_code}: "
                             f"{r.text[:200]}")
+    _refuse_if_different(got, want, f"{what}'s tokenizer")
+
+
+def check_tokenizer_before_start(model_dir: str, vllm_args: list[str], tokenizer_dir: str | None) -> None:
+    """`check_tokenizer` before any engine starts, for a user who chose a --tokenizer-mode other than
+    SlimWise's (the only way vLLM can load another tokenizer than the reference's): the tokenizer is loaded
+    as vLLM's server loads it (vLLM's `get_tokenizer` with the user's mode, --tokenizer,
+    --tokenizer-revision and --trust-remote-code), so a refusal comes in seconds, not after the model's
+    weights are loaded. The check of the running server stays: it is what vLLM loaded in the end. A tokenizer
+    this cannot load is left to vLLM, whose start-up then says why."""
+    from slimwise.argtypes import option_value
+
+    mode = option_value(vllm_args, "--tokenizer-mode")
+    if mode in (None, TOKENIZER_MODE) or tokenizer_dir is None:
+        return
+    from vllm.tokenizers.registry import get_tokenizer
+
+    from slimwise.models import load_tokenizer
+
+    try:
+        loaded = get_tokenizer(option_value(vllm_args, "--tokenizer") or model_dir, tokenizer_mode=mode,
+                               trust_remote_code="--trust-remote-code" in vllm_args,
+                               revision=option_value(vllm_args, "--tokenizer-revision"))
+        got = loaded.encode(TOKENIZER_PROBE, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - vLLM's own start-up reports what it cannot load
+        return
+    reference = load_tokenizer(tokenizer_dir)
+    if reference is None:  # no tokenizer files: check_tokenizer has nothing to compare either
+        return
+    want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    _refuse_if_different(got, want, f"the tokenizer vLLM loads with --tokenizer-mode {mode}")
+
+
+def _refuse_if_different(got: list[int] | None, want: list[int], subject: str) -> None:
     if got != want:
         raise SlimWiseError(
-            f"{what}'s tokenizer encodes text differently from the checkpoint's tokenizer.json "
+            f"{subject} encodes text differently from the checkpoint's tokenizer.json "
             f"({len(got or [])} vs {len(want)} tokens for a probe text, first difference at token "
             f"{_first_difference(got or [], want)}); clients' text would reach the model as other "
             "token ids. Drop --tokenizer-mode/--tokenizer, or give the tokenizer the model was "
