@@ -73,13 +73,9 @@ def check_tokenizer(
     the tokenizer the reference engine loads from `tokenizer_dir`: a client's text would reach the model as
     other token ids than it was trained and calibrated on (vLLM's AutoTokenizer swaps classes for some model
     types)."""
-    from slimwise.models import load_tokenizer
-
-    reference = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
-    if reference is None:
-        # a checkpoint without tokenizer files: vLLM has none either (--skip-tokenizer-init), token ids only
+    want = _reference_ids(tokenizer_dir)
+    if want is None:
         return
-    want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     try:
         r = httpx.post(
@@ -109,11 +105,9 @@ def check_tokenizer_before_start(model_dir: str, vllm_args: list[str], tokenizer
     from slimwise.argtypes import option_value
 
     mode = option_value(vllm_args, "--tokenizer-mode")
-    if mode in (None, TOKENIZER_MODE) or tokenizer_dir is None:
+    if mode in (None, TOKENIZER_MODE) or (want := _reference_ids(tokenizer_dir)) is None:
         return
     from vllm.tokenizers.registry import get_tokenizer
-
-    from slimwise.models import load_tokenizer
 
     try:
         loaded = get_tokenizer(option_value(vllm_args, "--tokenizer") or model_dir, tokenizer_mode=mode,
@@ -122,11 +116,16 @@ def check_tokenizer_before_start(model_dir: str, vllm_args: list[str], tokenizer
         got = loaded.encode(TOKENIZER_PROBE, add_special_tokens=False)
     except Exception:  # noqa: BLE001 - vLLM's own start-up reports what it cannot load
         return
-    reference = load_tokenizer(tokenizer_dir)
-    if reference is None:  # no tokenizer files: check_tokenizer has nothing to compare either
-        return
-    want = reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
     _refuse_if_different(got, want, f"the tokenizer vLLM loads with --tokenizer-mode {mode}")
+
+
+def _reference_ids(tokenizer_dir: str | None) -> list[int] | None:
+    """TOKENIZER_PROBE as the reference engine encodes it; None without tokenizer files (vLLM then has none
+    either: --skip-tokenizer-init, token ids only)."""
+    from slimwise.models import load_tokenizer
+
+    reference = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    return None if reference is None else reference(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
 
 
 def _refuse_if_different(got: list[int] | None, want: list[int], subject: str) -> None:
