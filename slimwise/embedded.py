@@ -7,8 +7,9 @@ from pathlib import Path
 CHECKPOINTS = Path(__file__).parent / "testbed" / "checkpoints"
 #: name -> directory under slimwise/testbed/checkpoints
 EMBEDDED = {"testbed-a": "qwen3moe-a", "testbed-b": "qwen2moe-b", "testbed-c": "qwen3_5moe-c",
-            # testbed-a continued on the long-prompt families (slimwise.testbed.long_tasks), 1,152 positions
-            "testbed-a-long": "qwen3moe-a-long"}
+            # testbed-a and -c continued on the long-prompt families (slimwise.testbed.long_tasks), 1,152
+            # positions; testbed-c-long's layer 1 is full attention (docs/history/testbeds.md says why)
+            "testbed-a-long": "qwen3moe-a-long", "testbed-c-long": "qwen3_5moe-c-long"}
 
 
 def embedded_model_dir(name: str) -> Path | None:

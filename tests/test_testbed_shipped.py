@@ -11,6 +11,7 @@ tests/test_vllm_hybrid.py.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -32,7 +33,7 @@ from slimwise.testbed import make_split
 from slimwise.testbed.long_tasks import LENGTHS
 
 pytestmark = pytest.mark.vllm_in_process  # its vLLM engines (tests/conftest.py)
-NAMES = sorted(EMBEDDED)  # testbed-a, -b, -c, and testbed-a-long (a continued on long prompts)
+NAMES = sorted(EMBEDDED)  # testbed-a, -b, -c, and testbed-a-long, -c-long (continued on long prompts)
 LONG_NAMES = [n for n in NAMES if n.endswith("-long")]
 # float32 token equality; testbed-c: bf16 only, checked below. testbed-a-long is testbed-a's architecture with
 # more positions: not re-checked in vLLM here (CI time); the long-prompt measurement ran the reference engine.
@@ -76,8 +77,12 @@ def test_architecture_size_and_dtype(name):
         assert cfg["num_experts"] >= 64 and cfg["num_experts_per_tok"] == 8
     elif name == "testbed-c":  # Qwen3.6-35B-A3B's hybrid design: Gated-DeltaNet : full attention 3 : 1
         assert cfg["architectures"] == ["Qwen3_5MoeForCausalLM"] and cfg["model_type"] == "qwen3_5_moe_text"
-        assert cfg["layer_types"] \
-            == (["linear_attention"] * 3 + ["full_attention"]) * (cfg["num_hidden_layers"] // 4)
+        if path.name.endswith("-long"):  # still hybrid; lookup needed a full-attention layer before the last
+            layers = cfg["num_hidden_layers"]
+            assert cfg["layer_types"] == ["linear_attention", "full_attention"] * (layers // 2)
+        else:
+            assert cfg["layer_types"] \
+                == (["linear_attention"] * 3 + ["full_attention"]) * (cfg["num_hidden_layers"] // 4)
         assert cfg["num_experts"] >= 64 and cfg["num_experts_per_tok"] == 8
         assert cfg["shared_expert_intermediate_size"] % 32 == 0 and cfg["shared_expert_intermediate_size"] > 0
         assert cfg["linear_key_head_dim"] == cfg["linear_value_head_dim"] == 64  # vLLM's CPU GDN kernel
@@ -169,6 +174,26 @@ def test_the_card_states_the_shipped_files(name):
     tok = getattr(transformers, snippet.group(1)).from_pretrained(path)
     ids = tok("add 457+68\n").input_ids
     assert tok.decode(ids[:1]) == "add" and len(ids) == 9 and tok.decode(ids) == "add 457+68\n", ids
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cards_command_trains_this_run(name):
+    """The card's training command, pasted into a shell, parses to the options of the run that made the
+    shipped files (train_config.json): the command is the recipe, not a paraphrase of it."""
+    import shlex
+
+    from slimwise.options import config_from_args
+    from slimwise.testbed.train import build_parser
+    from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
+
+    path = embedded_model_dir(name)
+    command = re.search(r"^- command: `([^`]+)`", (path / "README.md").read_text(), re.M).group(1)
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "slimwise.testbed.train"]
+    parsed = dataclasses.asdict(config_from_args(TrainConfig, build_parser().parse_args(words[3:])))
+    trained = json.loads((path / "train_config.json").read_text())
+    differ = {k: (parsed[k], trained.get(k)) for k in TRAIN_OPTIONS if parsed[k] != trained.get(k, parsed[k])}
+    assert differ == {}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -663,12 +664,14 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     """`--init-from MODEL --override max_position_embeddings=1152 --family-weights lookup=1,chain=1`: the run
     starts from MODEL's weights and tokenizer with the longer context, draws the weighted long families at
     lengths up to --long-max-length (half of them in the top octave: --long-top-share 0.5; and no other long
-    family), and its card evaluates them at every swept length and states the draw. A model of another
-    backbone or an unknown family is refused before anything is written."""
+    family), and its card evaluates them at every swept length, states the draw and lists the run it continued
+    (kept once that run is deleted). A model of another backbone or an unknown family is refused before
+    anything is written."""
     from transformers import AutoModelForCausalLM
 
     from slimwise.errors import SlimWiseError
     from slimwise.testbed.evaluate import main as card_main
+    from slimwise.testbed.evaluate import write_card
     from slimwise.testbed.long_tasks import LENGTHS, MIN_LENGTH
     from slimwise.testbed.train import step_samples
 
@@ -700,9 +703,20 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     assert "--long-max-length 200 --long-top-share 0.5" in card
     assert "log-uniformly from 48 to 200 characters, 50% of them uniformly from 100 to 200 instead" in card
     assert "Long-prompt bar of the issue: >= 80% at the longest length (1,024 characters" in card
+    # the run it continued is a stage of its card, kept in eval.json: the card keeps it once that run is gone
+    assert f"It is `{source}` (itself trained from scratch) continued" in card
+    assert "- the last of 2 stages, each run's `--init-from` the one before" in card
+    stage = next(line for line in card.splitlines() if line.startswith("  1. `"))
+    assert stage.startswith(f"  1. `python -m slimwise.testbed.train --backbone a --out {source} --override")
+    assert "--max-steps 2 --seed 0" in stage and "--warmup-steps 2" in stage and "`: steps 2, tokens" in stage
+    stages = json.loads((out / "eval.json").read_text())["earlier_stages"]
+    assert [st["out"] for st in stages] == [str(source)]
     capsys.readouterr()
     with pytest.raises(SlimWiseError, match="is a qwen3_moe model; backbone c is qwen3_5_moe_text"):
         train(tiny_config(tmp_path / "wrong", "c", init_from=str(source)))
     with pytest.raises(SlimWiseError, match=r"unknown families \['lookups'\]"):
         train(tiny_config(tmp_path / "typo", family_weights={"lookups": 1}))
     assert not (tmp_path / "wrong").exists() and not (tmp_path / "typo").exists()
+    shutil.rmtree(source)
+    write_card(out)
+    assert (out / "README.md").read_text() == card

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -496,7 +497,8 @@ def _routing_section(test: dict) -> str:
 
 
 def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
-                command: str, pruning: dict | None = None, long: dict | None = None) -> dict:
+                command: str, pruning: dict | None = None, long: dict | None = None,
+                stages: list[dict] | None = None) -> dict:
     """Every field of the card template's `card` part, optional parts already rendered (or empty)."""
     from slimwise.embedded import EMBEDDED
 
@@ -510,10 +512,11 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
         "architecture_rows": _architecture_rows(out, cfg, count_parameters(model)),
         "loading": loading,
         "one_token_names": _part("one_token_names") if tc.get("spaced_pairs", True) is False else "",
-        "command": command,
+        "command": command, "earlier_stages": _stages_part(stages or [], summary),
         **_training_fields(tc, summary, test, hybrid),
         **_evaluation_fields(test, heldout),
-        "long_intro": (" " + _part("long_intro", source=tc.get("init_from") or "a fresh init",
+        "long_intro": (" " + _part("long_intro", source=_root_source(tc, stages or []),
+                                   layer_change=_layer_change(tc),
                              max_length=f"{tc.get('long_max_length', 1024):,}") if trains_long(tc) else ""),
         "long_section": _long_section(long),
         "limitations": _limitations(cfg, test, heldout),
@@ -524,10 +527,37 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
     }
 
 
+def _stages_part(stages: list[dict], summary: dict) -> str:
+    """The earlier stages' commands and figures, and the training time of all stages together."""
+    if not stages:
+        return ""
+    rows = "\n".join(f"  {i}. `{st['command']}`: steps {st['steps']}, tokens {st['tokens']:,}, wall time "
+                     f"{st['wall_seconds'] / 60:.1f} min" for i, st in enumerate(stages, 1))
+    total = (sum(st["wall_seconds"] for st in stages) + summary["wall_seconds"]) / 60
+    return "\n" + _part("earlier_stages", n=len(stages) + 1, total=f"{total:.1f}", rows=rows)
+
+
+def _layer_change(tc: dict) -> str:
+    """The long intro's clause for a continued run whose layer types were overridden."""
+    layers = (tc.get("model_overrides") or {}).get("layer_types")
+    if not (tc.get("init_from") and layers):
+        return ""
+    return _part("layer_change", layer_types=", ".join(t.removesuffix("_attention") for t in layers))
+
+
+def _root_source(tc: dict, stages: list[dict]) -> str:
+    """What the first stage started from: a model it continued, or (trained from scratch) that stage's run."""
+    if not stages:
+        return tc.get("init_from") or "a fresh init"
+    return stages[0]["init_from"] or stages[0]["out"]
+
+
 def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
-                command: str, pruning: dict | None = None, long: dict | None = None) -> str:
-    """The model card (README.md) of a trained model directory: card.md.tmpl filled in with `card_fields`."""
-    fields = card_fields(out, name, train_config, summary, test, heldout, command, pruning, long)
+                command: str, pruning: dict | None = None, long: dict | None = None,
+                stages: list[dict] | None = None) -> str:
+    """The model card (README.md) of a trained model directory: card.md.tmpl filled in with `card_fields`;
+    `stages`: the runs it continues (`earlier_stages`), earliest first."""
+    fields = card_fields(out, name, train_config, summary, test, heldout, command, pruning, long, stages)
     return _card_parts()["card"].substitute(fields) + "\n"
 
 
@@ -563,36 +593,71 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     tc = json.loads((out / "train_config.json").read_text())
     ev = json.loads((out / "eval.json").read_text())
     name = card_name(tc, out)
-    weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
-    command = command or (f"python -m slimwise.testbed.train --backbone {tc['backbone']} "
-                          f"--out {tc.get('out', out)} "
-                          + (f"--init-from {tc['init_from']} " if tc.get("init_from") else "")
-                          + "".join(f"--override {k}={json.dumps(v)} "
-                                    for k, v in (tc.get("model_overrides") or {}).items())
-                          + (f"--minutes {tc['minutes']:g} " if tc.get("minutes") else "")
-                          + (f"--max-steps {tc['max_steps']} " if tc.get("max_steps") else "")
-                          + f"--seed {tc['seed']}"
-                          + (f" --threads {tc['threads']}" if tc.get("threads") else "")
-                          + (f" --ranks {tc['ranks']}" if tc.get("ranks", 1) > 1 else "")
-                          + ("" if tc.get("pair_init") else " --no-pair-init")
-                          + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
-                          + (f" --row-groups {tc['row_groups']}" if tc.get("row_groups", 3) != 3 else "")
-                          + (f" --packing {tc['packing']}" if tc.get("packing", "auto") != "auto" else "")
-                          + (f" --seq-len {tc['seq_len']}" if tc.get("seq_len", 256) != 256 else "")
-                          + (f" --lr {tc['lr']:g}" if tc.get("lr", 2e-3) != 2e-3 else "")
-                          + (f" --optimizer {tc['optimizer']}"
-                             if tc.get("optimizer", "adamw") != "adamw" else "")
-                          + (f" --samples-per-family {tc['samples_per_family']}"
-                             if tc.get("samples_per_family", 3) != 3 else "")
-                          + (f" --long-max-length {tc['long_max_length']}"
-                             if trains_long(tc) and tc.get("long_max_length", 1024) != 1024 else "")
-                          + (f" --long-top-share {tc['long_top_share']:g}"
-                             if trains_long(tc) and tc.get("long_top_share", 0.0) else "")
-                          + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
-                             " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
+    stages = ev.get("earlier_stages")
+    if stages is None:  # recorded once, while the directories of the earlier stages are still there
+        stages = earlier_stages(tc)
+        if stages:
+            ev["earlier_stages"] = stages
+            atomic_write_text(out / "eval.json", json.dumps(ev, indent=2) + "\n")
+    command = command or train_command(tc, out)
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"],
-                                                     command, ev.get("pruning"), ev.get("long")))
+                                                     command, ev.get("pruning"), ev.get("long"), stages))
     return out / "README.md"
+
+
+def train_command(tc: dict, out: Path) -> str:
+    """The `python -m slimwise.testbed.train` command line of a run's train_config (non-default options),
+    ready to paste into a shell."""
+    weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
+    overrides = (f"{k}={json.dumps(v, separators=(',', ':'))}"
+                 for k, v in (tc.get("model_overrides") or {}).items())
+    return (f"python -m slimwise.testbed.train --backbone {tc['backbone']} "
+            f"--out {tc.get('out', out)} "
+            + (f"--init-from {tc['init_from']} " if tc.get("init_from") else "")
+            + "".join(f"--override {shlex.quote(o)} " for o in overrides)
+            + (f"--minutes {tc['minutes']:g} " if tc.get("minutes") else "")
+            + (f"--max-steps {tc['max_steps']} " if tc.get("max_steps") else "")
+            + f"--seed {tc['seed']}"
+            + (" --resume" if tc.get("resume") else "")  # resumed from its own saved state (a raised budget)
+            + (f" --threads {tc['threads']}" if tc.get("threads") else "")
+            + (f" --ranks {tc['ranks']}" if tc.get("ranks", 1) > 1 else "")
+            + ("" if tc.get("pair_init") else " --no-pair-init")
+            + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
+            + (f" --row-groups {tc['row_groups']}" if tc.get("row_groups", 3) != 3 else "")
+            + (f" --packing {tc['packing']}" if tc.get("packing", "auto") != "auto" else "")
+            + (f" --seq-len {tc['seq_len']}" if tc.get("seq_len", 256) != 256 else "")
+            + (f" --lr {tc['lr']:g}" if tc.get("lr", 2e-3) != 2e-3 else "")
+            + (f" --warmup-steps {tc['warmup_steps']}" if tc.get("warmup_steps", 100) != 100 else "")
+            + (f" --optimizer {tc['optimizer']}" if tc.get("optimizer", "adamw") != "adamw" else "")
+            + (f" --samples-per-family {tc['samples_per_family']}"
+               if tc.get("samples_per_family", 3) != 3 else "")
+            + (f" --long-max-length {tc['long_max_length']}"
+               if trains_long(tc) and tc.get("long_max_length", 1024) != 1024 else "")
+            + (f" --long-top-share {tc['long_top_share']:g}"
+               if trains_long(tc) and tc.get("long_top_share", 0.0) else "")
+            + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
+               " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
+
+
+def earlier_stages(tc: dict) -> list[dict]:
+    """The runs a continued run descends from, earliest first: each `--init-from` that is a run directory
+    (train_config.json and train_summary.json beside the weights), followed until a shipped model, a fresh
+    init or a directory that is gone. Each: its directory, command, `init_from`, steps, tokens and wall
+    seconds."""
+    from slimwise.embedded import EMBEDDED
+
+    stages, source = [], tc.get("init_from")
+    while source and source not in EMBEDDED:
+        run = Path(source)
+        if not ((run / "train_config.json").is_file() and (run / "train_summary.json").is_file()):
+            break
+        parent = json.loads((run / "train_config.json").read_text())
+        summary = json.loads((run / "train_summary.json").read_text())
+        stages.insert(0, {"out": str(run), "command": train_command(parent, run),
+                          "init_from": parent.get("init_from"), "steps": summary["steps"],
+                          "tokens": summary["tokens"], "wall_seconds": summary["wall_seconds"]})
+        source = parent.get("init_from")
+    return stages
 
 
 def card_name(train_config: dict, out: Path) -> str:

@@ -638,17 +638,22 @@ def final_loss(history: list[dict]) -> dict:
 # Command line
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m slimwise.testbed.train`: train a backbone, then (unless --no-eval) evaluate it and write its
-    card."""
-    from slimwise.testbed.evaluate import evaluate_and_write_card
-
+def build_parser() -> argparse.ArgumentParser:
+    """The options of `python -m slimwise.testbed.train`, from TrainConfig's fields (TRAIN_OPTIONS)."""
     p = argparse.ArgumentParser(prog="python -m slimwise.testbed.train",
                                 description="train a testbed backbone")
     add_dataclass_options(p, TrainConfig, TRAIN_OPTIONS)
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation and model card")
     add_dataclass_options(p, TrainConfig, ("progress",))
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m slimwise.testbed.train`: train a backbone, then (unless --no-eval) evaluate it and write its
+    card."""
+    from slimwise.testbed.evaluate import evaluate_and_write_card
+
+    args = build_parser().parse_args(argv)
     config = config_from_args(TrainConfig, args)
     out = train(config)
     if not args.no_eval:

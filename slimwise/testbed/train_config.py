@@ -12,10 +12,10 @@ from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 
 #: the options before --no-eval, in the order --help lists them
-TRAIN_OPTIONS = ("backbone", "out", "init_from", "minutes", "max_steps", "seed", "resume", "lr", "optimizer",
-                 "samples_per_family", "row_groups", "packing", "seq_len", "family_weights",
-                 "long_max_length", "long_top_share", "model_overrides", "experts_implementation", "threads",
-                 "ranks",
+TRAIN_OPTIONS = ("backbone", "out", "init_from", "minutes", "max_steps", "seed", "resume", "lr",
+                 "warmup_steps", "optimizer", "samples_per_family", "row_groups", "packing", "seq_len",
+                 "family_weights", "long_max_length", "long_top_share", "model_overrides",
+                 "experts_implementation", "threads", "ranks",
                  "eval_n_per_family", "heldout_n_per_family", "pair_init", "spaced_pairs")
 
 
@@ -84,7 +84,8 @@ class TrainConfig:
     # optimisation
     lr: float = field(default=2e-3, metadata={"type": float, "help": None})
     min_lr_ratio: float = 0.05
-    warmup_steps: int = 100
+    warmup_steps: int = field(default=100, metadata={  # a continued run has warm weights: fewer
+        "type": int, "help": "linear lr warmup steps before the cosine"})
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
