@@ -6,6 +6,7 @@ docs/results/long-prompts.md:
   python -m experiments.long_prompts run testbed-a-long --out runs/long-prompts/testbed-a-long
   python -m experiments.long_prompts run testbed-c-long --out runs/long-prompts/testbed-c-long
   python -m experiments.long_prompts report runs/long-prompts/*/report.json --out docs/results/long-prompts
+(`report` also reads the reports.json it wrote, so a new backbone's run adds to the committed tables.)
 
 Per backbone: REAP plans from decode-phase calibration on the long families' calib split (every swept length);
 the test split at each prompt length, the same problems for every mode, so every difference is paired. Uniform
@@ -343,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="each delta trains exactly this many steps, no time cap (equal steps)")
     r.add_argument("--threads", type=int, default=2)
     g = sub.add_parser("report", help="tables and plot from finished reports")
-    g.add_argument("reports", nargs="+")
+    g.add_argument("reports", nargs="+", help="report.json files of `run`, or a reports.json of `report`")
     g.add_argument("--out", required=True, help="writes OUT.md and OUT/accuracy_vs_length.png")
     args = p.parse_args(argv)
     if args.command == "run":
@@ -355,7 +356,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             distill=_distill_config(args.distill_minutes, args.distill_steps))
         run(args.model, args.out, config)
         return 0
-    reports = merge([json.loads(Path(x).read_text()) for x in args.reports])
+    loaded = []  # a report.json of `run`, or the reports.json a `report` wrote (a list, merged already)
+    for x in args.reports:
+        data = json.loads(Path(x).read_text())
+        loaded += data if isinstance(data, list) else [data]
+    reports = merge(loaded)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for report in reports:  # the committed copies keep what the tables need, not every token id

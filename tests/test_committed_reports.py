@@ -127,3 +127,14 @@ def test_long_prompts_equal_steps_runs_get_their_own_section(tmp_path):
     assert f"## {capped['model']}, equal distillation steps" in text
     assert text.count("Distilled:") == 2 and "120 steps of" in text and "capped at 7 min" in text
     assert (tmp_path / "out" / "accuracy_vs_length.png").stat().st_size > 10_000
+
+
+def test_long_prompts_report_rebuilds_from_its_own_reports_json(tmp_path):
+    """`report` reads the merged reports.json it wrote (how a new backbone's run joins the committed tables
+    without the earlier runs' directories): the same page again."""
+    from experiments.long_prompts import main
+
+    committed = RESULTS / "long-prompts" / "reports.json"
+    assert main(["report", str(committed), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out.md").read_text() == (RESULTS / "long-prompts.md").read_text()
+    assert json.loads((tmp_path / "out" / "reports.json").read_text()) == json.loads(committed.read_text())
