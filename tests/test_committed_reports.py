@@ -23,7 +23,7 @@ CHECKPOINTS = sorted(p for p in (ROOT / "slimwise" / "testbed" / "checkpoints").
 
 
 def test_there_is_something_to_compare():
-    assert len(EVAL_REPORTS) >= 9 and len(BENCH_REPORTS) >= 10 and len(CHECKPOINTS) == 4
+    assert len(EVAL_REPORTS) >= 9 and len(BENCH_REPORTS) >= 10 and len(CHECKPOINTS) == 5
 
 
 @pytest.mark.parametrize("path", EVAL_REPORTS, ids=lambda p: str(p.parent.relative_to(RESULTS)))

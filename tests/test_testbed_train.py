@@ -615,8 +615,8 @@ def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     assert ev["test"]["dtype"] == "float32" and ev["test"]["n"] == len(FAMILIES) \
         and ev["heldout"]["n"] == len(FAMILIES)
     card = (out / "README.md").read_text()
-    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003 --optimizer muon" in card \
-        and "| qa |" in card
+    assert "--row-groups 4 --packing packed --seq-len 192 --lr 0.003 --warmup-steps 2 --optimizer muon" \
+        in card and "| qa |" in card
     assert "- optimiser: Muon (momentum 0.95" in card
     # how a hybrid was packed
     assert "segment-aware versions that start every sample from a zero state" in card
