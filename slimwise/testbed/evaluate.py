@@ -517,7 +517,8 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
         **_evaluation_fields(test, heldout),
         "long_intro": (" " + _part("long_intro", source=_root_source(tc, stages or []),
                                    layer_change=_layer_change(tc),
-                             max_length=f"{tc.get('long_max_length', 1024):,}") if trains_long(tc) else ""),
+                                   max_length=f"{tc.get('long_max_length', 1024):,}")
+                       if trains_long(tc) else ""),
         "long_section": _long_section(long),
         "limitations": _limitations(cfg, test, heldout),
         "pruning": _pruning_section(pruning), "routing": _routing_section(test),
