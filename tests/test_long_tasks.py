@@ -65,6 +65,33 @@ def test_shortest_prompts_still_decide_the_answer(length):
         assert len(s.prompt) <= length and solve(s.family, s.prompt) == s.answer, s.prompt
 
 
+def test_infer_names_the_rule_then_works_it_as_the_short_family_does():
+    """infer's solution: `rule: NAME`, then per letter the step line of the short family of that
+    transformation (strrev, upper, novowel; double as upper's `c=cc`); the steps alone rebuild the answer."""
+    from slimwise.testbed.tasks import make_split
+
+    short = {"reverse": "strrev", "uppercase": "upper", "novowel": "novowel"}
+    step_re = {"reverse": r"\d+:[a-z]", "uppercase": r"[a-z]=[A-Z]", "novowel": r"[a-z] (keep|drop)",
+               "double": r"([a-z])=\1\1"}
+    rebuild = {"reverse": lambda st: "".join(x.split(":")[1] for x in st),
+               "uppercase": lambda st: "".join(x.split("=")[1] for x in st),
+               "novowel": lambda st: "".join(x[0] for x in st if x.endswith("keep")),
+               "double": lambda st: "".join(x.split("=")[1] for x in st)}
+    for rule, family in short.items():  # the short family writes its steps in this very format
+        steps = make_split("test", 3, families=[family])[0].target.split("\n")[:-1]
+        assert all(re.fullmatch(step_re[rule], x) for x in steps), (family, steps)
+    seen = set()
+    for length in (64, LENGTHS[-1]):
+        for s in make_long_split("test", 40, length, families=["infer"]):
+            first, *steps, last = s.target.split("\n")
+            rule = first.removeprefix("rule: ")
+            seen.add(rule)
+            query = re.fullmatch(r"in: (\w+) out:", s.prompt.rstrip("\n").split("\n")[-1]).group(1)
+            assert len(steps) == len(query) and all(re.fullmatch(step_re[rule], x) for x in steps), s.target
+            assert last == f"#### {s.answer}" and rebuild[rule](steps) == s.answer == solve("infer", s.prompt)
+    assert seen == set(step_re)
+
+
 def test_determinism_and_disjoint_splits():
     a, b = make_long_split("calib", 5, 256, seed=3), make_long_split("calib", 5, 256, seed=3)
     assert [s.to_dict() for s in a] == [s.to_dict() for s in b]

@@ -6,7 +6,8 @@ and a full-model prefill has little to protect. These put the information in the
 - `chain`: N `a>b` links over distinct names, then a start to follow twice; the answer is the name two links
   on (the other links are distractors).
 - `infer`: worked examples `in: w out: f(w)` of one transformation drawn per prompt (reverse, uppercase, drop
-  the vowels, double each letter), then a query; the rule is only in the examples.
+  the vowels, double each letter), then a query; the rule is only in the examples. The solution names the
+  rule, then applies it step by step as the short family of the same transformation does.
 
 `length` (the knob of every family) is the prompt's size in characters: items are added while the next would
 still fit. The testbed tokenizer spells these prompts letter by letter with a few whole-word tokens, so a
@@ -110,6 +111,17 @@ _RULES: dict[str, Callable[[str], str]] = {
     "double": lambda w: "".join(ch + ch for ch in w),
 }
 
+#: the worked steps of applying a rule, in the step format of the short family that does the same
+#: (`tasks.gen_strrev`, `gen_upper`, `gen_novowel`): the prompt decides which rule, the steps apply it.
+#: Without them the answer had to come in one step, and a backbone that named the rule right every time
+#: still reversed or devowelled the word wrong (the family then measured one-step spelling, not the prompt).
+_STEPS: dict[str, Callable[[str], list[str]]] = {
+    "reverse": lambda w: [f"{i}:{w[i - 1]}" for i in range(len(w), 0, -1)],
+    "uppercase": lambda w: [f"{c}={c.upper()}" for c in w],
+    "novowel": lambda w: [f"{c} {'drop' if c in VOWELS else 'keep'}" for c in w],
+    "double": lambda w: [f"{c}={c + c}" for c in w],
+}
+
 
 @register_long("infer")
 def gen_infer(rng: random.Random, length: int) -> tuple[str, str, str]:
@@ -122,7 +134,7 @@ def gen_infer(rng: random.Random, length: int) -> tuple[str, str, str]:
         prompt = _fill("", examples, tail, length)
         shown = [w for w in words[1:] if f"in: {w} out: {f(w)}\n" in prompt]
         if all(any(g(w) != f(w) for w in shown) for name, g in _RULES.items() if name != rule):
-            return prompt, _solution([f"rule: {rule}"], f(query)), f(query)
+            return prompt, _solution([f"rule: {rule}", *_STEPS[rule](query)], f(query)), f(query)
 
 
 def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
