@@ -7,6 +7,8 @@ A field is an option when its metadata has "help" (None for an option without he
   type, choices, metavar, nargs, action, const, required   passed to `add_argument` as they are
   convert  turns the parsed value into the field's value (GiB into bytes, a list into a tuple); such an
            option, and an `append` one, defaults to None on the command line: the field keeps its default
+  render   the inverse of convert, for `argv_of`: the field's value -> its arguments (one per
+           occurrence of an `append` option)
 The option's default is the field's default. A bool field is a flag that flips its field's default. The parsed
 value lands where argparse puts it (the flag's name: args.out, args.no_kl); `config_from_args` maps it back.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -60,6 +63,54 @@ def config_from_args(config_cls, args: argparse.Namespace, **explicit):
             convert = f.metadata.get("convert")
             values[name] = convert(value) if convert else value
     return config_cls(**values, **explicit)
+
+
+def argv_of(config_cls, values: Mapping[str, Any], names: Iterable[str] | None = None, *,
+            always: Iterable[str] = ()) -> list[str]:
+    """The inverse of `add_dataclass_options` + `config_from_args`: arguments that parse back to `values` (a
+    config's fields as `dataclasses.asdict` gives them; a missing field has its default). One option per field
+    of `names` (every option field when None), in that order, that differs from its default or is in `always`;
+    None is left out (no command line spells it). Raises ValueError for a field with `convert` and no
+    `render`."""
+    fields, keep = option_fields(config_cls), set(always)
+    argv: list[str] = []
+    for name in fields if names is None else names:
+        f = fields[name]
+        default = _default(f)
+        value = values.get(name, default)
+        if value is None or (value == default and name not in keep):
+            continue
+        flag = flag_of(f)
+        if _is_flag(f):
+            argv += [flag] if value != default else []
+            continue
+        if "render" in f.metadata:
+            words = [_word(w) for w in f.metadata["render"](value)]
+        elif "convert" in f.metadata:
+            raise ValueError(f"{config_cls.__name__}.{name} converts its option: give it a render")
+        else:
+            many = f.metadata.get("action") == "append" or f.metadata.get("nargs") in ("*", "+")
+            words = [_word(v) for v in value] if many else [_word(value)]
+        head = [flag] if flag.startswith("-") else []
+        if f.metadata.get("nargs") in ("*", "+"):  # one flag, then every value
+            argv += [*head, *words]
+        else:  # an `append` option repeats its flag
+            for word in words:
+                argv += [*head, word]
+    return argv
+
+
+def command_of(program: str, argv: Iterable[str]) -> str:
+    """`program` and `argv` as one shell line (each argument quoted where the shell needs it)."""
+    return " ".join([program, shlex.join(argv)]).rstrip()
+
+
+def _word(value: Any) -> str:
+    """A value as its option's argument: floats in their shortest exact form (60.0 -> 60, 0.001 -> 0.001)."""
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    return str(value)
 
 
 def flag_of(f: dataclasses.Field) -> str:

@@ -172,10 +172,10 @@ def test_every_option_field_is_an_option_with_the_fields_default(command):
 
 def test_options_helper_flags_conversions_and_explicit_values():
     import argparse
-    from dataclasses import dataclass, field
+    from dataclasses import asdict, dataclass, field
 
     from slimwise.argtypes import integer
-    from slimwise.options import add_dataclass_options, config_from_args
+    from slimwise.options import add_dataclass_options, argv_of, command_of, config_from_args
 
     @dataclass
     class Toy:
@@ -183,7 +183,7 @@ def test_options_helper_flags_conversions_and_explicit_values():
         kl: bool = field(default=True, metadata={"help": "skip KL"})
         resume: bool = field(default=False, metadata={"help": None})
         names: tuple[str, ...] = field(default=("a",), metadata={
-            "flag": "--name", "action": "append", "convert": tuple, "help": None})
+            "flag": "--name", "action": "append", "convert": tuple, "render": list, "help": None})
         out_dir: str = field(default="out", metadata={"flag": "--out", "help": None})
         internal: int = 7
 
@@ -198,6 +198,31 @@ def test_options_helper_flags_conversions_and_explicit_values():
     assert got == Toy(size=5, kl=False, resume=True, names=("x", "y"), out_dir="o", internal=8)
     with pytest.raises(ValueError, match="internal is not a command-line option"):
         add_dataclass_options(argparse.ArgumentParser(), Toy, ["internal"])
+    # the inverse: the non-default options, in declaration order, parse back to the same config
+    assert argv_of(Toy, asdict(got)) == argv and argv_of(Toy, asdict(Toy())) == []
+    assert argv_of(Toy, asdict(Toy()), always=["size"]) == ["--size", "3"]
+    assert argv_of(Toy, {"size": None}) == []  # no command line spells None: the default applies
+    assert command_of("prog", ["--name", "a b", "--out", "o"]) == "prog --name 'a b' --out o"
+
+
+def test_argv_of_spells_floats_exactly_and_wants_a_render_for_a_conversion():
+    from dataclasses import dataclass, field
+
+    from slimwise.options import argv_of
+
+    @dataclass
+    class Toy:
+        lr: float = field(default=2e-3, metadata={"type": float, "help": None})
+        gib: float = field(default=1.0, metadata={"convert": lambda g: g * 2**30, "help": None})
+        batch: tuple[int, ...] = field(default=(1,), metadata={
+            "type": int, "nargs": "+", "convert": tuple, "render": list, "help": None})
+
+    assert argv_of(Toy, {"lr": 60.0}) == ["--lr", "60"]
+    assert argv_of(Toy, {"lr": 1e-3}) == ["--lr", "0.001"]
+    assert argv_of(Toy, {"lr": 0.1234567891}) == ["--lr", "0.1234567891"]  # not :g's six digits
+    assert argv_of(Toy, {"batch": (8, 16)}) == ["--batch", "8", "16"]  # nargs: one flag, every value
+    with pytest.raises(ValueError, match="Toy.gib converts its option: give it a render"):
+        argv_of(Toy, {"gib": 2.0})
 
 
 def test_kv_dir_cap_is_one_serve_option(capsys, monkeypatch):

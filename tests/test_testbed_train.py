@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -595,6 +596,36 @@ def test_train_command_refuses_zero_ranks_before_writing(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_cards_command_parses_back_to_every_option_it_was_made_from():
+    """`train_command` spells each option that differs from its default (every option changed here), so the
+    command pasted into a shell trains the same run: the generic inverse of the option declarations."""
+    import dataclasses
+    import shlex
+
+    from slimwise.options import config_from_args, option_fields
+    from slimwise.testbed.evaluate import train_command
+    from slimwise.testbed.train import build_parser
+    from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
+
+    changed = TrainConfig(
+        backbone="c", out="runs/x y", init_from="testbed-c", minutes=12.5, max_steps=7, seed=3, resume=True,
+        model_overrides={"max_position_embeddings": 1152,
+                         "layer_types": ["linear_attention", "full_attention"]},
+        samples_per_family=2, family_weights={"add": 0.5, "lookup": 12.0}, long_max_length=512,
+        long_top_share=0.3, seq_len=1088, packing="rows", row_groups=2, pair_init=False, spaced_pairs=False,
+        lr=1e-3, warmup_steps=20, optimizer="muon", threads=1, ranks=2, experts_implementation="eager",
+        eval_n_per_family=10, heldout_n_per_family=5)
+    default = TrainConfig()
+    assert all(getattr(changed, k) != getattr(default, k) for k in TRAIN_OPTIONS)
+    assert set(TRAIN_OPTIONS) | {"progress"} == set(option_fields(TrainConfig))  # the card spells them all
+    command = train_command(dataclasses.asdict(changed), Path("ignored"))
+    words = shlex.split(command)
+    assert words[:3] == ["python", "-m", "slimwise.testbed.train"] and "'runs/x y'" in command
+    assert config_from_args(TrainConfig, build_parser().parse_args(words[3:])) == changed
+    assert train_command({"backbone": "a"}, Path("runs/a")) == (
+        "python -m slimwise.testbed.train --backbone a --out runs/a --seed 0")
+
+
 def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
     carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run
@@ -671,7 +702,6 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
 
     from slimwise.errors import SlimWiseError
     from slimwise.testbed.evaluate import main as card_main
-    from slimwise.testbed.evaluate import write_card
     from slimwise.testbed.long_tasks import LENGTHS, MIN_LENGTH
     from slimwise.testbed.train import step_samples
 
@@ -718,5 +748,5 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
         train(tiny_config(tmp_path / "typo", family_weights={"lookups": 1}))
     assert not (tmp_path / "wrong").exists() and not (tmp_path / "typo").exists()
     shutil.rmtree(source)
-    write_card(out)
+    assert card_main(["card", str(out)]) == 0
     assert (out / "README.md").read_text() == card

@@ -15,7 +15,6 @@ import json
 import math
 import os
 import re
-import shlex
 import sys
 import time
 from collections import defaultdict
@@ -29,9 +28,9 @@ import torch.nn.functional as F
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.io import atomic_dir, atomic_write_text
+from slimwise.options import argv_of, command_of
 from slimwise.testbed.backbones import (
     CARD_NAMES,
-    DEFAULT_FAMILY_WEIGHTS,
     copy_model_files,
     count_parameters,
     moe_blocks,
@@ -39,6 +38,7 @@ from slimwise.testbed.backbones import (
 from slimwise.testbed.long_tasks import LENGTHS, LONG_DOMAIN, LONG_FAMILIES, make_long_split
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
 from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
+from slimwise.testbed.train_config import ALWAYS_SPELLED, TRAIN_OPTIONS, TrainConfig
 
 #: The routing-load bound of a shipped testbed: in every MoE layer, the busiest expert's share of the routed
 #: assignments is at most this multiple of the uniform share 1/E (the card reports it, the shipped-model tests
@@ -607,37 +607,10 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
 
 
 def train_command(tc: dict, out: Path) -> str:
-    """The `python -m slimwise.testbed.train` command line of a run's train_config (non-default options),
-    ready to paste into a shell."""
-    weights = tc.get("family_weights") or DEFAULT_FAMILY_WEIGHTS
-    overrides = (f"{k}={json.dumps(v, separators=(',', ':'))}"
-                 for k, v in (tc.get("model_overrides") or {}).items())
-    return (f"python -m slimwise.testbed.train --backbone {tc['backbone']} "
-            f"--out {tc.get('out', out)} "
-            + (f"--init-from {tc['init_from']} " if tc.get("init_from") else "")
-            + "".join(f"--override {shlex.quote(o)} " for o in overrides)
-            + (f"--minutes {tc['minutes']:g} " if tc.get("minutes") else "")
-            + (f"--max-steps {tc['max_steps']} " if tc.get("max_steps") else "")
-            + f"--seed {tc['seed']}"
-            + (" --resume" if tc.get("resume") else "")  # resumed from its own saved state (a raised budget)
-            + (f" --threads {tc['threads']}" if tc.get("threads") else "")
-            + (f" --ranks {tc['ranks']}" if tc.get("ranks", 1) > 1 else "")
-            + ("" if tc.get("pair_init") else " --no-pair-init")
-            + ("" if tc.get("spaced_pairs", True) else " --no-spaced-pairs")
-            + (f" --row-groups {tc['row_groups']}" if tc.get("row_groups", 3) != 3 else "")
-            + (f" --packing {tc['packing']}" if tc.get("packing", "auto") != "auto" else "")
-            + (f" --seq-len {tc['seq_len']}" if tc.get("seq_len", 256) != 256 else "")
-            + (f" --lr {tc['lr']:g}" if tc.get("lr", 2e-3) != 2e-3 else "")
-            + (f" --warmup-steps {tc['warmup_steps']}" if tc.get("warmup_steps", 100) != 100 else "")
-            + (f" --optimizer {tc['optimizer']}" if tc.get("optimizer", "adamw") != "adamw" else "")
-            + (f" --samples-per-family {tc['samples_per_family']}"
-               if tc.get("samples_per_family", 3) != 3 else "")
-            + (f" --long-max-length {tc['long_max_length']}"
-               if trains_long(tc) and tc.get("long_max_length", 1024) != 1024 else "")
-            + (f" --long-top-share {tc['long_top_share']:g}"
-               if trains_long(tc) and tc.get("long_top_share", 0.0) else "")
-            + ("" if weights == DEFAULT_FAMILY_WEIGHTS else
-               " --family-weights " + ",".join(f"{k}={v:g}" for k, v in weights.items())))
+    """The `python -m slimwise.testbed.train` command line of a run's train_config (its non-default options,
+    from the option declarations), ready to paste into a shell."""
+    return command_of("python -m slimwise.testbed.train",
+                      argv_of(TrainConfig, {"out": str(out), **tc}, TRAIN_OPTIONS, always=ALWAYS_SPELLED))
 
 
 def earlier_stages(tc: dict) -> list[dict]:

@@ -11,12 +11,15 @@ from slimwise.argtypes import integer, number
 from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 
-#: the options before --no-eval, in the order --help lists them
-TRAIN_OPTIONS = ("backbone", "out", "init_from", "minutes", "max_steps", "seed", "resume", "lr",
-                 "warmup_steps", "optimizer", "samples_per_family", "row_groups", "packing", "seq_len",
-                 "family_weights", "long_max_length", "long_top_share", "model_overrides",
-                 "experts_implementation", "threads", "ranks",
-                 "eval_n_per_family", "heldout_n_per_family", "pair_init", "spaced_pairs")
+#: the options before --no-eval, in the order --help lists them and a model card's command spells them
+#: (`evaluate.train_command`): what the run starts from, its budget, its processes, the tokenizer and rows,
+#: the optimiser, the data, then evaluation
+TRAIN_OPTIONS = ("backbone", "out", "init_from", "model_overrides", "minutes", "max_steps", "seed", "resume",
+                 "threads", "ranks", "pair_init", "spaced_pairs", "row_groups", "packing", "seq_len", "lr",
+                 "warmup_steps", "optimizer", "samples_per_family", "long_max_length", "long_top_share",
+                 "family_weights", "experts_implementation", "eval_n_per_family", "heldout_n_per_family")
+#: spelled on a card's command even at their defaults
+ALWAYS_SPELLED = ("backbone", "out", "seed")
 
 
 def _family_weights(text: str) -> dict[str, float]:
@@ -27,6 +30,16 @@ def _family_weights(text: str) -> dict[str, float]:
 def _model_overrides(items: list[str]) -> dict:
     """--override field=value ... (JSON values) -> {field: value}"""
     return {key: json.loads(value) for key, _, value in (item.partition("=") for item in items)}
+
+
+def _family_weights_text(weights: dict[str, float]) -> list[str]:
+    """The inverse of _family_weights."""
+    return [",".join(f"{k}={v:g}" for k, v in weights.items())]
+
+
+def _model_overrides_text(overrides: dict) -> list[str]:
+    """The inverse of _model_overrides: one `field=value` per --override, compact JSON."""
+    return [f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in overrides.items()]
 
 
 @dataclass
@@ -50,13 +63,15 @@ class TrainConfig:
     resume: bool = field(default=False, metadata={"help": "continue from OUT/train_state.pt"})
     model_overrides: dict = field(default_factory=dict, metadata={  # backbone config fields (tests, sweeps)
         "flag": "--override", "action": "append", "convert": _model_overrides,
+        "render": _model_overrides_text,
         "help": "model config field=value (JSON value)"})
     # data
     # per step and family, freshly generated; ~2k tokens per step at the defaults
     samples_per_family: int = field(default=3, metadata={"type": int, "help": None})
     # multipliers of samples_per_family, per family
     family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS), metadata={
-        "convert": _family_weights, "help": "e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)"})
+        "convert": _family_weights, "render": _family_weights_text,
+        "help": "e.g. gcd=2,base=1.5 (default: DEFAULT_FAMILY_WEIGHTS)"})
     # long-prompt families (long_tasks.LONG_FAMILIES) join the stream when --family-weights gives them a
     # weight; each sample's prompt length is drawn from [MIN_LENGTH, long_max_length] characters
     long_max_length: int = field(default=1024, metadata={
