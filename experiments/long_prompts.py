@@ -13,9 +13,10 @@ the test split at each prompt length, the same problems for every mode, so every
 prunes prefill and decode; SlimWise prefills with the full model and decodes pruned; the two distilled modes
 train the same decode-only delta recipe on long calib prompts (distinct from the calibration and test ones),
 SlimWise's on the full prefill, the uniform baseline's on the pruned prefill (prefill trained too). A run
-resumes: the report is written after each ratio and a finished ratio is not run again. The deltas train
-under a wall-clock cap (`--distill-minutes`, the same time for both students) or for `--distill-steps` each
-(the same steps).
+resumes: the report is written after each ratio and a finished ratio is not run again, on the weights it
+started with only (their fingerprint is in the report: a re-shipped backbone needs another --out). The deltas
+train under a wall-clock cap (`--distill-minutes`, the same time for both students) or for `--distill-steps`
+each (the same steps).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from slimwise.argtypes import integer
 from slimwise.distill import DistillConfig, build_teacher
 from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.evaluation.metrics import paired_difference
+from slimwise.fingerprint import memory_fingerprint, model_fingerprint
 from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text
 from slimwise.testbed.long_tasks import LENGTHS, make_long_split
@@ -76,9 +78,15 @@ def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
     report = json.loads(path.read_text()) if path.is_file() else {}
     if report and report.get("config") != json.loads(json.dumps(asdict(config))):
         raise SystemExit(f"{path} was written with another configuration: pass another --out")
-    report |= {"model": model_name, "config": asdict(config), "machine": _machine()}
-    report.setdefault("ratios", {})
     model = load_model(model_name, dtype="float32")
+    # a name can be re-shipped with new weights: a run resumes only on the weights it started with
+    weights = memory_fingerprint(model_fingerprint(model))
+    if report and (report.get("model"), report.get("weights")) != (model_name, weights):
+        raise SystemExit(f"{path} was written for other weights ({report.get('model')}, "
+                         f"{report.get('weights') or 'no fingerprint'}) than {model_name}'s now ({weights}): "
+                         "pass another --out")
+    report |= {"model": model_name, "weights": weights, "config": asdict(config), "machine": _machine()}
+    report.setdefault("ratios", {})
     tok = load_tokenizer(model_name)
     tests = {str(n): make_long_split("test", config.test_per_family, n, seed=config.seed)
              for n in config.lengths}
@@ -114,9 +122,11 @@ def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
         engine.close()
         if config.distilled:
             if teacher is None:  # depends on the model and the prompts only: one for every ratio and mode
+                tqdm.write(f"teacher: the full model's continuations of {len(distill_prompts)} prompts")
                 teacher = build_teacher(model, distill_prompts, tok,
                                         DistillConfig(**(asdict(config.distill) | {"progress": False})))
             for mode, label in (("uniform", "uniform_distilled"), ("slimwise", "distilled")):
+                tqdm.write(f"{ratio} {label}: training its delta ({_budget(config.distill)})")
                 delta = distill_delta(model, plan, distill_prompts, tok, config.distill, mode, teacher,
                                       out / f"delta-{label}-{ratio}")
                 engine = PhaseSplitEngine(model, tok, plan=plan, delta=delta)
@@ -130,6 +140,12 @@ def run(model_name: str, out_dir: str | Path, config: LongConfig) -> dict:
         tqdm.write(f"{model_name} {ratio}: " + "; ".join(
             f"{LABELS[m]} " + "/".join(f"{row[m][n]['accuracy']:.0f}" for n in tests) for m in row))
     return report
+
+
+def _budget(config: DistillConfig) -> str:
+    if config.max_minutes is None:
+        return f"{config.steps} steps"
+    return f"up to {config.steps} steps or {config.max_minutes:g} min"
 
 
 def _machine() -> str:
@@ -309,6 +325,8 @@ def merge(reports: Sequence[dict]) -> list[dict]:
     merged: dict[str, dict] = {}
     for rep in reports:
         into = merged.setdefault(_section(rep), {**rep, "ratios": {}})
+        if into.get("weights") and rep.get("weights") and into["weights"] != rep["weights"]:
+            raise SystemExit(f"{rep['model']}: two reports of other weights under one name (re-shipped?)")
         if any(into["full"][n]["correct"] != rep["full"][n]["correct"] for n in rep["full"]):
             raise SystemExit(f"{rep['model']}: two reports disagree on the full model's answers")
         for ratio, row in rep["ratios"].items():
