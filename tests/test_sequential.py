@@ -27,6 +27,11 @@ BUDGET = "cpu=0.05MiB"  # below one decoder layer of every tiny model: layers go
 #: float32 log-probs: the streamed pass runs each position's layers in a whole-sequence forward, the in-memory
 #: scoring runs a prefill and then the continuation on its cache (other shapes, other rounding)
 LOGPROB_ATOL = 1e-4
+#: the hybrid's Gated DeltaNet layers run two algorithms there, not one in two shapes: the chunked delta rule
+#: over the whole sequence against its recurrent form token by token on the cache. Their float32 rounding
+#: apart reaches 1.3e-4 on an AVX-512 Xeon (docs/reproducibility.md), still 1e-4 on the KL
+HYBRID_LOGPROB_ATOL = 5e-4
+HYBRID = {"qwen3_5_moe", "qwen3_next"}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -89,7 +94,8 @@ def test_streamed_logprobs_and_kl_equal_the_in_memory_scoring(models, family):
     for mode in modes:
         for i, c in enumerate(conts):
             assert got[mode][i].shape == (len(c), want[mode].shape[-1])
-            assert torch.allclose(got[mode][i], want[mode][i, :len(c)].float(), atol=LOGPROB_ATOL, rtol=0), \
+            atol = HYBRID_LOGPROB_ATOL if family in HYBRID else LOGPROB_ATOL
+            assert torch.allclose(got[mode][i], want[mode][i, :len(c)].float(), atol=atol, rtol=0), \
                 (family, mode, i)
     for mode in ("slimwise", "uniform"):
         for i, c in enumerate(conts):
