@@ -85,12 +85,12 @@ def argv_of(config_cls, values: Mapping[str, Any], names: Iterable[str] | None =
             argv += [flag] if value != default else []
             continue
         if "render" in f.metadata:
-            words = [_word(w) for w in f.metadata["render"](value)]
+            words = [argument_text(w) for w in f.metadata["render"](value)]
         elif "convert" in f.metadata:
             raise ValueError(f"{config_cls.__name__}.{name} converts its option: give it a render")
         else:
             many = f.metadata.get("action") == "append" or f.metadata.get("nargs") in ("*", "+")
-            words = [_word(v) for v in value] if many else [_word(value)]
+            words = [argument_text(v) for v in value] if many else [argument_text(value)]
         head = [flag] if flag.startswith("-") else []
         if f.metadata.get("nargs") in ("*", "+"):  # one flag, then every value
             argv += [*head, *words]
@@ -105,7 +105,7 @@ def command_of(program: str, argv: Iterable[str]) -> str:
     return " ".join([program, shlex.join(argv)]).rstrip()
 
 
-def _word(value: Any) -> str:
+def argument_text(value: Any) -> str:
     """A value as its option's argument: floats in their shortest exact form (60.0 -> 60, 0.001 -> 0.001)."""
     if isinstance(value, float):
         short = f"{value:g}"

@@ -8,37 +8,37 @@ import json
 
 import pytest
 
-from experiments.long_prompts import LongConfig, merge, run
+from experiments.long_prompts import main, merge
 
-
-def _tiny() -> LongConfig:
-    return LongConfig(ratios=(0.5,), lengths=(64,), test_per_family=1, calib_per_family=1,
-                      calib_max_new_tokens=4, max_new_tokens=8, distilled=False, threads=1)
+TINY = ["--ratios", "0.5", "--lengths", "64", "--test-per-family", "1", "--calib-per-family", "1",
+        "--no-distill", "--threads", "1"]
 
 
 def test_a_run_resumes_only_on_the_weights_it_started_with(tmp_path):
     out = tmp_path / "run"
-    first = run("testbed-a", out, _tiny())
-    assert first["weights"]["weights_sha256"] and list(first["ratios"]) == ["0.5"]
-    again = run("testbed-a", out, _tiny())  # finished: nothing run again, the same rows
-    assert again["full"] == first["full"] and again["ratios"] == first["ratios"]
-
     path = out / "report.json"
-    stored = json.loads(path.read_text())
+    assert main(["run", "testbed-a", "--out", str(out), *TINY]) == 0
+    first = path.read_text()
+    report = json.loads(first)
+    assert report["weights"]["weights_sha256"] and list(report["ratios"]) == ["0.5"]
+    assert main(["run", "testbed-a", "--out", str(out), *TINY]) == 0  # finished: nothing run again
+    assert json.loads(path.read_text())["full"] == report["full"]
+
+    stored = json.loads(first)
     stored["weights"]["weights_sha256"] = "0" * 16  # what a re-ship under the same name looks like
     path.write_text(json.dumps(stored))
     with pytest.raises(SystemExit, match="was written for other weights .* pass another --out"):
-        run("testbed-a", out, _tiny())
+        main(["run", "testbed-a", "--out", str(out), *TINY])
     del stored["weights"]  # a run from before the check: no fingerprint to resume on
     path.write_text(json.dumps(stored))
     with pytest.raises(SystemExit, match="no fingerprint"):
-        run("testbed-a", out, _tiny())
+        main(["run", "testbed-a", "--out", str(out), *TINY])
+    path.write_text(first)
     with pytest.raises(SystemExit, match="other weights"):  # another model into the same directory
-        path.write_text(json.dumps(first))
-        run("testbed-b", out, _tiny())
-    assert path.read_text() == json.dumps(first)  # a refused resume writes nothing
+        main(["run", "testbed-b", "--out", str(out), *TINY])
+    assert path.read_text() == first  # a refused resume writes nothing
 
-    other = json.loads(json.dumps(first))
+    other = json.loads(first)
     other["weights"]["weights_sha256"] = "0" * 16
     with pytest.raises(SystemExit, match="two reports of other weights under one name"):
-        merge([first, other])
+        merge([report, other])

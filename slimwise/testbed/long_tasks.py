@@ -33,7 +33,10 @@ from slimwise.testbed.tasks import (
     Sample,
     _solution,
     _word,
+    novowel_steps,
     split_bucket,
+    strrev_steps,
+    upper_steps,
 )
 
 LONG_DOMAIN = "long"
@@ -111,14 +114,14 @@ _RULES: dict[str, Callable[[str], str]] = {
     "double": lambda w: "".join(ch + ch for ch in w),
 }
 
-#: the worked steps of applying a rule, in the step format of the short family that does the same
-#: (`tasks.gen_strrev`, `gen_upper`, `gen_novowel`): the prompt decides which rule, the steps apply it.
-#: Without them the answer had to come in one step, and a backbone that named the rule right every time
-#: still reversed or devowelled the word wrong (the family then measured one-step spelling, not the prompt).
+#: the worked steps of applying a rule: the short family's steps for the same transformation (double, which no
+#: short family does, in upper's `c=cc` form). The prompt decides which rule, the steps apply it. Without them
+#: the answer had to come in one step, and a backbone that named the rule right every time still reversed or
+#: devowelled the word wrong (the family then measured one-step spelling, not the prompt).
 _STEPS: dict[str, Callable[[str], list[str]]] = {
-    "reverse": lambda w: [f"{i}:{w[i - 1]}" for i in range(len(w), 0, -1)],
-    "uppercase": lambda w: [f"{c}={c.upper()}" for c in w],
-    "novowel": lambda w: [f"{c} {'drop' if c in VOWELS else 'keep'}" for c in w],
+    "reverse": strrev_steps,
+    "uppercase": upper_steps,
+    "novowel": novowel_steps,
     "double": lambda w: [f"{c}={c + c}" for c in w],
 }
 

@@ -312,20 +312,33 @@ def gen_count(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
 # Text
 
 
+def strrev_steps(w: str) -> list[str]:
+    """`position:letter` from the last letter to the first (strrev's steps; long_tasks' infer reuses them)."""
+    return [f"{i}:{w[i - 1]}" for i in range(len(w), 0, -1)]
+
+
+def upper_steps(w: str) -> list[str]:
+    """`letter=LETTER` per letter."""
+    return [f"{c}={c.upper()}" for c in w]
+
+
+def novowel_steps(w: str) -> list[str]:
+    """`letter keep|drop` per letter."""
+    return [f"{c} {'drop' if c in VOWELS else 'keep'}" for c in w]
+
+
 @register_family("strrev", "text", train={"length": (4, 8)}, heldout={"length": (9, 11)})
 def gen_strrev(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
     """Word reversal: `position:letter` from the last letter to the first."""
     w = _word(rng, d["length"])
-    steps = [f"{i}:{w[i - 1]}" for i in range(len(w), 0, -1)]
-    return f"reverse word {w}\n", _solution(steps, w[::-1]), w[::-1]
+    return f"reverse word {w}\n", _solution(strrev_steps(w), w[::-1]), w[::-1]
 
 
 @register_family("upper", "text", train={"length": (4, 8)}, heldout={"length": (9, 11)})
 def gen_upper(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
     """Uppercasing: `letter=LETTER` per letter."""
     w = _word(rng, d["length"])
-    steps = [f"{c}={c.upper()}" for c in w]
-    return f"uppercase {w}\n", _solution(steps, w.upper()), w.upper()
+    return f"uppercase {w}\n", _solution(upper_steps(w), w.upper()), w.upper()
 
 
 @register_family("novowel", "text", train={"length": (4, 8)}, heldout={"length": (9, 11)})
@@ -334,9 +347,8 @@ def gen_novowel(rng: random.Random, d: Difficulty) -> tuple[str, str, str]:
     w = _word(rng, d["length"])
     while not (set(w) & set(VOWELS) and set(w) - set(VOWELS)):
         w = _word(rng, d["length"])
-    steps = [f"{c} {'drop' if c in VOWELS else 'keep'}" for c in w]
     out = "".join(c for c in w if c not in VOWELS)
-    return f"remove vowels {w}\n", _solution(steps, out), out
+    return f"remove vowels {w}\n", _solution(novowel_steps(w), out), out
 
 
 @register_family("qa", "text", train={"facts": (2, 4)}, heldout={"facts": (5, 6)})

@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import integer, number
+from slimwise.options import argument_text
 from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
 from slimwise.testbed.fast_experts import FAST_EXPERTS
 
@@ -34,7 +35,7 @@ def _model_overrides(items: list[str]) -> dict:
 
 def _family_weights_text(weights: dict[str, float]) -> list[str]:
     """The inverse of _family_weights."""
-    return [",".join(f"{k}={v:g}" for k, v in weights.items())]
+    return [",".join(f"{k}={argument_text(v)}" for k, v in weights.items())]
 
 
 def _model_overrides_text(overrides: dict) -> list[str]:
