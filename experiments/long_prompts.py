@@ -21,7 +21,6 @@ each (the same steps).
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,14 +30,15 @@ import torch
 from tqdm.auto import tqdm
 
 from experiments.distill_bars import BarsConfig, distill_delta, evaluate_run
-from slimwise.argtypes import integer
+from slimwise.argtypes import OneLineParser, comma_list, integer, number
 from slimwise.distill import DistillConfig, build_teacher
 from slimwise.engines.reference import PhaseSplitEngine
 from slimwise.evaluation.metrics import paired_difference
 from slimwise.fingerprint import memory_fingerprint, model_fingerprint
 from slimwise.hardware import describe, machine_line
 from slimwise.io import atomic_write_text
-from slimwise.testbed.long_tasks import LENGTHS, make_long_split
+from slimwise.options import add_dataclass_options, config_from_args
+from slimwise.testbed.long_tasks import LENGTHS, MIN_LENGTH, make_long_split
 
 MODES = ("uniform", "slimwise", "uniform_distilled", "distilled")
 LABELS = {"full": "full", "uniform": "uniform", "slimwise": "SlimWise",
@@ -47,17 +47,29 @@ LABELS = {"full": "full", "uniform": "uniform", "slimwise": "SlimWise",
 
 @dataclass
 class LongConfig:
-    ratios: tuple[float, ...] = (0.25, 0.5, 0.75)
-    lengths: tuple[int, ...] = LENGTHS
-    test_per_family: int = 50  # per length: 150 problems per length, 600 per mode
-    calib_per_family: int = 8  # per length
+    """What `run` sweeps and how; the command line's options are generated from the fields with help."""
+
+    ratios: tuple[float, ...] = field(default=(0.25, 0.5, 0.75), metadata={
+        "help": "pruning ratios, comma-separated, each in (0, 1)", "metavar": "R,R,...",
+        "type": comma_list(number(0, 1, lo_open=True, hi_open=True)), "convert": tuple})
+    lengths: tuple[int, ...] = field(default=LENGTHS, metadata={
+        "help": f"prompt lengths in characters, comma-separated, each >= {MIN_LENGTH}", "metavar": "N,N,...",
+        "type": comma_list(integer(MIN_LENGTH)), "convert": tuple})
+    #: per length: 150 problems per length, 600 per mode
+    test_per_family: int = field(default=50, metadata={"help": "test problems per family and length",
+                                                         "type": integer(1)})
+    calib_per_family: int = field(default=8, metadata={"help": "calibration prompts per family and length",
+                                                         "type": integer(1)})
     calib_max_new_tokens: int = 32
-    distill_per_family: int = 100  # per length, drawn with another seed than calibration's prompts
+    #: drawn with another seed than calibration's prompts
+    distill_per_family: int = field(default=100, metadata={
+        "help": "distillation prompts per family and length", "type": integer(1)})
     max_new_tokens: int = 48  # the longest worked target (infer's, with its steps) is 43 tokens
     batch_size: int = 16
-    threads: int = 2
+    threads: int = field(default=2, metadata={"help": "torch threads", "type": integer(1)})
     seed: int = 0
-    distilled: bool = True
+    distilled: bool = field(default=True, metadata={
+        "help": "training-free modes only (no distilled deltas)", "flag": "--no-distill"})
     distill: DistillConfig = field(default_factory=lambda: DistillConfig(max_minutes=7.0, max_new_tokens=32))
 
 
@@ -346,32 +358,26 @@ def _distill_config(minutes: float, steps: int | None) -> DistillConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.long_prompts")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = OneLineParser(prog="python -m experiments.long_prompts")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     r = sub.add_parser("run", help="every mode, ratio and prompt length on one backbone")
-    r.add_argument("model")
-    r.add_argument("--out", required=True)
-    r.add_argument("--ratios", default="0.25,0.5,0.75")
-    r.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
-    r.add_argument("--test-per-family", type=int, default=LongConfig.test_per_family)
-    r.add_argument("--calib-per-family", type=int, default=LongConfig.calib_per_family)
-    r.add_argument("--distill-per-family", type=int, default=LongConfig.distill_per_family)
-    r.add_argument("--no-distill", action="store_true")
-    r.add_argument("--distill-minutes", type=float, default=7.0, help="wall-clock cap per delta")
+    r.add_argument("model", help="a shipped testbed name or a checkpoint directory")
+    r.add_argument("--out", required=True, help="the run's directory (report.json, plans, deltas); resumed")
+    add_dataclass_options(r, LongConfig)
+    r.add_argument("--distill-minutes", type=number(0, lo_open=True), default=7.0,
+                   help="wall-clock cap per delta")
     r.add_argument("--distill-steps", type=integer(1), default=None,
                    help="each delta trains exactly this many steps, no time cap (equal steps)")
-    r.add_argument("--threads", type=int, default=2)
     g = sub.add_parser("report", help="tables and plot from finished reports")
     g.add_argument("reports", nargs="+", help="report.json files of `run`, or a reports.json of `report`")
     g.add_argument("--out", required=True, help="writes OUT.md and OUT/accuracy_vs_length.png")
     args = p.parse_args(argv)
     if args.command == "run":
-        config = LongConfig(ratios=tuple(float(x) for x in args.ratios.split(",")),
-                            lengths=tuple(int(x) for x in args.lengths.split(",")),
-                            test_per_family=args.test_per_family, calib_per_family=args.calib_per_family,
-                            distill_per_family=args.distill_per_family, distilled=not args.no_distill,
-                            threads=args.threads,
-                            distill=_distill_config(args.distill_minutes, args.distill_steps))
+        config = config_from_args(LongConfig, args,
+                                  distill=_distill_config(args.distill_minutes, args.distill_steps))
+        for name in ("ratios", "lengths"):
+            if not getattr(config, name):
+                r.error(f"--{name} names none")
         run(args.model, args.out, config)
         return 0
     loaded = []  # a report.json of `run`, or the reports.json a `report` wrote (a list, merged already)

@@ -5,10 +5,15 @@ once resumed an earlier run's directory and took its full-model answers as the n
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from experiments.long_prompts import main, merge
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = ["--ratios", "0.5", "--lengths", "64", "--test-per-family", "1", "--calib-per-family", "1",
         "--no-distill", "--threads", "1"]
@@ -42,3 +47,17 @@ def test_a_run_resumes_only_on_the_weights_it_started_with(tmp_path):
     other["weights"]["weights_sha256"] = "0" * 16
     with pytest.raises(SystemExit, match="two reports of other weights under one name"):
         merge([report, other])
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--ratios", "0.5,1.5"], "argument --ratios: 1.5 is outside (0, 1)"),
+    (["--lengths", "64,10"], "argument --lengths: 10 is outside [48, inf]"),
+    (["--ratios", ","], "--ratios names none"),
+])
+def test_a_bad_option_is_one_line_and_writes_nothing(tmp_path, bad, says):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "experiments.long_prompts", "run", "testbed-a", "--out", str(out), *bad]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+    assert not out.exists()

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import random
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from slimwise.testbed.tasks import (
     SPLIT_BUCKETS,
@@ -107,37 +108,39 @@ def gen_chain(rng: random.Random, length: int) -> tuple[str, str, str]:
     return prompt, _solution([f"{a}>{b}", f"{b}>{c}"], c), c
 
 
-_RULES: dict[str, Callable[[str], str]] = {
-    "reverse": lambda w: w[::-1],
-    "uppercase": str.upper,
-    "novowel": lambda w: "".join(ch for ch in w if ch not in VOWELS) or w,
-    "double": lambda w: "".join(ch + ch for ch in w),
-}
+class _Rule(NamedTuple):
+    """One infer rule: what it does to a word, and the worked steps that do it.
 
-#: the worked steps of applying a rule: the short family's steps for the same transformation (double, which no
-#: short family does, in upper's `c=cc` form). The prompt decides which rule, the steps apply it. Without them
-#: the answer had to come in one step, and a backbone that named the rule right every time still reversed or
-#: devowelled the word wrong (the family then measured one-step spelling, not the prompt).
-_STEPS: dict[str, Callable[[str], list[str]]] = {
-    "reverse": strrev_steps,
-    "uppercase": upper_steps,
-    "novowel": novowel_steps,
-    "double": lambda w: [f"{c}={c + c}" for c in w],
+    The steps are the short family's steps for the same transformation (double, which no short family does,
+    in upper's `c=cc` form). The prompt decides which rule, the steps apply it. Without them the answer had to
+    come in one step, and a backbone that named the rule right every time still reversed or devowelled the
+    word wrong (the family then measured one-step spelling, not the prompt).
+    """
+
+    apply: Callable[[str], str]
+    steps: Callable[[str], list[str]]
+
+
+_RULES: dict[str, _Rule] = {
+    "reverse": _Rule(lambda w: w[::-1], strrev_steps),
+    "uppercase": _Rule(str.upper, upper_steps),
+    "novowel": _Rule(lambda w: "".join(ch for ch in w if ch not in VOWELS) or w, novowel_steps),
+    "double": _Rule(lambda w: "".join(ch + ch for ch in w), lambda w: [f"{c}={c + c}" for c in w]),
 }
 
 
 @register_long("infer")
 def gen_infer(rng: random.Random, length: int) -> tuple[str, str, str]:
     rule = rng.choice(sorted(_RULES))
-    f = _RULES[rule]
+    f = _RULES[rule].apply
     while True:  # redrawn until the examples shown fit no other rule (short prompts show one or two)
         words = _names(rng, max(3, length // 12 + 2), size=4)
         query, examples = words[0], [f"in: {w} out: {f(w)}" for w in words[1:]]
         tail = f"in: {query} out:\n"
         prompt = _fill("", examples, tail, length)
         shown = [w for w in words[1:] if f"in: {w} out: {f(w)}\n" in prompt]
-        if all(any(g(w) != f(w) for w in shown) for name, g in _RULES.items() if name != rule):
-            return prompt, _solution([f"rule: {rule}", *_STEPS[rule](query)], f(query)), f(query)
+        if all(any(g.apply(w) != f(w) for w in shown) for name, g in _RULES.items() if name != rule):
+            return prompt, _solution([f"rule: {rule}", *_RULES[rule].steps(query)], f(query)), f(query)
 
 
 def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
