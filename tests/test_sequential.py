@@ -90,10 +90,10 @@ def test_streamed_logprobs_and_kl_equal_the_in_memory_scoring(models, family):
         want = {m: continuation_logprobs(engine, prompts, conts, m) for m in modes}
     finally:
         engine.close()
+    atol = HYBRID_LOGPROB_ATOL if is_hybrid(whole.config) else LOGPROB_ATOL
     for mode in modes:
         for i, c in enumerate(conts):
             assert got[mode][i].shape == (len(c), want[mode].shape[-1])
-            atol = HYBRID_LOGPROB_ATOL if is_hybrid(whole.config) else LOGPROB_ATOL
             assert torch.allclose(got[mode][i], want[mode][i, :len(c)].float(), atol=atol, rtol=0), \
                 (family, mode, i)
     for mode in ("slimwise", "uniform"):
