@@ -626,6 +626,24 @@ def test_a_cards_command_parses_back_to_every_option_it_was_made_from():
         "python -m slimwise.testbed.train --backbone a --out runs/a --seed 0")
 
 
+def test_a_cards_command_spells_run_directories_as_typed_from_the_checkout(tmp_path, monkeypatch):
+    """train stores absolute paths; a card written from the directory the runs were typed in spells them
+    relative to it (so its commands paste into any checkout), and a path outside it stays absolute."""
+    from slimwise.testbed.evaluate import _shown_command, train_command
+
+    monkeypatch.chdir(tmp_path / ".")
+    tc = {"backbone": "a", "out": str(tmp_path / "runs" / "a2"), "init_from": str(tmp_path / "runs" / "a1")}
+    assert train_command(tc, Path("ignored")) == (
+        "python -m slimwise.testbed.train --backbone a --out runs/a2 --init-from runs/a1 --seed 0")
+    outside = {**tc, "init_from": "/elsewhere/a1"}
+    assert "--init-from /elsewhere/a1 " in train_command(outside, Path("ignored"))
+    assert "--init-from testbed-a " in train_command({**tc, "init_from": "testbed-a"}, Path("ignored"))
+    # an earlier stage's command, as eval.json kept it when first written
+    stored = (f"python -m slimwise.testbed.train --backbone a --out {tc['out']} --init-from {tc['init_from']}"
+              " --seed 0")
+    assert _shown_command(stored) == train_command(tc, Path("ignored"))
+
+
 def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
     carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from collections import defaultdict
@@ -358,7 +359,8 @@ def _training_fields(tc: dict, summary: dict, test: dict, hybrid: bool) -> dict:
         "muon": _part("muon") + " " if tc.get("optimizer", "adamw") == "muon" else "",
         "lr": tc["lr"], "betas": tuple(tc["betas"]), "weight_decay": tc["weight_decay"],
         "grad_clip": tc["grad_clip"], "warmup_steps": tc["warmup_steps"], "min_lr_ratio": tc["min_lr_ratio"],
-        "init": (_part("init_from", source=tc["init_from"], overrides=tc.get("model_overrides") or "none")
+        "init": (_part("init_from", source=shown_path(tc["init_from"]),
+                       overrides=tc.get("model_overrides") or "none")
                  if tc.get("init_from") else
                  _part("init_default", pair_init=_part("pair_init")
                        if tc.get("pair_init") and tc.get("spaced_pairs", True) else "")),
@@ -532,8 +534,9 @@ def _stages_part(stages: list[dict], summary: dict) -> str:
     """The earlier stages' commands and figures, and the training time of all stages together."""
     if not stages:
         return ""
-    rows = "\n".join(f"  {i}. `{st['command']}`: steps {st['steps']}, tokens {st['tokens']:,}, wall time "
-                     f"{st['wall_seconds'] / 60:.1f} min" for i, st in enumerate(stages, 1))
+    rows = "\n".join(f"  {i}. `{_shown_command(st['command'])}`: steps {st['steps']}, "
+                     f"tokens {st['tokens']:,}, wall time {st['wall_seconds'] / 60:.1f} min"
+                     for i, st in enumerate(stages, 1))
     total = (sum(st["wall_seconds"] for st in stages) + summary["wall_seconds"]) / 60
     return "\n" + _part("earlier_stages", n=len(stages) + 1, total=f"{total:.1f}", rows=rows)
 
@@ -549,8 +552,8 @@ def _layer_change(tc: dict) -> str:
 def _root_source(tc: dict, stages: list[dict]) -> str:
     """What the first stage started from: a model it continued, or (trained from scratch) that stage's run."""
     if not stages:
-        return tc.get("init_from") or "a fresh init"
-    return stages[0]["init_from"] or stages[0]["out"]
+        return shown_path(tc["init_from"]) if tc.get("init_from") else "a fresh init"
+    return shown_path(stages[0]["init_from"] or stages[0]["out"])
 
 
 def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
@@ -609,8 +612,30 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
 def train_command(tc: dict, out: Path) -> str:
     """The `python -m slimwise.testbed.train` command line of a run's train_config (its non-default options,
     from the option declarations), ready to paste into a shell."""
+    shown = {**tc, "out": shown_path(tc.get("out", out))}
+    if tc.get("init_from"):
+        shown["init_from"] = shown_path(tc["init_from"])
     return command_of("python -m slimwise.testbed.train",
-                      argv_of(TrainConfig, {"out": str(out), **tc}, TRAIN_OPTIONS, always=ALWAYS_SPELLED))
+                      argv_of(TrainConfig, shown, TRAIN_OPTIONS, always=ALWAYS_SPELLED))
+
+
+def _shown_command(command: str) -> str:
+    """A stored stage command with its run directories as `shown_path` prints them (eval.json keeps the
+    command as first written, so a run whose parent is gone keeps its card)."""
+    return shlex.join(shown_path(w) if w.startswith("/") else w for w in shlex.split(command))
+
+
+def shown_path(path: str | os.PathLike) -> str:
+    """A run directory as a card prints it: relative to the working directory when it lies below it (train
+    stores absolute paths, and a card's commands should paste into a checkout anywhere), else unchanged; a
+    relative name (a shipped model such as `testbed-a`) stays as it is."""
+    p = Path(path)
+    if p.is_absolute():
+        try:
+            return str(p.relative_to(Path.cwd()))
+        except ValueError:
+            pass
+    return str(path)
 
 
 def earlier_stages(tc: dict) -> list[dict]:
