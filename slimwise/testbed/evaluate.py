@@ -569,8 +569,8 @@ def evaluate_and_write_card(out: str | os.PathLike, train_config, command: str |
                             dtype: str | torch.dtype = "auto") -> dict:
     """Evaluate a freshly trained model directory (test + held-out), write eval.json and README.md.
 
-    `dtype` "float32" upcasts the bf16 weights exactly (computation in float32): what a CPU without bf16 units
-    runs at a usable speed; the card records the dtype it was evaluated in.
+    `dtype` "float32" upcasts the bf16 weights exactly (computation in float32), as the shipped cards are
+    evaluated on any CPU; the card records the dtype it was evaluated in.
     """
     out = Path(out)
     tc = train_config.to_dict() if hasattr(train_config, "to_dict") else dict(train_config)
@@ -693,7 +693,8 @@ def build_card_parser() -> argparse.ArgumentParser:
                                         "its eval.json and README.md")
     e.add_argument("model_dir")
     e.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="float32 on CPUs without bf16 units (the bf16 weights upcast exactly)")
+                   help="auto: the saved dtype (bfloat16); float32 upcasts the bf16 weights exactly, as each "
+                        "shipped card was evaluated, whatever the CPU")
     return p
 
 
