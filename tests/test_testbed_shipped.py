@@ -35,8 +35,8 @@ from slimwise.testbed.long_tasks import LENGTHS
 pytestmark = pytest.mark.vllm_in_process  # its vLLM engines (tests/conftest.py)
 NAMES = sorted(EMBEDDED)  # testbed-a, -b, -c, and testbed-a-long, -c-long (continued on long prompts)
 LONG_NAMES = [n for n in NAMES if n.endswith("-long")]
-# float32 token equality; testbed-c: bf16 only, checked below. testbed-a-long is testbed-a's architecture with
-# more positions: not re-checked in vLLM here (CI time); the long-prompt measurement ran the reference engine.
+# float32 token equality; testbed-c: bf16 only, checked below. testbed-a-long (testbed-a's architecture with
+# more positions) on its own long prompts: `test_vllm_answers_long_prompts_as_the_reference`.
 VLLM_NAMES = ["testbed-a", "testbed-b"]
 #: (target-domain accuracy, weakest family) each shipped card must reach: the testbed's quality bars, on every
 #: backbone (the card's "Quality bars" line).
@@ -192,6 +192,11 @@ def test_the_cards_command_trains_this_run(name):
     assert words[:3] == ["python", "-m", "slimwise.testbed.train"]
     parsed = dataclasses.asdict(config_from_args(TrainConfig, build_parser().parse_args(words[3:])))
     trained = json.loads((path / "train_config.json").read_text())
+    for key in ("out", "init_from"):  # train stores absolute paths, the card prints them from the checkout
+        shown, stored = parsed[key], trained.get(key)
+        if shown and stored and not Path(shown).is_absolute() and Path(stored).is_absolute():
+            assert Path(stored).parts[-len(Path(shown).parts):] == Path(shown).parts, (shown, stored)
+            parsed[key] = stored
     differ = {k: (parsed[k], trained.get(k)) for k in TRAIN_OPTIONS if parsed[k] != trained.get(k, parsed[k])}
     assert differ == {}
 
@@ -319,6 +324,46 @@ def test_vllm_equals_transformers_and_plugin_equals_reference(name, reference):
         n_prompt = sum(len(p) for p in prompts)
         n_fed_back = sum(len(t) - 1 for t in ref["slimwise"])
         assert (c["pruned_tokens"], c["full_tokens"]) == (n_fed_back, n_prompt)  # prompt tokens never pruned
+    finally:
+        engine.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_answers_long_prompts_as_the_reference():
+    """testbed-a-long in vLLM (float32, compiled) on text prompts of 1,024 characters from the long-prompt
+    families, as `slimwise eval --engine vllm` sends them: full (stock vLLM) and SlimWise with a 50% REAP plan
+    from decode-phase calibration on long problems equal the float32 reference token for token, every prompt
+    token runs the full model, and the answers are the model's (graded: not merely equal garbage)."""
+    from slimwise.engines.vllm_engine import VllmEngine
+    from slimwise.testbed import grade
+    from slimwise.testbed.long_tasks import make_long_split
+
+    name = "testbed-a-long"
+    path = embedded_model_dir(name)
+    tok = load_tokenizer(path)
+    model = load_model(path, dtype="float32")
+    samples = make_long_split("test", 3, LENGTHS[-1], seed=5)
+    prompts = [s.prompt for s in samples]
+    calib = [tok.encode(s.prompt, add_special_tokens=False) for s in make_long_split("calib", 2, LENGTHS[-1])]
+    stats = calibrate(model, calib, config=CalibrationConfig(max_new_tokens=24), progress=False)
+    plan = plan_from_stats(stats, "reap", 0.5)
+    reference = PhaseSplitEngine(model, tok, plan=plan)
+    ref = {m: reference.generate(prompts, m, CONFIG) for m in ("full", "slimwise")}
+    tokens = {m: [o.token_ids for o in outs] for m, outs in ref.items()}
+    assert tokens["slimwise"] != tokens["full"]  # the plan changes outputs: the comparison can fail
+    right = sum(grade(s, o.text or "", o.finish_reason == "eos").correct
+                for s, o in zip(samples, ref["full"], strict=True))
+    assert right >= len(samples) // 2, f"full answers {right} of {len(samples)} long prompts"
+    engine = VllmEngine(path, plan)
+    try:
+        for mode in ("full", "slimwise"):
+            assert [o.token_ids for o in engine.generate(prompts, mode, CONFIG)] == tokens[mode], mode
+        c = engine.counters()[0]
+        n_prompt = sum(len(tok.encode(p, add_special_tokens=False)) for p in prompts)
+        assert n_prompt > 200 * len(prompts)  # long prompts, as the families promise
+        n_fed_back = sum(len(t) - 1 for t in tokens["slimwise"])
+        assert (c["pruned_tokens"], c["full_tokens"]) == (n_fed_back, n_prompt)
     finally:
         engine.close()
 
