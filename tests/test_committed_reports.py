@@ -106,7 +106,11 @@ def test_long_prompts_equal_steps_runs_get_their_own_section(tmp_path):
     section."""
     from experiments.long_prompts import _section, main, merge
 
-    capped = json.loads((RESULTS / "long-prompts" / "reports.json").read_text())[0]
+    committed = json.loads((RESULTS / "long-prompts" / "reports.json").read_text())
+    # a capped run made from a committed equal-steps one (the committed set has no capped run left)
+    capped = json.loads(json.dumps(next(r for r in committed if r["config"]["distilled"]
+                                        and r["config"]["distill"]["max_minutes"] is None)))
+    capped["config"]["distill"] |= {"max_minutes": 7.0, "steps": 1200}
     steps = json.loads(json.dumps(capped))
     steps["config"]["distilled"] = True  # the committed merge keeps its training-free run's config
     steps["config"]["distill"] |= {"max_minutes": None, "steps": 120}

@@ -331,10 +331,11 @@ def test_vllm_equals_transformers_and_plugin_equals_reference(name, reference):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_answers_long_prompts_as_the_reference():
-    """testbed-a-long in vLLM (float32, compiled) on text prompts of 1,024 characters from the long-prompt
-    families, as `slimwise eval --engine vllm` sends them: full (stock vLLM) and SlimWise with a 50% REAP plan
-    from decode-phase calibration on long problems equal the float32 reference token for token, every prompt
-    token runs the full model, and the answers are the model's (graded: not merely equal garbage)."""
+    """testbed-a-long in vLLM (float32) on text prompts of 1,024 characters from the long-prompt families,
+    the engine given no tokenizer (it loads the checkpoint's own for text): full (stock vLLM) and SlimWise
+    with a 50% REAP plan from decode-phase calibration on long problems equal the float32 reference token for
+    token, every prompt token runs the full model, and the answers are the model's (graded: not merely equal
+    garbage)."""
     from slimwise.engines.vllm_engine import VllmEngine
     from slimwise.testbed import grade
     from slimwise.testbed.long_tasks import make_long_split

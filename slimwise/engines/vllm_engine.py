@@ -163,6 +163,17 @@ class VllmEngine:
         self._shm_before: set[str] = set()
         self.llm = None
 
+    def _load_tokenizer(self) -> None:
+        """Text prompts and no tokenizer given: the checkpoint's own (as `slimwise serve` loads it). Token-id
+        prompts keep the tokenizer-free engine (no EOS unless the config names one), so the tokenizer can only
+        join before the first engine starts."""
+        if self.llm is not None:
+            raise SlimWiseError("text prompts on an engine started without a tokenizer (token-id prompts "
+                                "came first): pass VllmEngine(..., tokenizer=load_tokenizer(model_dir))")
+        from slimwise.models import load_tokenizer
+
+        self.tokenizer = load_tokenizer(self.model_dir)
+
     def _engine(self, mode: str):
         if mode == self._mode:
             return self.llm
@@ -263,6 +274,8 @@ class VllmEngine:
         from vllm import SamplingParams
 
         config = config or GenerationConfig()
+        if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
+            self._load_tokenizer()
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
                for p in prompts]
         eos = config.eos_token_id if config.eos_token_id is not None else (
