@@ -192,7 +192,7 @@ def test_the_cards_command_trains_this_run(name):
     assert words[:3] == ["python", "-m", "slimwise.testbed.train"]
     parsed = dataclasses.asdict(config_from_args(TrainConfig, build_parser().parse_args(words[3:])))
     trained = json.loads((path / "train_config.json").read_text())
-    for key in ("out", "init_from"):  # train stores absolute paths, the card prints them from the checkout
+    for key in ("out", "init_from"):  # train stores absolute paths, the card prints them where they live
         shown, stored = parsed[key], trained.get(key)
         if shown and stored and not Path(shown).is_absolute() and Path(stored).is_absolute():
             assert Path(stored).parts[-len(Path(shown).parts):] == Path(shown).parts, (shown, stored)

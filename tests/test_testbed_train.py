@@ -626,23 +626,25 @@ def test_a_cards_command_parses_back_to_every_option_it_was_made_from():
         "python -m slimwise.testbed.train --backbone a --out runs/a --seed 0")
 
 
-def test_a_cards_command_spells_run_directories_as_typed_from_the_checkout(tmp_path, monkeypatch):
-    """train stores absolute paths; a card written from the directory the runs were typed in spells them
-    relative to it (so its commands paste into any checkout), and a path outside it stays absolute."""
-    from slimwise.testbed.evaluate import _shown_command, train_command
+def test_a_cards_command_spells_run_directories_relative_to_where_they_live(tmp_path, monkeypatch):
+    """train stores absolute paths; a card spells them relative to the directory that holds them, the same
+    from any working directory (CI re-renders the committed cards in another checkout), so its commands paste
+    into any checkout; a shipped name stays a name."""
+    from slimwise.testbed.evaluate import shown_command, shown_runs, train_command
 
-    monkeypatch.chdir(tmp_path / ".")
     tc = {"backbone": "a", "out": str(tmp_path / "runs" / "a2"), "init_from": str(tmp_path / "runs" / "a1")}
-    assert train_command(tc, Path("ignored")) == (
-        "python -m slimwise.testbed.train --backbone a --out runs/a2 --init-from runs/a1 --seed 0")
-    outside = {**tc, "init_from": "/elsewhere/a1"}
-    assert "--init-from /elsewhere/a1 " in train_command(outside, Path("ignored"))
-    assert "--init-from testbed-a " in train_command({**tc, "init_from": "testbed-a"}, Path("ignored"))
+    expected = "python -m slimwise.testbed.train --backbone a --out a2 --init-from a1 --seed 0"
+    (tmp_path / "runs").mkdir()
+    for cwd in (tmp_path, tmp_path / "runs", Path("/")):
+        monkeypatch.chdir(cwd)
+        assert train_command(tc, Path("ignored")) == expected
+    shipped = {**tc, "init_from": "testbed-a"}
+    assert "--out a2 --init-from testbed-a " in train_command(shipped, Path("ignored"))
+    assert shown_runs(["/x/runs/b", "/y/a"]) == ["x/runs/b", "y/a"]  # apart: from their common parent
     # an earlier stage's command, as eval.json kept it when first written
     stored = (f"python -m slimwise.testbed.train --backbone a --out {tc['out']} --init-from {tc['init_from']}"
               " --seed 0")
-    assert _shown_command(stored) == train_command(tc, Path("ignored"))
-
+    assert shown_command(stored) == expected
 
 def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a

@@ -359,7 +359,7 @@ def _training_fields(tc: dict, summary: dict, test: dict, hybrid: bool) -> dict:
         "muon": _part("muon") + " " if tc.get("optimizer", "adamw") == "muon" else "",
         "lr": tc["lr"], "betas": tuple(tc["betas"]), "weight_decay": tc["weight_decay"],
         "grad_clip": tc["grad_clip"], "warmup_steps": tc["warmup_steps"], "min_lr_ratio": tc["min_lr_ratio"],
-        "init": (_part("init_from", source=shown_path(tc["init_from"]),
+        "init": (_part("init_from", source=shown_runs([tc.get("out") or "", tc["init_from"]])[1],
                        overrides=tc.get("model_overrides") or "none")
                  if tc.get("init_from") else
                  _part("init_default", pair_init=_part("pair_init")
@@ -534,7 +534,7 @@ def _stages_part(stages: list[dict], summary: dict) -> str:
     """The earlier stages' commands and figures, and the training time of all stages together."""
     if not stages:
         return ""
-    rows = "\n".join(f"  {i}. `{_shown_command(st['command'])}`: steps {st['steps']}, "
+    rows = "\n".join(f"  {i}. `{shown_command(st['command'])}`: steps {st['steps']}, "
                      f"tokens {st['tokens']:,}, wall time {st['wall_seconds'] / 60:.1f} min"
                      for i, st in enumerate(stages, 1))
     total = (sum(st["wall_seconds"] for st in stages) + summary["wall_seconds"]) / 60
@@ -552,8 +552,8 @@ def _layer_change(tc: dict) -> str:
 def _root_source(tc: dict, stages: list[dict]) -> str:
     """What the first stage started from: a model it continued, or (trained from scratch) that stage's run."""
     if not stages:
-        return shown_path(tc["init_from"]) if tc.get("init_from") else "a fresh init"
-    return shown_path(stages[0]["init_from"] or stages[0]["out"])
+        return shown_runs([tc["init_from"]])[0] if tc.get("init_from") else "a fresh init"
+    return shown_runs([stages[0]["init_from"] or stages[0]["out"]])[0]
 
 
 def format_card(out: Path, name: str, train_config: dict, summary: dict, test: dict, heldout: dict | None,
@@ -611,31 +611,36 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
 
 def train_command(tc: dict, out: Path) -> str:
     """The `python -m slimwise.testbed.train` command line of a run's train_config (its non-default options,
-    from the option declarations), ready to paste into a shell."""
-    shown = {**tc, "out": shown_path(tc.get("out", out))}
-    if tc.get("init_from"):
-        shown["init_from"] = shown_path(tc["init_from"])
-    return command_of("python -m slimwise.testbed.train",
-                      argv_of(TrainConfig, shown, TRAIN_OPTIONS, always=ALWAYS_SPELLED))
+    from the option declarations), ready to paste into a shell; run directories as `shown_command` prints
+    them."""
+    return shown_command(command_of("python -m slimwise.testbed.train",
+                                    argv_of(TrainConfig, {"out": str(out), **tc}, TRAIN_OPTIONS,
+                                            always=ALWAYS_SPELLED)))
 
 
-def _shown_command(command: str) -> str:
-    """A stored stage command with its run directories as `shown_path` prints them (eval.json keeps the
-    command as first written, so a run whose parent is gone keeps its card)."""
-    return shlex.join(shown_path(w) if w.startswith("/") else w for w in shlex.split(command))
+RUN_OPTIONS = ("--out", "--init-from")
 
 
-def shown_path(path: str | os.PathLike) -> str:
-    """A run directory as a card prints it: relative to the working directory when it lies below it (train
-    stores absolute paths, and a card's commands should paste into a checkout anywhere), else unchanged; a
-    relative name (a shipped model such as `testbed-a`) stays as it is."""
-    p = Path(path)
-    if p.is_absolute():
-        try:
-            return str(p.relative_to(Path.cwd()))
-        except ValueError:
-            pass
-    return str(path)
+def shown_command(command: str) -> str:
+    """A train command with its run directories (`--out`, `--init-from` values that are absolute paths)
+    relative to the directory that holds them: train stores absolute paths, and a card must paste into any
+    checkout and render the same from any working directory. A stored stage command (eval.json keeps it as
+    first written) goes through here too."""
+    words = shlex.split(command)
+    at = [i + 1 for i, w in enumerate(words[:-1]) if w in RUN_OPTIONS]
+    for i, shown in zip(at, shown_runs([words[i] for i in at]), strict=True):
+        words[i] = shown
+    return shlex.join(words)
+
+
+def shown_runs(paths: Sequence[str]) -> list[str]:
+    """Absolute run directories relative to the common parent of their parents (`/x/runs/s1`, `/x/runs/s2`
+    -> `s1`, `s2`); a relative path or a shipped name (`testbed-a`) as it is."""
+    absolute = [p for p in paths if Path(p).is_absolute()]
+    if not absolute:
+        return list(paths)
+    anchor = os.path.commonpath([str(Path(p).parent) for p in absolute])
+    return [os.path.relpath(p, anchor) if Path(p).is_absolute() else p for p in paths]
 
 
 def earlier_stages(tc: dict) -> list[dict]:
