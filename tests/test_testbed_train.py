@@ -749,15 +749,17 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     assert set(top["families"]) == {"lookup", "chain", "infer"} and top["max_prompt_tokens"] <= LENGTHS[-1]
     card = (out / "README.md").read_text()
     assert card.startswith("# testbed-a-long:") and "### Long prompts" in card
-    assert f"--init-from {source} --override max_position_embeddings=1152" in card
+    # run directories as the card prints them: relative to the directory holding both runs (tmp_path)
+    assert f"--init-from src/{source.name} --override max_position_embeddings=1152" in card
     assert "--long-max-length 200 --long-top-share 0.5" in card
     assert "log-uniformly from 48 to 200 characters, 50% of them uniformly from 100 to 200 instead" in card
     assert "Long-prompt bar of the issue: >= 80% at the longest length (1,024 characters" in card
     # the run it continued is a stage of its card, kept in eval.json: the card keeps it once that run is gone
-    assert f"It is `{source}` (itself trained from scratch) continued" in card
+    assert f"It is `{source.name}` (itself trained from scratch) continued" in card
     assert "- the last of 2 stages, each run's `--init-from` the one before" in card
     stage = next(line for line in card.splitlines() if line.startswith("  1. `"))
-    assert stage.startswith(f"  1. `python -m slimwise.testbed.train --backbone a --out {source} --override")
+    assert stage.startswith(f"  1. `python -m slimwise.testbed.train --backbone a --out {source.name} "
+                            "--override")
     assert "--max-steps 2 --seed 0" in stage and "--warmup-steps 2" in stage and "`: steps 2, tokens" in stage
     stages = json.loads((out / "eval.json").read_text())["earlier_stages"]
     assert [st["out"] for st in stages] == [str(source)]
