@@ -27,6 +27,7 @@ from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.embedded import EMBEDDED, embedded_model_dir
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+from slimwise.errors import SlimWiseError
 from slimwise.hardware import bf16_support
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import make_split
@@ -365,6 +366,14 @@ def test_vllm_answers_long_prompts_as_the_reference():
         assert n_prompt > 200 * len(prompts)  # long prompts, as the families promise
         n_fed_back = sum(len(t) - 1 for t in tokens["slimwise"])
         assert (c["pruned_tokens"], c["full_tokens"]) == (n_fed_back, n_prompt)
+    finally:
+        engine.close()
+    # token ids first start a tokenizer-free engine: text after them is one clear line, not a TypeError
+    engine = VllmEngine(path, plan)
+    try:
+        engine.generate([tok.encode(prompts[0], add_special_tokens=False)], "full", CONFIG)
+        with pytest.raises(SlimWiseError, match="engine started without a tokenizer"):
+            engine.generate(prompts[:1], "full", CONFIG)
     finally:
         engine.close()
 

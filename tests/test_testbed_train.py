@@ -646,6 +646,7 @@ def test_a_cards_command_spells_run_directories_relative_to_where_they_live(tmp_
               " --seed 0")
     assert shown_command(stored) == expected
 
+
 def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
     """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
     carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run
