@@ -97,6 +97,10 @@ def _broken_checkpoints(root, model_dir) -> None:
     broken("config-topk-zero", lambda d: _edit_json(d / "config.json", num_experts_per_tok=0))
     broken("config-topk-huge", lambda d: _edit_json(d / "config.json", num_experts_per_tok=99))
     broken("config-hidden-wrong", lambda d: _edit_json(d / "config.json", hidden_size=48))
+    # weights and config only, as a training state written out without its tokenizer: text prompts need one
+    broken("no-tokenizer", lambda d: [(d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                  "special_tokens_map.json")
+                                      if (d / f).exists()])
     # quantized copies: block-wise FP8 (pruned from the files) and a format `prune` does not slice
     from quantized import fp8_checkpoint
 
@@ -255,6 +259,10 @@ def _plan(name: str) -> str:
 
 
 CASES: dict[str, tuple[list[str], str | None]] = {}
+#: Cases whose one line must say this (another refusal would hide the real cause: a directory without
+#: tokenizer files once loaded as a one-token tokenizer, and text prompts were refused as empty).
+SAYS: dict[str, str] = {"calibrate-model-no-tokenizer": "need a tokenizer",
+                        "eval-model-no-tokenizer": "need a tokenizer"}
 
 
 def case(name: str, argv: list[str], out: str | None = OUT) -> None:
@@ -280,6 +288,7 @@ case("calibrate-unknown-option", [*CAL, "--out", OUT, "--frobnicate"])
 for f in [*BAD_PROMPTS, "cont-too-few.jsonl", "cont-out-of-vocab.jsonl", "cont-negative.jsonl",
           "cont-bool.jsonl", "cont-empty-ids.jsonl", "cont-float.jsonl", "cont-string.jsonl"]:
     case(f"calibrate-continuations-{f}", [*CAL, "--continuations", f"{{root}}/data/{f}", "--out", OUT])
+case("calibrate-model-no-tokenizer", ["calibrate", "{root}/no-tokenizer", "--data", D, "--out", OUT])
 case("calibrate-continuations-and-vllm", [*CAL, "--engine", "vllm", "--continuations", D, "--out", OUT])
 
 # ----- plan -------------------------------------------------------------------------------------------------
@@ -376,6 +385,8 @@ case("eval-model-missing", ["eval", "{root}/nope", "--out", OUT])
 case("eval-fallback-out-of-range", [*EVAL, "--plan", P, "--fallback", "1.01", "--out", OUT])
 case("eval-gates-unknown", [*EVAL, "--plan", P, "--gates", "keep", "--out", OUT])
 case("eval-model-truncated", ["eval", "{root}/truncated", "--plan", P, "--out", OUT])
+case("eval-model-no-tokenizer", ["eval", "{root}/no-tokenizer", "--max-samples", "2", "--max-new-tokens", "2",
+                                  "--no-plots", "--no-kl", "--no-traffic", "--plan", P, "--out", OUT])
 case("eval-model-config-malformed", ["eval", "{root}/config-malformed", "--plan", P, "--out", OUT])
 for f in ("garbage.jsonl", "garbage", "utf16.jsonl", "empty.jsonl", "eval-no-answer.jsonl", "missing.jsonl"):
     case(f"eval-data-{f}", [*EVAL, "--plan", P, "--data", f"{{root}}/data/{f}", "--out", OUT])
@@ -536,6 +547,7 @@ def test_bad_input_refused(env, name, capsys):
     lines = err.splitlines()
     assert len(lines) == 1, f"stderr is not one line: {err[-600:]!r}"
     assert lines[0].startswith("slimwise") and ": error: " in lines[0], lines[0]
+    assert SAYS.get(name, "") in lines[0], lines[0]
     assert "Traceback" not in err
     assert snapshot(env / "model") == model_before, "the source model was modified"
     if out is not None:
