@@ -426,13 +426,11 @@ def cmd_distill(args) -> None:
 def _vllm_teacher_parts(args, prompts, tokenizer, config, dtype: str) -> tuple:
     """(prompt ids, continuations, log-probs, source) of `--teacher-engine vllm`."""
     from slimwise.distill import vllm_teacher
+    from slimwise.engines.reference import encode_prompts
     from slimwise.engines.vllm_engine import vllm_engine_kwargs
     from slimwise.models import load_config, resolve_model_dir
 
-    if tokenizer is None and any(isinstance(p, str) for p in prompts):
-        raise SlimWiseError(f"{args.model} has no tokenizer: give token-id prompts")
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-           for p in prompts]
+    ids = encode_prompts(tokenizer, prompts)
     vocab = int(load_config(args.model).get_text_config().vocab_size)
     continuations, logprobs, source = vllm_teacher(
         resolve_model_dir(args.model), ids, config, vocab, tokenizer, dtype=dtype,

@@ -245,11 +245,6 @@ def structure_model(path: str | Path) -> nn.Module:
 
 
 TOKENIZER_FILE = "tokenizer.json"
-#: Files a slow (sentencepiece / BPE-vocabulary) tokenizer loads from. Without any of them AutoTokenizer still
-#: builds a tokenizer for some model types (qwen3_moe: a Qwen2Tokenizer with one token), which encodes every
-#: text to nothing; such a directory has no tokenizer.
-SLOW_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                        "vocab.json", "vocab.txt", "merges.txt")
 
 
 def load_tokenizer(path: str | Path):
@@ -266,11 +261,12 @@ def load_tokenizer(path: str | Path):
     try:
         if (model_dir / TOKENIZER_FILE).is_file():
             return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
-        if not any((model_dir / name).is_file() for name in SLOW_TOKENIZER_FILES):
-            return None
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError):
         return None
+    # Without vocabulary files AutoTokenizer still builds one for some model types (qwen3_moe: a
+    # Qwen2Tokenizer holding only its special token), which encodes every text to nothing: no tokenizer.
+    return tok if len(tok.get_vocab()) > len(tok.all_special_tokens) else None
 
 
 def read_manifest(path: str | Path) -> dict | None:

@@ -197,6 +197,20 @@ def test_an_untested_vllm_is_refused_in_one_line(monkeypatch):
     assert "_model_forward" in vllm_problem()
 
 
+def test_vllm_engine_refuses_text_without_a_tokenizer_before_starting(setup):
+    """A checkpoint without tokenizer files (weights and config only) given text: one clear line, and no vLLM
+    engine started; an empty token-id prompt likewise (the reference engine's refusals, shared)."""
+    from slimwise.engines.vllm_engine import VllmEngine
+
+    _, src, _ = setup
+    engine = VllmEngine(src)
+    with pytest.raises(SlimWiseError, match="text prompts need a tokenizer"):
+        engine.generate(["1 + 2 ="], "full")
+    with pytest.raises(SlimWiseError, match="an empty prompt cannot be prefilled"):
+        engine.generate([[]], "full")
+    assert engine.llm is None
+
+
 def test_serve_refuses_prefix_caching_for_a_disaggregated_hybrid(tmp_path, capsys):
     """The shared-directory connector hands a hybrid's linear-attention state over only without vLLM's 'align'
     Mamba cache mode, which prefix caching turns on: refused before any engine starts (moved here from the

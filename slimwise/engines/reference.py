@@ -158,6 +158,26 @@ def _stacked(*factories):
         yield
 
 
+def encode_prompts(tokenizer, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """Token ids of text prompts (no special tokens added) or of token-id prompts, as every engine feeds them;
+    refuses text without a tokenizer and empty prompts (nothing to prefill)."""
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise SlimWiseError(
+                    "text prompts need a tokenizer; pass token ids or a model dir with a tokenizer"
+                )
+            out.append(tokenizer(p, add_special_tokens=False)["input_ids"])
+        else:
+            out.append([int(t) for t in p])
+        if not out[-1]:
+            raise SlimWiseError(
+                "an empty prompt cannot be prefilled; give every prompt at least one token"
+            )
+    return out
+
+
 class PhaseSplitEngine:
     """Generate in `full`, `uniform`, `slimwise` or `distilled` mode with one full model and a plan (or a
     pruned checkpoint). `delta` (a `slimwise.delta.Delta` or its directory) needs `plan`; it is used by mode
@@ -252,23 +272,8 @@ class PhaseSplitEngine:
         return tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
 
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]]) -> list[list[int]]:
-        """Token ids of text prompts (no special tokens added) or of token-id prompts; refuses empty
-        prompts."""
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                if self.tokenizer is None:
-                    raise SlimWiseError(
-                        "text prompts need a tokenizer; pass token ids or a model dir with a tokenizer"
-                    )
-                out.append(self.tokenizer(p, add_special_tokens=False)["input_ids"])
-            else:
-                out.append([int(t) for t in p])
-            if not out[-1]:
-                raise SlimWiseError(
-                    "an empty prompt cannot be prefilled; give every prompt at least one token"
-                )
-        return out
+        """`encode_prompts` with this engine's tokenizer."""
+        return encode_prompts(self.tokenizer, prompts)
 
     # ----- generation ----------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from slimwise.decode_gates import PLAIN, DecodeGates
-from slimwise.engines.reference import Generation, GenerationConfig
+from slimwise.engines.reference import Generation, GenerationConfig, encode_prompts
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan
 from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
@@ -166,7 +166,8 @@ class VllmEngine:
     def _load_tokenizer(self) -> None:
         """Text prompts and no tokenizer given: the checkpoint's own (as `slimwise serve` loads it). Token-id
         prompts keep the tokenizer-free engine (no EOS unless the config names one), so the tokenizer can only
-        join before the first engine starts."""
+        join before the first engine starts. A checkpoint without one leaves it None: `encode_prompts` refuses
+        the text."""
         if self.llm is not None:
             raise SlimWiseError("text prompts on an engine started without a tokenizer (token-id prompts "
                                 "came first): pass VllmEngine(..., tokenizer=load_tokenizer(model_dir))")
@@ -276,8 +277,7 @@ class VllmEngine:
         config = config or GenerationConfig()
         if self.tokenizer is None and any(isinstance(p, str) for p in prompts):
             self._load_tokenizer()
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
-               for p in prompts]
+        ids = encode_prompts(self.tokenizer, prompts)
         eos = config.eos_token_id if config.eos_token_id is not None else (
             self.tokenizer.eos_token_id if self.tokenizer is not None else None)
         eos_ids = set(
