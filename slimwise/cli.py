@@ -667,7 +667,7 @@ def _add_eval(sub) -> None:
 #: the options of `slimwise serve` after MODEL and --plan, in the order --help lists them
 SERVE_OPTIONS = ("default_plan", "delta", "disaggregated", "decode_model", "prefill_url", "decode_url",
                  "nixl", "host", "port", "served_model_name", "max_n", "min_decode_batch", "gates",
-                 "fallback", "substitutes", "log_every", "kv_dir_max_bytes")
+                 "fallback", "substitutes", "log_every", "kv_dir_max_bytes", "decode_cache_dir")
 
 
 def _add_serve(sub) -> None:

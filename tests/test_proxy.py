@@ -270,6 +270,10 @@ MALFORMED = [
                              b'"max_completion_tokens": 0}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "abc"}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
+    # a plan by name: the decode instance is one pruned checkpoint, so no name (not even full) is served
+    ("/v1/completions", b'{"prompt": "x", "vllm_xargs": {"slimwise_plan": "other"}}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"vllm_xargs": {"slimwise_plan": "full"}}'),
 ]
 
 
@@ -285,6 +289,8 @@ def test_malformed_input_gets_400_json_and_is_not_forwarded(path, raw):
     error = r.json()["error"]
     assert error["code"] == 400 and error["type"] == "invalid_request_error" and error["message"], error
     assert forwarded == []
+    if b"slimwise_plan" in raw:
+        assert error["param"] == "vllm_xargs.slimwise_plan" and "serves the one plan" in error["message"]
     if b'"n": 1' in raw:  # 10000, 17: the request-cost limit, named as the colocated server names it
         assert "limit of 16 completions" in error["message"] and "--max-n" in error["message"], error
 
@@ -588,9 +594,12 @@ def test_servers_keep_idle_connections_far_longer_than_their_clients():
 
     assert (max(proxy_upstream.KEEPALIVE_S, httpx.Limits().keepalive_expiry) * 10
             < proxy_upstream.SERVER_KEEPALIVE_S == 75)
-    assert server_env({}, {}) == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75"}
-    assert server_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9"}) == {
-        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # the user's setting wins
+    # V1 pinned unless the user chose (docs/serving.md, "Model runners")
+    assert server_env({}, {}) == {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75", "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert server_env({"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9",
+                                                             "VLLM_USE_V2_MODEL_RUNNER": "1"}) == {
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "9", "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # the user's settings win
 
 
 def test_requests_beyond_the_upstream_limit_wait_in_the_proxy(tmp_path):

@@ -283,6 +283,9 @@ def test_shipped_backbones_answer_text_as_the_reference(names, tmp_path):
     text = (tmp_path / "testbed-a.log").read_text()
     assert "GiB per instance on CPU" in text  # no KV size given: SlimWise chose one and said so
     assert "mode:     PD-colocated" in text and "plan math:" in text and "plan general:" in text
+    # fail closed: before the server said ready, the self-check saw each plan route its warm-up decode rows
+    assert ("checked:  V1 (vllm.v1.worker.cpu_model_runner.CPUModelRunner): the warm-up's decode rows "
+            "routed with each plan (math 6, general 6;") in text
 
 
 def several_plans_at_once(served: Served, port: int) -> None:
@@ -296,12 +299,23 @@ def several_plans_at_once(served: Served, port: int) -> None:
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     names = [served.name, f"{served.name}:general", f"{served.name}:full"]
+    before = slimwise_metrics(port)
+    assert before["slimwise_self_check_passed"] == 1.0
+    fed_back = {"math": 0, "general": 0}
     with ThreadPoolExecutor(12) as pool:
         jobs = [(m, i, pool.submit(client.completions.create, model=m, prompt=served.prompts[i],
                                    max_tokens=served.max_tokens, temperature=0))
                 for m in names for i in range(len(served.prompts))]
         for m, i, job in jobs:
-            assert job.result().choices[0].text == served.want[served.routing_of(m)][i].text, (m, i)
+            answer = job.result()
+            assert answer.choices[0].text == served.want[served.routing_of(m)][i].text, (m, i)
+            plan = {served.name: "math", f"{served.name}:general": "general"}.get(m)
+            if plan:  # every generated token but the last is fed back through the pruned decoder
+                fed_back[plan] += answer.usage.completion_tokens - 1
+    after = slimwise_metrics(port)
+    for plan, tokens in fed_back.items():  # the operator's counters are the tokens the clients received
+        key = f'slimwise_decode_tokens_pruned_total{{plan="{plan}"}}'
+        assert after[key] - before[key] == tokens > 0, (plan, before, after)
     with pytest.raises(APIStatusError) as err:
         client.completions.create(model=f"{served.name}:nope", prompt=served.prompts[0], max_tokens=2)
     assert err.value.status_code == 404
@@ -310,6 +324,16 @@ def several_plans_at_once(served: Served, port: int) -> None:
                                   extra_body={"vllm_xargs": {"slimwise_plan": "nope"}})
     assert err.value.status_code == 400 and "'nope' is not served here" in str(err.value)
     load_test(port)
+
+
+def slimwise_metrics(port: int) -> dict[str, float]:
+    """SlimWise's samples on the server's Prometheus /metrics (vLLM's own families are there too)."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
+    assert "vllm:" in text  # vLLM's own metrics are still served
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("slimwise_")}
 
 
 def disaggregated_args(served: Served, model_arg: str) -> list[str]:

@@ -243,6 +243,11 @@ def test_disaggregated_serve(served):
         assert len(kv_dirs) == 1 and not os.listdir(kv_dir := kv_dirs.pop())
         check_bad_input_as_vllm(port, prompts[0])
         assert not os.listdir(kv_dir)  # nothing leaked by refused or streamed requests
+        # /metrics: the decode instance's vLLM families and the proxy's counters, which equal its /health's
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=60).text
+        served = httpx.get(f"http://127.0.0.1:{port}/health", timeout=60).json()["requests"]
+        assert "vllm:generation_tokens_total" in metrics and "slimwise_proxy_decode_metrics_up 1.0" in metrics
+        assert f"slimwise_proxy_requests_total {float(served)}" in metrics and served > 0
         deadline = time.monotonic() + 60  # the decode engine process's log line may reach the file late
         while "SlimWise: loading the full model's state" not in (text := (root / "pd.log").read_text()):
             assert time.monotonic() < deadline, (
@@ -287,6 +292,9 @@ def test_disaggregated_serve(served):
     assert set(glob.glob("/tmp/slimwise-kv-*")) == before  # cleaned on shutdown
     text = (root / "pd.log").read_text()
     assert "threads:" in text and "tensor_parallel_size=2" in text
+    # the decode instance starts once the prefill instance is healthy (vLLM's memory profiler on shared GPUs)
+    started = text.index("prefill instance healthy; starting the decode instance")
+    assert f"--port {port + 2}" not in text[:started] and f"--port {port + 2}" in text[started:]
     # TP workers killed (the decode instance's by the test, the rest at shutdown): the shared memory they held
     # was unlinked, by the server or, where a worker's resource tracker got there first, by that tracker (both
     # seen)
@@ -393,3 +401,47 @@ def test_disaggregated_serve_with_substitute_gates(served):
                        "pd-substitute.log", vllm_args=["--dtype", "float32", "--enforce-eager"])
     assert "writing the decode instance's gates file (substitute)" in text
     assert "pruned checkpoint decoding with gates substitute" in text
+
+
+# a user's site breaks the gate hook in every process of the server (what a MoE kernel that routes from the
+# raw logits amounts to): the server must refuse to serve, not serve the full model
+UNMASKED_SITE = """
+from slimwise.serving.routing import DecodeRouting
+DecodeRouting._install = lambda self, gate, *args, **kwargs: None
+"""
+
+
+def test_colocated_serve_refuses_a_plan_whose_mask_is_not_in_effect(served, tmp_path):
+    """`slimwise serve MODEL --plan P` whose engine does not apply the mask: the start-up self-check finds 0
+    of the warm-up's decode rows masked, and the command exits non-zero with one line, no traceback, and
+    nothing left running; a completion sent meanwhile is answered 503 with the same reason, never served."""
+    root, prompts, _ = served
+    (tmp_path / "sitecustomize.py").write_text(UNMASKED_SITE)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    with open(tmp_path / "server.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "slimwise.cli", "serve", str(root / "model"), "--plan",
+                                 str(root / "plan.json"), "--port", str(port), "--served-model-name", "tiny",
+                                 *VLLM_ARGS], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+        answers = []
+        try:
+            deadline = time.monotonic() + 600
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                                   json={"model": "tiny", "prompt": prompts[0], "max_tokens": 4})
+                    answers.append((r.status_code, r.text))
+                except httpx.HTTPError:
+                    time.sleep(1)
+            code = proc.wait(timeout=120)
+        finally:
+            stop(proc)
+    text = (tmp_path / "server.log").read_text()
+    assert code != 0, text[-3000:]
+    assert "refusing to serve" in text and "plan 'default': 0 of its 6 rows masked" in text, text[-3000:]
+    assert "Traceback" not in text.split("self-check failed")[-1]
+    assert "SlimWise ready" not in text
+    assert all(status == 503 and "self-check failed" in body for status, body in answers), answers
+    assert not group_alive(proc.pid)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +26,7 @@ from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.engines.reference import Generation, GenerationConfig, encode_prompts
 from slimwise.errors import SlimWiseError
 from slimwise.plan import PrunePlan
-from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, slimwise_arch
+from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, register_config_hooks, slimwise_arch
 from slimwise.serving.plugin import require_known_vllm
 from slimwise.serving.routing import (
     COUNT_EXPERTS_KEY,
@@ -47,6 +48,71 @@ from slimwise.serving.tokenizer import TOKENIZER_MODE
 PlanLike = PrunePlan | str | Path
 
 
+#: the SlimWise overrides whose value is a path (PLANS_KEY: a dict of paths or plans): each gets a hash of the
+#: content it names beside it, under KEY + SHA256_SUFFIX (`with_content_hashes`)
+PATH_KEYS = (PLAN_KEY, PLANS_KEY, DELTA_KEY, SUBSTITUTES_KEY, PRUNED_GATES_KEY)
+SHA256_SUFFIX = "_sha256"
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_sha256(path: str | Path) -> str | None:
+    """sha256 (hex) of what `path` holds: a file's bytes, or a directory's regular files (each one's name
+    relative to it and its bytes' sha256, in name order; hidden entries such as `atomic_dir` temporaries left
+    out). A delta named by one of its two files is hashed as its directory. None when nothing is there."""
+    from slimwise.delta import MANIFEST_FILE, TENSORS_FILE
+
+    path = Path(path)
+    if path.name in (TENSORS_FILE, MANIFEST_FILE) and (path.parent / MANIFEST_FILE).is_file():
+        path = path.parent
+    if path.is_file():
+        return file_sha256(path)
+    if not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path)
+        if f.is_file() and not any(part.startswith(".") for part in rel.parts):
+            h.update(f"{rel.as_posix()}\0{file_sha256(f)}\n".encode())
+    return h.hexdigest()
+
+
+def with_content_hashes(overrides: dict) -> dict:
+    """`overrides` with a content hash beside every path-valued SlimWise override (`slimwise_plan_sha256`,
+    `slimwise_plans_sha256` {name: hash}, `slimwise_delta_sha256`, `slimwise_substitutes_sha256`,
+    `slimwise_pruned_gates_sha256`); a path with nothing there gets none (the engine refuses it at load).
+
+    Why: vLLM's compile caches key on the hf_config, where these overrides land, so a path alone would let
+    a plan or delta rewritten at the same path reuse an artefact compiled for the old one. Verified in vLLM
+    0.32: `aot_compile_hash_factors` (vllm/compilation/caching.py) and `VllmBackend.__call__`
+    (vllm/compilation/backends.py) hash `VllmConfig.compute_hash()`, which takes `ModelConfig.compute_hash()`
+    (vllm/config/model.py); its `get_hash_factors` covers every dataclass field but `ignored_factors` (which
+    hold `hf_overrides`, not `hf_config`), and `normalize_value` (vllm/config/utils.py) renders `hf_config`
+    by `to_json_string()`, whose diff dict keeps every key a default `PretrainedConfig` lacks: each
+    `slimwise_*` key, these hashes included. The SlimWise classes read their keys by name
+    (`slimwise.serving.routing`), so the hashes change nothing else."""
+    out = dict(overrides)
+    for key in PATH_KEYS:
+        value = overrides.get(key)
+        if isinstance(value, str):
+            digest = content_sha256(value)
+            if digest is not None:
+                out[key + SHA256_SUFFIX] = digest
+        elif key == PLANS_KEY and isinstance(value, dict):  # each a path, or the plan itself (its content)
+            digests = {name: content_sha256(v) for name, v in value.items() if isinstance(v, str)}
+            digests = {name: d for name, d in digests.items() if d is not None}
+            if digests:
+                out[key + SHA256_SUFFIX] = digests
+    return out
+
+
 def _plan_value(plan: PlanLike) -> dict | str:
     return plan.to_dict() if isinstance(plan, PrunePlan) else str(Path(plan).resolve())
 
@@ -65,8 +131,8 @@ def _stock_arch(model_dir: str | Path) -> str:
 def pruned_gates_overrides(decode_dir: str | Path, gates_file: str | Path) -> dict:
     """The `hf_overrides` of a pruned checkpoint's decode instance that decodes with `--gates drop` or
     `substitute`: SlimWise's class and the gates file (`slimwise.gate_sidecar`)."""
-    return {"architectures": [slimwise_arch(_stock_arch(decode_dir))],
-            PRUNED_GATES_KEY: str(Path(gates_file).resolve())}
+    return with_content_hashes({"architectures": [slimwise_arch(_stock_arch(decode_dir))],
+                                PRUNED_GATES_KEY: str(Path(gates_file).resolve())})
 
 
 def slimwise_overrides(
@@ -105,7 +171,7 @@ def slimwise_overrides(
         out[SUBSTITUTES_KEY] = str(Path(gates.substitutes).resolve())
     if count_experts:  # per-layer counters of experts touched and fallbacks (eager engines; a sync per layer)
         out[COUNT_EXPERTS_KEY] = True
-    return out
+    return with_content_hashes(out)
 
 
 def full_model_overrides(model_dir: str | Path) -> dict:
@@ -125,8 +191,8 @@ class VllmEngine:
         plan: PrunePlan | dict[str, PlanLike] | None = None,
         tokenizer=None,
         *,
-        dtype: str = "float32",
-        enforce_eager: bool = True,
+        dtype: str | None = None,
+        enforce_eager: bool | None = None,
         max_model_len: int | None = None,
         min_decode_batch: int = 0,
         delta: str | Path | None = None,
@@ -135,19 +201,19 @@ class VllmEngine:
         default_plan: str | None = None,
         gates: DecodeGates = PLAIN,
         count_experts: bool = False,
+        on_cpu: bool | None = None,
     ):
+        """`dtype` / `enforce_eager` None: the platform's default (`engine_defaults`); `on_cpu` None: whether
+        vLLM runs on its CPU backend here (`slimwise.hardware.vllm_on_cpu`)."""
         require_known_vllm()
         self.count_experts = count_experts
         self.gates = gates  # what pruned rows' gates do, and the fallback (slimwise.decode_gates)
         self.model_dir = str(model_dir)
         self.plan = plan
         self.tokenizer = tokenizer
-        # an explicit KV budget: vLLM's CPU backend otherwise reserves 92% of RAM and refuses to start on a
-        # busy box
-        # the checkpoint's own tokenizer (vLLM's AutoTokenizer may swap in a family class:
-        # serving/tokenizer.py)
-        self.kwargs = {**dict(dtype=dtype, enforce_eager=enforce_eager, kv_cache_memory_bytes=512 << 20,
-                              tokenizer_mode=TOKENIZER_MODE), **(engine_kwargs or {})}
+        self.kwargs = engine_defaults(dtype, enforce_eager, engine_kwargs, on_cpu=on_cpu,
+                                      count_experts=count_experts, routed=plan is not None or count_experts)
+        register_config_hooks()  # this module may have been imported before vLLM: see models.py
         if max_model_len is not None:
             self.kwargs["max_model_len"] = max_model_len
         if "vision_config" in json.loads((Path(model_dir) / "config.json").read_text()):
@@ -161,6 +227,8 @@ class VllmEngine:
         self._mode: str | None = None
         self._kind: str | None = None  # the running engine: a mode, or "shared"
         self._shm_before: set[str] = set()
+        self._checks = 0
+        self.self_check: dict | None = None  # what the last start-up self-check verified (selfcheck.py)
         self.llm = None
 
     def _load_tokenizer(self) -> None:
@@ -204,15 +272,33 @@ class VllmEngine:
                 count_experts=self.count_experts,
             )
         from slimwise.serving import shm
+        from slimwise.serving.runners import pin_v1_runner
 
+        pin_v1_runner()  # before vLLM reads its environment for this engine (the plugin does it too)
         self._shm_before = shm.segments()  # tensor/pipeline-parallel workers leave segments there when killed
         with _cpu_rank_binding(self.kwargs):
             self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                            skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
         self._mode, self._kind = mode, kind
+        if kind != "full" and self._prunes():  # fail closed: the mask must be in effect before any prompt
+            from slimwise.serving.selfcheck import check_llm
+
+            self._checks += 1
+            try:
+                self.self_check = check_llm(self.llm, int(self.kwargs.get("tensor_parallel_size") or 1),
+                                            seed=self._checks)
+            except BaseException:
+                self.close()
+                raise
         if kind.startswith("shared"):
             self._switch()
         return self.llm
+
+    def _prunes(self) -> bool:
+        """Whether any plan of this engine prunes an expert (an empty plan serves the full model: there is no
+        mask for the self-check to see)."""
+        plans = self.plan.values() if isinstance(self.plan, dict) else [self.plan]
+        return any(not (p if isinstance(p, PrunePlan) else PrunePlan.load(Path(p))).is_empty for p in plans)
 
     def _switch(self) -> None:
         """Put the running shared engine in `self._mode` with `self.min_decode_batch` (worker counters
@@ -348,6 +434,44 @@ class VllmEngine:
                 values[t, :len(row)] = torch.tensor([v.logprob for v in row.values()])
             results.append((ids, values))
         return results
+
+
+#: what `VllmEngine` sets on vLLM's CPU backend unless the caller chose otherwise: float32 (the tiny and
+#: testbed models' reference dtype; bf16 is emulated on CPUs without bf16 units), eager mode, and an explicit
+#: KV budget (the CPU backend otherwise reserves most of the RAM and refuses to start on a busy box). On a GPU
+#: vLLM's own defaults stand: the checkpoint's dtype, CUDA graphs, `gpu_memory_utilization`.
+CPU_DEFAULTS: dict = {"dtype": "float32", "enforce_eager": True, "kv_cache_memory_bytes": 512 << 20}
+
+
+def engine_defaults(dtype: str | None = None, enforce_eager: bool | None = None,
+                    engine_kwargs: dict | None = None, *, on_cpu: bool | None = None,
+                    count_experts: bool = False, routed: bool = True) -> dict:
+    """A `VllmEngine`'s `LLM(...)` keyword arguments: what the caller chose (`dtype`, `enforce_eager`, then
+    `engine_kwargs`, which win) over the platform's defaults (`CPU_DEFAULTS` on vLLM's CPU backend, none
+    elsewhere; an explicit `gpu_memory_utilization` drops the CPU KV budget; expert counting defaults to eager
+    mode) and the checkpoint's own tokenizer (`TOKENIZER_MODE`: vLLM's AutoTokenizer may swap in a family
+    class, serving/tokenizer.py). `on_cpu` None: `slimwise.hardware.vllm_on_cpu()`. Refuses, in one line, what
+    SlimWise's routing (`routed`) cannot serve: micro-batching, and counting on a GPU engine that is not
+    eager (`slimwise.serving.guards`)."""
+    from slimwise.hardware import vllm_on_cpu
+    from slimwise.serving import guards
+
+    on_cpu = vllm_on_cpu() if on_cpu is None else on_cpu
+    chosen = {k: v for k, v in (("dtype", dtype), ("enforce_eager", enforce_eager)) if v is not None}
+    chosen.update(engine_kwargs or {})
+    defaults = dict(CPU_DEFAULTS) if on_cpu else {}
+    if "gpu_memory_utilization" in chosen:
+        defaults.pop("kv_cache_memory_bytes", None)
+    if count_experts:
+        defaults["enforce_eager"] = True  # the counting hook runs in eager mode only
+    kwargs = {**defaults, "tokenizer_mode": TOKENIZER_MODE, **chosen}
+    parallel = {k: kwargs[k] for k in guards.PARALLEL_FIELDS if k in kwargs}
+    if routed and parallel:
+        guards.refuse_micro_batching(guards.parallel_settings(parallel))
+    problem = guards.counting_problem(count_experts, bool(kwargs.get("enforce_eager", False)), not on_cpu)
+    if problem:
+        raise SlimWiseError(problem)
+    return kwargs
 
 
 def vllm_engine_kwargs(options: Sequence[str]) -> dict:

@@ -55,6 +55,12 @@ class ServeConfig:
         "flag": "--kv-dir-max-gb", "type": number(0, lo_open=True), "convert": gib_to_bytes,
         "help": "--disaggregated: cap of the shared KV directory in GB (default 4); over it, new requests "
                 "get 503 with Retry-After"})
+    # the folded decode checkpoints (pruned/) and gates files (gates/) of --disaggregated, keyed by content
+    decode_cache_dir: str = field(default="~/.cache/slimwise", metadata={
+        "metavar": "DIR",
+        "help": "--disaggregated: where the exported decode checkpoints (one per model, plan and delta "
+                "content, each as large as the pruned model) and gates files are kept; nothing is deleted "
+                "automatically (default %(default)s)"})
     # completions per request (`n`); more gets 400 (colocated middleware and proxy alike)
     max_n: int = field(default=MAX_N_DEFAULT, metadata={
         "type": integer(1),

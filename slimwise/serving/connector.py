@@ -82,6 +82,7 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         # layer name -> (group index, tokens per block, is a linear-attention state layer)
         self._layers: dict[str, tuple[int, int, bool]] = {}
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -104,23 +105,45 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
     # business (CPU_ATTN keeps K transposed, [head_size, block_size], beside V as [block_size, head_size],
     # which ExampleConnector's row indexing scrambles). Both instances share block size, KV dtype and backend,
     # and slots past the prompt in the last block are rewritten by the decoder after the load.
-    def _where(self, layer_name: str, request: PromptState) -> tuple[list[int], bool]:
-        """(blocks of this layer that hold the request's first len(token_ids) positions, is a state layer)."""
+    def _where(self, layer_name: str, request: PromptState, kv=None) -> tuple[list[int], bool]:
+        """(rows of this layer's cache that hold the request's first len(token_ids) positions, is a state
+        layer). `kv`: the layer's cache (first dimension: blocks). Where the attention kernel's blocks are
+        smaller than the KV-cache manager's (vLLM views the cache as `num_blocks x ratio` kernel blocks, b
+        being kernel blocks b*ratio .. b*ratio+ratio-1), the manager's blocks are mapped; any other layout is
+        refused rather than copied from the wrong memory."""
         group, block_size, state = self._layers.get(layer_name, (0, self._block_size, False))
         blocks = request.block_ids[group]
         if state:  # Mamba cache mode "none": one state block per request, the first of its group
             return blocks[:1], True
-        return blocks[: -(-len(request.token_ids) // block_size)], False
+        blocks = blocks[: -(-len(request.token_ids) // block_size)]
+        rows = kv.shape[0] if isinstance(kv, torch.Tensor) else None
+        if rows is None or not self._num_blocks or rows == self._num_blocks:
+            return blocks, False
+        if rows % self._num_blocks:
+            raise SlimWiseError(f"SlimWiseConnector: layer {layer_name}'s KV cache has {rows} blocks for the "
+                                f"manager's {self._num_blocks}, a layout it cannot map (a packed hybrid "
+                                "cache?); use NixlConnector (slimwise serve --nixl, docs/serving.md)")
+        ratio = rows // self._num_blocks
+        return [b * ratio + j for b in blocks for j in range(ratio)], False
 
-    @staticmethod
-    def _cache_layers(forward_context: ForwardContext) -> dict[str, Any]:
+    def _cache_layers(self) -> dict[str, Any]:
+        """Each layer's bound cache, from the config's static forward context: the layers a forward context
+        would hold (`no_compile_layers` is the same dict), read without one, since Model Runner V2 calls
+        `wait_for_save` after the forward (`post_forward`). A layer the KV-cache config names without a cache
+        is refused: storing the others would hand a partial prompt state over."""
+        layers = self._vllm_config.compilation_config.static_forward_context
         out = {}
-        for name, layer in forward_context.no_compile_layers.items():
+        for name, layer in layers.items():
             kv = getattr(layer, "kv_cache", None)
             if isinstance(kv, torch.Tensor) and kv.dim() >= 2:
                 out[name] = kv
             elif isinstance(kv, (list, tuple)) and kv and all(isinstance(t, torch.Tensor) for t in kv):
                 out[name] = tuple(kv)  # linear attention: (conv_state, ssm_state), first dim = state block
+        missing = sorted(set(self._layers) - set(out))
+        if missing:
+            raise SlimWiseError(f"SlimWiseConnector: layers {missing[:3]} of the KV-cache config have no "
+                                "bound cache in this worker; this vLLM model runner is not supported for PD "
+                                "handoff")
         return out
 
     def _folder(self, token_ids: list[int], mm_hashes: list[str], create: bool = False) -> str:
@@ -139,17 +162,15 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         layers (which never call this hook) are saved with their final state too."""
 
     def wait_for_save(self) -> None:
-        from vllm.forward_context import get_forward_context
-
         stores = [r for r in self._get_connector_metadata().requests if r.is_store]
         if not stores:
             return
-        layers = self._cache_layers(get_forward_context())
+        layers = self._cache_layers()
         rank = self._rank()
         for request in stores:
             folder = self._folder(request.token_ids, request.mm_hashes, create=True)
             for layer_name, kv in layers.items():
-                blocks, state = self._where(layer_name, request)
+                blocks, state = self._where(layer_name, request, kv)
                 if state:
                     index = torch.tensor(blocks, device=kv[0].device)
                     tensors = {f"state_{i}": t[index].detach().cpu().contiguous() for i, t in enumerate(kv)}
@@ -171,12 +192,12 @@ class SlimWiseConnector(ExampleConnector, SupportsHMA):
         loads = [r for r in self._get_connector_metadata().requests if not r.is_store]
         if not loads:
             return
-        layers = self._cache_layers(forward_context)
+        layers = self._cache_layers()
         rank = self._rank()
         for request in loads:
             folder = self._folder(request.token_ids, request.mm_hashes)
             for layer_name, kv in layers.items():
-                blocks, state = self._where(layer_name, request)
+                blocks, state = self._where(layer_name, request, kv)
                 src = safetensors.torch.load_file(
                     os.path.join(folder, state_file_name(layer_name, self._tp_size, rank))
                 )

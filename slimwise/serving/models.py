@@ -7,11 +7,13 @@ Selected with `hf_overrides={"architectures": ["SlimWise<Arch>"], "slimwise_plan
 from __future__ import annotations
 
 import importlib
+import sys
 
 from torch import nn
 
 from slimwise.models import is_hybrid  # noqa: F401  (re-exported: `slimwise serve` asks it of a checkpoint)
 from slimwise.serving.compat import install_torchvision_free_qwen_vl
+from slimwise.serving.guards import check_worker
 from slimwise.serving.routing import DecodeRouting
 
 #: stock vLLM architecture -> module that defines it. The SlimWise class is named "SlimWise" + arch.
@@ -37,6 +39,35 @@ def slimwise_arch(stock_arch: str) -> str:
     return "SlimWise" + stock_arch
 
 
+def register_config_hooks() -> list[str]:
+    """Give each SlimWise class its stock class's per-architecture config hook; returns the SlimWise names
+    that have one. Idempotent.
+
+    vLLM looks the hooks up in `MODELS_CONFIG_MAP` (vllm/model_executor/models/config.py:1063) by the served
+    architecture's name -- `ModelConfig._try_verify_and_update_model_config` (vllm/config/model.py:1505) and
+    `VllmConfig.try_verify_and_update_config` (vllm/config/vllm.py:2648, then `ModelRegistry._normalize_arch`,
+    which leaves a registered name as it is) -- so "SlimWise<Arch>" found none. Without them a SlimWise
+    Qwen3.5/3.6-MoE engine kept `mamba_ssm_cache_dtype` "auto" (the model's dtype) instead of the checkpoint's
+    `mamba_ssm_dtype` (float32), and the text-only class kept the M-RoPE fields stock vLLM drops
+    (`Qwen3_5ForCausalLMConfig`); GPT-OSS missed its mxfp4 method name, reasoning parser and CUDA-graph sizes
+    (`GptOssForCausalLMConfig`). Must run before the engine's config is built, in the process that builds it:
+    at import when vLLM is loaded (vLLM's plugin loader imports this module through `plugin.py`), and from
+    `VllmEngine`, whose caller may have imported this module first."""
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    names = []
+    for stock in STOCK_ARCHS:
+        hook = MODELS_CONFIG_MAP.get(stock)
+        if hook is not None:
+            MODELS_CONFIG_MAP.setdefault(slimwise_arch(stock), hook)
+            names.append(slimwise_arch(stock))
+    return names
+
+
+if "vllm" in sys.modules:  # imported by vLLM (its plugin loader, in every vLLM process): before any config
+    register_config_hooks()
+
+
 class SlimWiseMixin:
     """Builds the stock model, then installs decode-only routing from the plan in the config."""
 
@@ -45,9 +76,25 @@ class SlimWiseMixin:
         scheduler = vllm_config.scheduler_config
         max_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs) + 64
         routing = DecodeRouting(self, vllm_config.model_config.hf_config, max_tokens)
+        # micro-batching, counting under CUDA graphs, monolithic MoE kernels: refused here too, for a user's
+        # own `vllm serve` with this class (guards.py)
+        check_worker(self, vllm_config, routing)
         nn.Module.__setattr__(self, "slimwise", routing)
+        self._slimwise_vllm_config = vllm_config
         if type(self).__name__ in CPU_ROPE_FIX:
             fix_cpu_multihead_rope(self)
+
+    def forward(self, *args, **kwargs):
+        self.slimwise.take_step()  # fail closed: the runner's seam set this forward's rows (runners.py)
+        return super().forward(*args, **kwargs)
+
+    def get_model_state_cls(self):
+        """Model Runner V2's model-owned seam (vllm/v1/worker/gpu/model_states/__init__.py): the state V2
+        would use for the stock class, with SlimWise's per-step routing (serving/runners.py)."""
+        from slimwise.serving.runners import model_state_cls
+
+        stock = getattr(super(), "get_model_state_cls", None)
+        return model_state_cls(self._slimwise_vllm_config, stock() if stock is not None else None)
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)

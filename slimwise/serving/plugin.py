@@ -5,25 +5,24 @@
 1. Registers the SlimWise model classes with vLLM's ModelRegistry (lazily, by import path).
 2. Registers the tokenizer mode "slimwise" (`tokenizer.py`): the checkpoint's own tokenizer.json, as the
    reference engine loads it; `slimwise serve` and `VllmEngine` select it.
-3. Wraps the model runner's `_model_forward` (the documented per-step override point, outside any compiled
-   region or CUDA graph) so that, before each forward, the model's `DecodeRouting` learns which scheduled
-   tokens are generated tokens: position >= the request's prompt length.
+3. Installs the model runners' per-step seams (`runners.py`: V1's `_model_forward` and `_dummy_run`; V2's
+   ModelState comes from the SlimWise model classes) so that, before each forward, the model's
+   `DecodeRouting` learns which scheduled tokens are generated tokens: position >= the request's prompt
+   length. On vLLM 0.32 it pins the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0) unless the user chose.
 Every step is idempotent (vLLM may load plugins several times per process).
 """
 
 from __future__ import annotations
 
 import logging
-
-import numpy as np
+import os
 
 from slimwise.serving.compat import install_torchvision_free_qwen_vl
 from slimwise.serving.models import STOCK_ARCHS, slimwise_arch
 
 logger = logging.getLogger("vllm.slimwise")  # under "vllm": printed by vLLM's log config in every process
-_NO_ROUTING = object()
-#: vLLM releases whose internals the plugin was tested against (it wraps `GPUModelRunner._model_forward` and
-#: reads the runner's `input_batch` and `query_start_loc`, and replaces routers' `_compute_routing`);
+#: vLLM releases whose internals the plugin was tested against (it wraps V1's `GPUModelRunner._model_forward`
+#: and `_dummy_run`, gives V2 a ModelState, and replaces routers' `_compute_routing`);
 #: pyproject pins the same
 TESTED_VLLM = ("0.32.",)
 ALLOW_UNTESTED_ENV = "SLIMWISE_ALLOW_UNTESTED_VLLM"
@@ -32,7 +31,6 @@ ALLOW_UNTESTED_ENV = "SLIMWISE_ALLOW_UNTESTED_VLLM"
 def vllm_problem() -> str | None:
     """Why SlimWise cannot run in this vLLM, or None. An untested release is refused unless
     ALLOW_UNTESTED_ENV=1; missing internals are refused always."""
-    import inspect
     import os
 
     import vllm
@@ -44,18 +42,11 @@ def vllm_problem() -> str | None:
             f"{version}: install a tested release (pip install 'slimwise[gpu]' or [cpu]), or set "
             f"{ALLOW_UNTESTED_ENV}=1 to try"
         )
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as exc:
-        return (
-            f"vLLM {version} has no vllm.v1.worker.gpu_model_runner ({exc}); SlimWise cannot hook its steps"
-        )
-    forward = getattr(GPUModelRunner, "_model_forward", None)
-    if forward is None or "positions" not in inspect.signature(forward).parameters:
-        return (
-            f"vLLM {version}'s GPUModelRunner._model_forward(positions=...) is gone; SlimWise "
-            "cannot hook its steps"
-        )
+    from slimwise.serving.runners import v1_problem, v2_problem
+
+    for runner, problem in (("V1", v1_problem()), ("V2", v2_problem())):
+        if problem:
+            return f"vLLM {version}'s model runner {runner}: {problem}; SlimWise cannot set its steps"
     return None
 
 
@@ -66,54 +57,6 @@ def require_known_vllm() -> None:
     problem = vllm_problem()
     if problem:
         raise SlimWiseError(problem)
-
-
-def _routing_of(runner):
-    cached = getattr(runner, "_slimwise_routing", None)
-    if cached is None:
-        model = runner.get_model()
-        routing = getattr(model, "slimwise", None)
-        cached = routing if routing is not None and routing.active else _NO_ROUTING
-        runner._slimwise_routing = cached
-    return None if cached is _NO_ROUTING else cached
-
-
-def _patch_model_runner() -> None:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    if getattr(GPUModelRunner, "_slimwise_patched", False):
-        return
-    original = GPUModelRunner._model_forward
-
-    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
-                       **model_kwargs):
-        routing = _routing_of(self)
-        if routing is not None and positions is not None:
-            num_reqs = self.input_batch.num_reqs
-            starts = self.query_start_loc.np[: num_reqs + 1]
-            counts = np.diff(starts)
-            prompt_lens = np.repeat(self.input_batch.num_prompt_tokens[:num_reqs], counts)
-            # each token's index in its sequence, from host data (no device sync): tokens already computed for
-            # its request (prefix-cache hits and earlier chunks included) plus its offset in this step's query
-            offsets = np.arange(int(starts[-1])) - np.repeat(starts[:-1], counts)
-            token_positions = np.repeat(self.input_batch.num_computed_tokens_cpu[:num_reqs], counts) + offsets
-            token_plans = None
-            if routing.multi_plan:  # each request's own plan (SamplingParams.extra_args), per token
-                req_ids = self.input_batch.req_ids[:num_reqs]
-                plans = routing.request_plans(req_ids, [self.requests[r].sampling_params for r in req_ids])
-                token_plans = np.repeat(plans, counts)
-            routing.set_step(token_positions, prompt_lens, positions, token_plans)
-        return original(
-            self,
-            input_ids=input_ids,
-            positions=positions,
-            intermediate_tensors=intermediate_tensors,
-            inputs_embeds=inputs_embeds,
-            **model_kwargs,
-        )
-
-    GPUModelRunner._model_forward = _model_forward
-    GPUModelRunner._slimwise_patched = True
 
 
 def register() -> None:
@@ -133,7 +76,13 @@ def register() -> None:
     from slimwise.serving.tokenizer import register_tokenizer_mode
 
     register_tokenizer_mode()
-    _patch_model_runner()
+    from slimwise.serving.runners import V2_ENV, patch_v1_runner, pin_v1_runner
+
+    if pin_v1_runner() != "0":
+        logger.warning("SlimWise: %s=%s: Model Runner V2 sets SlimWise's steps through its ModelState seam, "
+                       "which no GPU run has checked yet; the start-up self-check refuses if the plan is not "
+                       "in effect", V2_ENV, os.environ.get(V2_ENV))
+    patch_v1_runner()
     _add_worker_method()
 
 
@@ -169,11 +118,19 @@ def set_mode(worker, mode: str, min_decode_batch: int | None = None) -> dict:
 
 def describe(worker) -> dict:
     """For `LLM.collective_rpc("slimwise_describe")`: where this worker's routing acts (vLLM module names)."""
-    routing = getattr(worker.model_runner.get_model(), "slimwise", None)
-    return routing.describe() if routing is not None else {}
+    from slimwise.serving.guards import moe_kernels
+
+    model = worker.model_runner.get_model()
+    routing = getattr(model, "slimwise", None)
+    return {**(routing.describe() if routing is not None else {}), "moe_kernels": moe_kernels(model)}
 
 
 def read_counters(worker) -> dict:
     """For `LLM.collective_rpc(read_counters)`: the routing counters of a worker's model."""
-    routing = _routing_of(worker.model_runner)
-    return routing.counters.as_dict() if routing is not None else {}
+    routing = getattr(worker.model_runner.get_model(), "slimwise", None)
+    if routing is None or not routing.active:
+        return {}
+    return {**routing.counters.as_dict(), "runner": routing.runner, "plan_names": routing.plan_names,
+            "rows_seen": routing.rows_seen.tolist(), "counted_layer": routing.counted_layer,
+            "counted_prunes": routing.counted_prunes, "mode": routing.mode,
+            "min_decode_batch": routing.min_decode_batch, "gates_plain": routing.gates.plain}

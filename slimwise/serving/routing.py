@@ -87,6 +87,8 @@ class RoutingCounters:
     # with COUNT_EXPERTS_KEY and a fallback threshold, per layer: [pruned-routed rows, rows whose full top-k
     # held a pruned expert, rows that fell back to every expert]
     fallback: dict = field(default_factory=dict)
+    # forwards run with a dummy step (profiling, warm-up, CUDA-graph capture, DP padding): every row full
+    dummy_steps: int = 0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "pruned_tokens": self.pruned_tokens, "full_tokens": self.full_tokens,
@@ -97,7 +99,8 @@ class RoutingCounters:
                 "experts_touched_sum": dict(self.experts_touched_sum),
                 "experts_counted_steps": dict(self.experts_counted_steps),
                 "touched_by_batch": {b: list(v) for b, v in self.touched_by_batch.items()},
-                "fallback": {layer: list(v) for layer, v in self.fallback.items()}}
+                "fallback": {layer: list(v) for layer, v in self.fallback.items()},
+                "dummy_steps": self.dummy_steps}
 
 
 def load_plan_setting(value) -> PrunePlan | None:
@@ -174,6 +177,16 @@ class DecodeRouting(nn.Module):
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
         # per token: the plan it is routed with (0: every expert); indexes each gate's pruned table
         self.register_buffer("row_plan", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
+        # rows the forward itself saw, counted inside one gate hook (`row_counts.install_row_counter`): what
+        # the start-up self-check compares with the rows it scheduled, so a runner that never set the step
+        # state is caught even where no Python runs per step (CUDA-graph replay)
+        self.register_buffer("rows_seen", torch.zeros(2, len(self.plan_names), dtype=torch.long),
+                             persistent=False)
+        self.counted_layer: int | None = None  # the gate whose hook counts rows_seen
+        self.counted_prunes: list[bool] = []  # per plan row: whether it prunes an expert in counted_layer
+        # set by `set_step` / `set_dummy_step`, taken by `take_step` before each forward (fail closed)
+        self._step_ready = False
+        self.runner = "unknown"  # the vLLM model runner whose seam sets the steps (serving/runners.py)
         self.gates_by_layer: dict[int, nn.Module] = {}
         # module names
         self.hooked: dict[str, list[str]] = {"gates": [], "norms": [], "lora": [], "selection": [],
@@ -269,6 +282,12 @@ class DecodeRouting(nn.Module):
             self._install_substitution(name.rsplit(".", 1)[0], model, module, full, self.substitutes[layer])
         self.gates_by_layer[layer] = module
         self.hooked["gates"].append(name)
+        if self.counted_layer is None and pruned.any():
+            from slimwise.serving.row_counts import install_row_counter
+
+            install_row_counter(module, self)
+            self.counted_layer = layer
+            self.counted_prunes = pruned.any(dim=-1).tolist()
 
     def _full_routing(self, runner, selection, name: str):
         """The layer's stock routing as a function of (hidden, logits) -> (weights, ids): what the gate
@@ -508,10 +527,14 @@ class DecodeRouting(nn.Module):
 
     def _install_counting(self, model: nn.Module, text_config) -> None:
         """With COUNT_EXPERTS_KEY: a hook on every gate, after the mask, recording the distinct experts that
-        this step's decode tokens select (top-k of the masked logits). Costs a top-k and a sync per layer;
-        skipped while torch.compile traces (counts then stay 0: benchmark with enforce_eager)."""
+        this step's decode tokens select (top-k of the masked logits). Costs a top-k and a host sync per
+        layer, so it runs eager-only: skipped while torch.compile traces (counts then stay 0: benchmark with
+        enforce_eager) and while a CUDA graph is captured (a sync is illegal there; `guards.counting_paused`).
+        A CUDA engine that counts must be eager (refused otherwise: `guards.counting_problem`)."""
         if not self.count_experts:
             return
+        from slimwise.serving.guards import counting_paused
+
         top_k = int(getattr(text_config, "num_experts_per_tok", 0)
                     or getattr(text_config, "experts_per_token", 0))
         self.register_buffer("count_rows", torch.zeros_like(self.decode_mask), persistent=False)
@@ -523,7 +546,8 @@ class DecodeRouting(nn.Module):
             layer = int(match.group(1))
 
             def hook(module, args, output, layer=layer):
-                if routing._count_batch == 0 or torch.compiler.is_compiling():
+                # counting_paused first: under torch.compile it is constant, so no guard on per-step state
+                if counting_paused() or routing._count_batch == 0:
                     return None
                 logits = output[0] if isinstance(output, tuple) else output
                 rows = logits[routing.count_rows[: logits.shape[0]]]
@@ -573,29 +597,51 @@ class DecodeRouting(nn.Module):
         one of the choices (a server with one named plan exposes MODEL:full beside it)."""
         return bool(self.plans)
 
+    def plan_of(self, req_id: str, params) -> int:
+        """A request's plan index from its `SamplingParams.extra_args[REQUEST_PLAN_ARG]` (or the default). An
+        unknown name (a client bypassing the server's check) is full-routed and counted, never an engine
+        error."""
+        name = ((getattr(params, "extra_args", None) or {}).get(REQUEST_PLAN_ARG) or self.default_plan)
+        idx = self.plan_index.get(str(name))
+        if idx is None:
+            self.counters.unknown_plan_requests += 1
+            logger.warning("SlimWise: request %s names plan %r, not one of %s: routed with every expert",
+                           req_id, name, ", ".join(self.plan_names))
+            idx = 0
+        return idx
+
     def request_plans(self, req_ids: Sequence[str], params: Sequence) -> np.ndarray:
-        """Plan index per request from its `SamplingParams.extra_args[REQUEST_PLAN_ARG]` (or the default),
-        cached by request id for the request's life. An unknown name (a client bypassing the server's check)
-        is full-routed and counted, never an engine error."""
+        """Plan index per request (`plan_of`), cached by request id for the request's life."""
         cache, out = {}, np.empty(len(req_ids), dtype=np.int64)
         for i, (rid, sp) in enumerate(zip(req_ids, params, strict=True)):
             idx = self._request_plans.get(rid)
-            if idx is None:
-                name = ((getattr(sp, "extra_args", None) or {}).get(REQUEST_PLAN_ARG) or self.default_plan)
-                idx = self.plan_index.get(str(name))
-                if idx is None:
-                    self.counters.unknown_plan_requests += 1
-                    logger.warning("SlimWise: request %s names plan %r, not one of %s: "
-                                   "routed with every expert",
-                                   rid, name, ", ".join(self.plan_names))
-                    idx = 0
-            cache[rid] = out[i] = idx
+            cache[rid] = out[i] = self.plan_of(rid, sp) if idx is None else idx
         self._request_plans = cache  # finished requests drop out
         return out
 
+    def set_dummy_step(self) -> None:
+        """A forward without requests (profiling, warm-up, CUDA-graph capture, DP padding): every row keeps
+        every expert. Arms the next forward like `set_step`."""
+        self.row_plan.zero_()
+        self.decode_mask.zero_()
+        self.counters.dummy_steps += 1
+        self._step_ready = True
+
+    def take_step(self) -> None:
+        """Called by the model's forward (eager Python, outside any graph): the runner seam must have set
+        this forward's step state. Fail closed: a forward with stale or unset state raises instead of routing
+        rows with another step's mask (or none)."""
+        if not self._step_ready and self.active:
+            raise SlimWiseError(
+                f"a forward ran without SlimWise's per-step state (model runner: {self.runner}): this vLLM "
+                "model runner does not call the hook SlimWise installs, so the plan would not apply; use "
+                "vLLM 0.32 with VLLM_USE_V2_MODEL_RUNNER=0, or report the runner")
+        self._step_ready = False
+
     @property
     def active(self) -> bool:
-        return bool(self.gates_by_layer) or bool(self.lora_modules) or self.count_experts
+        return (bool(self.gates_by_layer) or bool(self.lora_modules) or bool(self.hooked["norms"])
+                or self.count_experts)
 
     def set_step(self, token_positions: np.ndarray, prompt_lens: np.ndarray,
                  model_positions: torch.Tensor | None = None, token_plans: np.ndarray | None = None) -> None:
@@ -612,6 +658,7 @@ class DecodeRouting(nn.Module):
         """
         if not self.active:
             return
+        self._step_ready = True
         n = len(prompt_lens)
         pos = np.asarray(token_positions[:n])
         host = model_positions is not None and not model_positions.is_cuda and model_positions.dim() == 1
@@ -623,7 +670,7 @@ class DecodeRouting(nn.Module):
             self.count_rows[:n].copy_(torch.from_numpy(generated))
             self.count_rows[n:].zero_()
             self.counters.decode_steps += self._count_batch > 0
-            if not self.gates_by_layer and not self.lora_modules:
+            if not self.gates_by_layer and not self.lora_modules and not self.hooked["norms"]:
                 return
         plans = (np.full(n, self.plan_index.get(self.default_plan, 0), dtype=np.int64) if token_plans is None
                  else np.asarray(token_plans[:n], dtype=np.int64))

@@ -222,35 +222,186 @@ def _kv_config(role: str, kv_dir: str) -> str:
                        "kv_connector_extra_config": {"shared_storage_path": kv_dir}})
 
 
+# ----- the decode cache: exported checkpoints and gates files, keyed by content ----------------------------
+
+#: written last into an export's temporary directory, before the rename: an export is reused only when this
+#: file is there and names the same key (an interrupted or older export, a partial copy, never is)
+EXPORT_MARKER = "slimwise-decode-export.json"
+EXPORT_FORMAT = "slimwise-decode-export/1"
+# other files of a checkpoint than its safetensors: hashed whole up to this size, else by size and both ends
+_WHOLE_FILE_BYTES = 64 << 20
+_ENDS_BYTES = 1 << 20
+_TEMPORARY = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")  # `atomic_dir` temporaries (nested ones end the same)
+
+
+def decode_cache_root(cfg: ServeConfig) -> Path:
+    return Path(cfg.decode_cache_dir).expanduser()
+
+
+def checkpoint_identity(model_dir: str | Path) -> str:
+    """A content key (sha256 hex) of a checkpoint directory that reads a small part of it (headers, a window
+    per layer tensor, the small files): hashing every weight byte of a 35 GB checkpoint would take minutes at
+    each start. It combines
+      - `slimwise.fingerprint.checkpoint_fingerprint`: a window of values from the middle of every
+        decoder-layer tensor (the checksum plans and deltas are tied to; cached per process);
+      - every top-level *.safetensors file's name, size and whole header (each tensor's name, dtype, shape
+        and offsets): a reshard, a dtype change or any added or removed tensor changes it;
+      - every other top-level file (config.json, generation config, tokenizer files, the index), by content:
+        whole up to 64 MiB, larger ones by size and their first and last MiB.
+    Not by path or modification time: the same files at another path, or copied, give the same key. What it
+    misses: a weight value changed outside the sampled windows with no other file changed (an in-place edit
+    of a non-layer tensor, say); such an edit needs a new --decode-cache-dir or the export removed."""
+    from slimwise.engines.vllm_engine import file_sha256
+    from slimwise.export_stream import read_header
+    from slimwise.fingerprint import checkpoint_fingerprint
+    from slimwise.models import resolve_model_dir
+
+    root = Path(resolve_model_dir(model_dir))
+    h = hashlib.sha256(f"layers {checkpoint_fingerprint(root)}\n".encode())
+    for f in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+        size = f.stat().st_size
+        if f.suffix == ".safetensors":
+            what = json.dumps(read_header(f)[1], sort_keys=True)
+        elif size <= _WHOLE_FILE_BYTES:
+            what = file_sha256(f)
+        else:
+            with open(f, "rb") as fh:
+                first = fh.read(_ENDS_BYTES)
+                fh.seek(size - _ENDS_BYTES)
+                what = hashlib.sha256(first + fh.read(_ENDS_BYTES)).hexdigest()
+        h.update(f"{f.name}\0{size}\0{what}\n".encode())
+    return h.hexdigest()
+
+
+def _plan_key(plan: PrunePlan) -> dict:
+    """What of a plan a decode checkpoint or gates file depends on: its kept experts and the weights it was
+    made for (not its criterion or notes)."""
+    return {"family": plan.family, "num_experts": plan.num_experts, "top_k": plan.top_k,
+            "kept_experts": {str(k): v for k, v in sorted(plan.kept_experts.items())},
+            "fingerprint": plan.fingerprint}
+
+
+def _content_key(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def _model_type(model_dir: str | Path) -> str:
+    """The checkpoint's model_type, for readable cache names (content, unlike the directory's name)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "model"
+    name = str(config.get("model_type") or "model") if isinstance(config, dict) else "model"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def decode_export_key(cfg: ServeConfig, plan: PrunePlan) -> tuple[str, dict]:
+    """(key, what it hashes) of the decode checkpoint `cfg` and `plan` export: the full model's
+    `checkpoint_identity`, the plan's `_plan_key` and the delta's files' bytes (`content_sha256`; deltas are a
+    few MB), never a path."""
+    from slimwise.engines.vllm_engine import content_sha256
+
+    inputs = {"format": EXPORT_FORMAT, "model": checkpoint_identity(cfg.model), "plan": _plan_key(plan),
+              "delta": content_sha256(cfg.delta) if cfg.delta else None}
+    if cfg.delta and inputs["delta"] is None:
+        raise SlimWiseError(f"--distilled {cfg.delta}: nothing there; pass the directory `slimwise distill` "
+                            "wrote")
+    return _content_key(inputs), inputs
+
+
+def _export_complete(out: Path, key: str) -> bool:
+    try:
+        marker = json.loads((out / EXPORT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("key") == key and (out / "config.json").is_file()
+
+
+def remove_dead_temporaries(folder: Path) -> list[Path]:
+    """Remove the temporaries of exports whose process died (kill -9 mid-export) from a cache folder."""
+    from slimwise.io import pid_alive
+
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        m = _TEMPORARY.match(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
+
+
 def _decode_checkpoint(cfg: ServeConfig, plan: PrunePlan) -> str:
+    """The decode instance's checkpoint: --decode-model, or the pruned (and distilled) export in
+    DECODE_CACHE_DIR/pruned/MODEL_TYPE-KEY, KEY from the content of the model, plan and delta
+    (`decode_export_key`), so re-distilling into the same directory exports anew and the same content at
+    another path reuses the export. Written into a temporary sibling and renamed into place with its
+    completion marker (`EXPORT_MARKER`) inside: a directory without the marker is exported over, never
+    served."""
     if cfg.decode_model:
         return cfg.decode_model
     from slimwise.export_stream import export_checkpoint
+    from slimwise.io import atomic_dir, atomic_write_text
 
-    delta_key = str(Path(cfg.delta).resolve()) if cfg.delta else None
-    key = hashlib.sha256(json.dumps([plan.fingerprint, plan.kept_experts, delta_key],
-                                    sort_keys=True).encode()).hexdigest()[:12]
-    out = Path.home() / ".cache" / "slimwise" / "pruned" / f"{Path(cfg.model).name}-{key}"
-    if not (out / "config.json").is_file():
-        print(f"exporting the pruned{'-and-distilled' if cfg.delta else ''} decode checkpoint to {out}",
-              flush=True)
-        export_checkpoint(cfg.model, plan, out, delta=cfg.delta or None,
+    key, inputs = decode_export_key(cfg, plan)
+    folder = decode_cache_root(cfg) / "pruned"
+    out = folder / f"{_model_type(cfg.model)}-{key[:16]}"
+    if _export_complete(out, key):
+        return str(out)
+    remove_dead_temporaries(folder)
+    print(f"exporting the pruned{'-and-distilled' if cfg.delta else ''} decode checkpoint to {out}",
+          flush=True)
+    with atomic_dir(out) as tmp:
+        export_checkpoint(cfg.model, plan, tmp, delta=cfg.delta or None,
                           note=lambda line: print(line, flush=True))
+        marker = {"format": EXPORT_FORMAT, "key": key, "inputs": inputs,
+                  "model": str(Path(cfg.model).resolve()),
+                  "delta": str(Path(cfg.delta).resolve()) if cfg.delta else None}
+        atomic_write_text(tmp / EXPORT_MARKER, json.dumps(marker, indent=1) + "\n")
     return str(out)
 
 
 def _decode_gates_file(cfg: ServeConfig, plan: PrunePlan) -> Path:
     """The decode instance's gates file (`slimwise.gate_sidecar`), written at every start from the full
-    checkpoint, the plan and the --substitutes statistics (a few router rows and vectors per layer)."""
+    checkpoint, the plan and the --substitutes statistics (a few router rows and vectors per layer), under a
+    key of their content (the statistics file's bytes, not its path)."""
+    from slimwise.engines.vllm_engine import content_sha256
     from slimwise.gate_sidecar import write_gate_sidecar
 
     gates = cfg.decode_gates
-    key = hashlib.sha256(json.dumps([plan.fingerprint, plan.kept_experts, gates.gates,
-                                     str(Path(gates.substitutes).resolve()) if gates.substitutes else None],
-                                    sort_keys=True).encode()).hexdigest()[:12]
-    out = Path.home() / ".cache" / "slimwise" / "gates" / f"{Path(cfg.model).name}-{key}.safetensors"
+    key = _content_key({"model": checkpoint_identity(cfg.model), "plan": _plan_key(plan),
+                        "gates": gates.gates,
+                        "substitutes": content_sha256(gates.substitutes) if gates.substitutes else None})
+    out = decode_cache_root(cfg) / "gates" / f"{_model_type(cfg.model)}-{key[:16]}.safetensors"
     print(f"writing the decode instance's gates file ({gates.gates}) to {out}", flush=True)
     return write_gate_sidecar(cfg.model, plan, gates, out)
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes `path` takes on disk (allocated blocks, as `du`), symbolic links not followed."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return 0
+    total = getattr(st, "st_blocks", 0) * 512 or st.st_size
+    if path.is_dir() and not path.is_symlink():
+        with contextlib.suppress(OSError):
+            for entry in path.iterdir():
+                total += _disk_bytes(entry)
+    return total
+
+
+def decode_cache_summary(cfg: ServeConfig) -> str:
+    """The start-up line about the decode cache: where, how many complete exports, and what it all takes on
+    disk (nothing is deleted automatically: an operator sees it grow)."""
+    root = decode_cache_root(cfg)
+    folder = root / "pruned"
+    exports = [d for d in folder.iterdir() if d.is_dir() and (d / EXPORT_MARKER).is_file()] \
+        if folder.is_dir() else []
+    return (f"{root}: {len(exports)} decode export{'' if len(exports) == 1 else 's'}, "
+            f"{_disk_bytes(root) / 2**30:.2f} GiB on disk (--decode-cache-dir; nothing is deleted "
+            "automatically)")
 
 
 # The watchdog: `python -c WATCHDOG` (no SlimWise or torch import, a few MB), in a session of its own so
@@ -464,6 +615,10 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
     elif cfg.default_plan is not None:
         raise SlimWiseError("--default-plan chooses among named plans: give them as --plan NAME=PLAN")
     check_gates(cfg)
+    if (cfg.plan or cfg.plans) and not cfg.disaggregated:  # the colocated engine routes with per-token masks
+        from slimwise.serving.guards import refuse_micro_batching_args
+
+        refuse_micro_batching_args(cfg.vllm_args)  # DBO, sequence-parallel MoE
     paths = dict(cfg.plans) or ({"": cfg.plan} if cfg.plan else {})
     plans = {name: PrunePlan.load(path) for name, path in paths.items()}
     if cfg.disaggregated and not cfg.decode_gates.plain:
@@ -485,12 +640,16 @@ def server_env(env: dict[str, str], environ=None) -> dict[str, str]:
     """`env` plus the idle keep-alive of the vLLM servers `slimwise serve` starts: SERVER_KEEPALIVE_S instead
     of vLLM's 5 s, which equals the pool expiry of httpx and the openai SDK, so such a client can reuse a
     connection the server is closing (the proxy's own pool keeps 3 s: a loaded proxy lagging the instance's
-    clock by seconds still never does). The user's own VLLM_HTTP_TIMEOUT_KEEP_ALIVE wins."""
+    clock by seconds still never does). The user's own VLLM_HTTP_TIMEOUT_KEEP_ALIVE wins. And vLLM's V1 model
+    runner, pinned before any vLLM code reads its environment (`runners.pin_v1_runner`; the user's choice
+    wins)."""
     from slimwise.serving.proxy import SERVER_KEEPALIVE_S
+    from slimwise.serving.runners import V2_ENV
 
     environ = os.environ if environ is None else environ
     return {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
-                                                        str(SERVER_KEEPALIVE_S)), **env}
+                                                        str(SERVER_KEEPALIVE_S)),
+            V2_ENV: environ.get(V2_ENV, "0"), **env}
 
 
 def serve(cfg: ServeConfig) -> int:
@@ -526,10 +685,12 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
     if env:
         print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
               "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
-    from slimwise.serving.plan_select import MAX_N_ENV, PLAN_MODELS_ENV
+    from slimwise.serving.plan_select import MAX_N_ENV, PLAN_MODELS_ENV, SELF_CHECK_ENV
 
     if cfg.plans:
         env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
+    if any(p is not None and not p.is_empty for p in plans.values()):  # empty: the full model, no mask
+        env[SELF_CHECK_ENV] = "1"
     env[MAX_N_ENV] = str(cfg.max_n)
     proc = sup.start("vllm", colocated_command(cfg), env=server_env(env))
     try:
@@ -537,6 +698,11 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
         _wait_healthy(url, proc, cfg.startup_timeout, "the vLLM server")
         check_tokenizer(url, cfg.served_model_name, _tokenizer_dir(cfg, cfg.model), "the vLLM server",
                         option_value(cfg.vllm_args, "--api-key"))
+        if SELF_CHECK_ENV in env:
+            checked = self_check(url, option_value(cfg.vllm_args, "--api-key"), cfg.startup_timeout)
+            print(f"  checked:  {checked['runner']}: the warm-up's decode rows routed with each plan "
+                  f"({', '.join(f'{k} {v}' for k, v in checked['rows'].items())}; counted in layer "
+                  f"{checked['layer']}), none of the full rows masked", flush=True)
         print(f"SlimWise ready on http://{cfg.host}:{cfg.port}/v1 as model {cfg.served_model_name!r}",
               flush=True)
         return sup.wait_any()
@@ -546,6 +712,22 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
     except BaseException:
         sup.stop()
         raise
+
+
+def self_check(url: str, api_key: str | None, timeout: float) -> dict:
+    """Ask a colocated server to run the start-up self-check (serving/selfcheck.py) on its engine; what it
+    verified, or SlimWiseError with its one-line reason (the caller stops the server: nothing is served)."""
+    from slimwise.serving.selfcheck import SELF_CHECK_PATH
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(url + SELF_CHECK_PATH, headers=headers, timeout=timeout)
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = f"HTTP {response.status_code}: {response.text[:200]}"
+        raise SlimWiseError(message)
+    return response.json()
 
 
 def _serve_disaggregated(cfg: ServeConfig, plan, sup: Supervisor) -> int:
@@ -590,7 +772,8 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
     _summary(cfg, plan, "PD-disaggregated (full-model prefill instance -> pruned decode instance)",
              {**budget, "prefill": prefill_url, "decode": f"{decode_url} ({decode_dir})",
               "kv dir": f"{kv_dir} (capped at {(cfg.kv_dir_max_bytes or KV_DIR_MAX_BYTES) / 2**30:g} GiB: "
-                        "--kv-dir-max-gb)"})
+                        "--kv-dir-max-gb)",
+              "cache": decode_cache_summary(cfg)})
     common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
     prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
     if not cfg.decode_gates.plain:  # the decode instance routes with the full router's gates: its file
@@ -605,13 +788,16 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
     pre = sup.start("prefill", [*VLLM, cfg.model, "--host", "127.0.0.1", "--port", str(p_port),
                                 "--kv-transfer-config", _kv_config("kv_producer", kv_dir),
                                 "--no-enable-chunked-prefill", *hybrid, *prefill_fix, *common], env=env)
-    dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
-                               "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
-                               # every prompt position is loaded from the full model; a local prefix cache
-                               # could share blocks holding pruned-model KV of earlier generated tokens
-                               "--no-enable-prefix-caching", *decode_fix, *common], env=env)
     try:
+        # one after the other: vLLM's start-up memory profiling asserts when another process frees device
+        # memory meanwhile (two instances profiling the same GPUs at once)
         _wait_healthy(prefill_url, pre, cfg.startup_timeout, "prefill instance")
+        print("prefill instance healthy; starting the decode instance", flush=True)
+        dec = sup.start("decode", [*VLLM, decode_dir, "--host", "127.0.0.1", "--port", str(d_port),
+                                   "--kv-transfer-config", _kv_config("kv_consumer", kv_dir),
+                                   # every prompt position is loaded from the full model; a local prefix
+                                   # cache could share blocks holding pruned-model KV of earlier tokens
+                                   "--no-enable-prefix-caching", *decode_fix, *common], env=env)
         _wait_healthy(decode_url, dec, cfg.startup_timeout, "decode instance")
         # both against the full model's tokenizer: the proxy hands token ids from one instance to the other
         for url, what in ((prefill_url, "the prefill instance"), (decode_url, "the decode instance")):

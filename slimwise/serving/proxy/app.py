@@ -131,5 +131,16 @@ def build_app(prefill_url: str, decode_url: str, kv_dir: str | None = None, nixl
     async def health():
         return await check_health(upstream, stats)
 
+    @app.get("/metrics")
+    async def metrics():
+        from slimwise.serving.metrics import render_proxy
+
+        try:
+            answer = await upstream.client.get(upstream.urls["decode"] + "/metrics")
+            text = answer.text if answer.status_code == 200 else None
+        except httpx.HTTPError:
+            text = None
+        return Response(render_proxy(stats, text), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     app.state.kv = kv  # for tests and /health readers
     return app

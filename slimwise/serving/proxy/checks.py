@@ -14,6 +14,7 @@ import warnings
 
 from fastapi import Request
 
+from slimwise.serving.routing import REQUEST_PLAN_ARG
 from slimwise.serving.validation import BadRequest
 
 MAX_BODY_BYTES = 32 << 20  # a larger request body gets 413 before it is read into memory
@@ -85,6 +86,12 @@ def check_request(body: dict, chat: bool) -> tuple[int | None, str, bool]:
         raise BadRequest(f"{param} must be at least 1, got {max_tokens}.", param)
     if req.n != 1:
         raise BadRequest("n > 1 is not supported by the disaggregated proxy", "n")
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and REQUEST_PLAN_ARG in xargs:
+        # the decode instance is one pruned checkpoint: no other plan (nor `full`) can be served here
+        raise BadRequest(f"vllm_xargs.{REQUEST_PLAN_ARG} {xargs[REQUEST_PLAN_ARG]!r}: a disaggregated server "
+                         "serves the one plan it was started with; drop the field (several plans: colocated "
+                         "slimwise serve --plan NAME=PLAN ...)", f"vllm_xargs.{REQUEST_PLAN_ARG}")
     return max_tokens, param, bool(req.stream)
 
 
