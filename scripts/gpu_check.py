@@ -3,6 +3,8 @@ reference, in one JSON.
 
     python scripts/gpu_check.py --device cuda --out DIR           # on a GPU: at most 10 minutes on one H200
     python scripts/gpu_check.py --device cpu --smoke --out DIR    # what CI runs (tests/test_gpu_check.py)
+    python scripts/gpu_check.py --vllm --out DIR                  # a GPU with vLLM: the serving path
+                                                                  # (scripts/gpu_check_vllm.py)
 
 Needs torch, transformers, safetensors, tokenizers and accelerate only (no vLLM, no network): the bare GPU
 image runs it from a copy of the repository.
@@ -535,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="directory for gpu_check.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CI runs it with --device cpu)")
     parser.add_argument("--only", choices=["testbed", "synthetic"], help="run one section")
+    parser.add_argument("--vllm", action="store_true",
+                        help="run the vLLM serving section instead (scripts/gpu_check_vllm.py; needs vLLM)")
     args = parser.parse_args(argv)
     device = resolve_device(args.device)
     size = SMOKE if args.smoke else FULL
@@ -545,7 +549,14 @@ def main(argv: list[str] | None = None) -> int:
                     "commit": os.environ.get("SLIMWISE_COMMIT") or _git_commit(), "sizes": size,
                     "sections": {}, "checks": [], "errors": {}}
     t0 = time.perf_counter()
-    for name, run in (("testbed", check_testbed), ("synthetic", check_synthetic)):
+    sections = (("testbed", check_testbed), ("synthetic", check_synthetic))
+    if args.vllm:
+        from gpu_check_vllm import check_vllm
+
+        if device == "cpu":  # the CPU smoke: engine cores in this process (no spawn per engine)
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        sections = (("vllm", check_vllm),)
+    for name, run in sections:
         if args.only and args.only != name:
             continue
         started = time.perf_counter()

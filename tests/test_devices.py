@@ -143,3 +143,27 @@ def test_a_model_spread_over_memory_and_disk_computes_what_the_whole_model_does(
     delta = init_delta(whole, plan, DistillConfig())
     with pytest.raises(SlimWiseError, match="needs every weight resident"):
         PhaseSplitEngine(spread, tok, plan=plan, delta=delta)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_gpu_check_vllm_smoke_runs_on_cpu(tmp_path):
+    """`scripts/gpu_check.py --vllm`, the serving part of the GPU check, with tiny sizes on the CPU as a user
+    runs it: the runner is named, the self-check ran with one plan and with two, compiled equals eager equals
+    the reference in every mode, the mixed batch's forward-counted rows are exact, and the bench ran; so the
+    script a GPU user runs cannot rot here."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--vllm", "--device",
+                           "cpu", "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["ok"] and not report["errors"] and set(report["sections"]) == {"vllm"}
+    section = report["sections"]["vllm"]
+    assert section["runner"].startswith("V1") and section["vllm"].startswith("0.32")
+    assert set(section["self_check_two_plans"]["rows"]) == {"math", "general"}
+    assert len(report["checks"]) == 9 and all(c["ok"] for c in report["checks"]), report["checks"]
+    assert all(section[f"{m}_default_vs_eager"] == 1.0 for m in ("full", "slimwise", "uniform"))
+    assert section["mixed_rows"]["want"]["math"] > 0
+    # the CPU's unquantized experts: modular kernels, which call the router SlimWise's masks reach
+    assert section["moe_kernels"] and not any(mono for _, mono in section["moe_kernels"].values())
+    assert section["decode_step"]["report"] is not None
