@@ -170,11 +170,14 @@ def model_state_cls(vllm_config, base: type | None = None) -> type:
 
 
 class SlimWiseStateMixin:
-    """V2's per-request, per-step seam for `DecodeRouting` (mixed over V2's own ModelState class)."""
+    """V2's per-request, per-step seam for `DecodeRouting` (mixed over V2's own ModelState class). Arguments
+    SlimWise does not read pass through untouched (`*args`), so a release that adds some keeps working; what
+    it reads (the batch's host arrays, a new request's prompt length and sampling parameters) is checked by
+    `v2_problem` and the start-up self-check."""
 
-    def __init__(self, vllm_config, model, encoder_cache, device) -> None:
-        super().__init__(vllm_config, model, encoder_cache, device)
-        routing = getattr(model, "slimwise", None)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        routing = getattr(self.model, "slimwise", None)
         self.slimwise = routing if routing is not None and routing.active else None
         # per request slot (V2's req_index): prompt length and plan index, set in add_request
         self.slimwise_prompt_len = np.zeros(self.max_num_reqs, dtype=np.int64)
@@ -184,16 +187,16 @@ class SlimWiseStateMixin:
             self.slimwise.runner = f"V2 ({type(self).__bases__[1].__name__})"
             logger.info("SlimWise: decode rows set per step by vLLM's Model Runner V2 (ModelState seam)")
 
-    def add_request(self, req_index: int, new_req_data) -> None:
-        super().add_request(req_index, new_req_data)
+    def add_request(self, req_index: int, new_req_data, *args, **kwargs) -> None:
+        super().add_request(req_index, new_req_data, *args, **kwargs)
         if self.slimwise is None:
             return
         self.slimwise_prompt_len[req_index] = new_req_data.prompt_len
         self.slimwise_plan[req_index] = self.slimwise.plan_of(new_req_data.req_id,
                                                               new_req_data.sampling_params)
 
-    def preprocess_state(self, input_batch, block_tables, kv_cache_config, num_computed_tokens) -> None:
-        super().preprocess_state(input_batch, block_tables, kv_cache_config, num_computed_tokens)
+    def preprocess_state(self, input_batch, *args, **kwargs) -> None:
+        super().preprocess_state(input_batch, *args, **kwargs)
         routing = self.slimwise
         if routing is None:
             return
@@ -205,14 +208,14 @@ class SlimWiseStateMixin:
         routing.set_step(token_positions, prompt_lens, input_batch.positions, token_plans)
         self.slimwise_real_step = True
 
-    def prepare_inputs(self, input_batch, req_states):
+    def prepare_inputs(self, input_batch, *args, **kwargs):
         # called for real and dummy batches alike; a real one came through preprocess_state first
         if self.slimwise is not None and not self.slimwise_real_step:
             self.slimwise.set_dummy_step()
         self.slimwise_real_step = False
-        return super().prepare_inputs(input_batch, req_states)
+        return super().prepare_inputs(input_batch, *args, **kwargs)
 
-    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int):
+    def prepare_dummy_inputs(self, *args, **kwargs):
         if self.slimwise is not None:  # CUDA-graph capture: no request
             self.slimwise.set_dummy_step()
-        return super().prepare_dummy_inputs(num_reqs, num_tokens)
+        return super().prepare_dummy_inputs(*args, **kwargs)
