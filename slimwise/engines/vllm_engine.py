@@ -228,6 +228,10 @@ class VllmEngine:
         self._kind: str | None = None  # the running engine: a mode, or "shared"
         self._shm_before: set[str] = set()
         self._checks = 0
+        # whether any plan prunes an expert (an empty plan serves the full model: no mask for the self-check)
+        plans = [] if plan is None else plan.values() if isinstance(plan, dict) else [plan]
+        self._prunes = any(not (p if isinstance(p, PrunePlan) else PrunePlan.load(Path(p))).is_empty
+                           for p in plans)
         self.self_check: dict | None = None  # what the last start-up self-check verified (selfcheck.py)
         self.llm = None
 
@@ -280,7 +284,7 @@ class VllmEngine:
             self.llm = LLM(model=self.model_dir, hf_overrides=overrides or None,
                            skip_tokenizer_init=self.tokenizer is None, seed=0, **self.kwargs)
         self._mode, self._kind = mode, kind
-        if kind != "full" and self._prunes():  # fail closed: the mask must be in effect before any prompt
+        if kind != "full" and self._prunes:  # fail closed: the mask must be in effect before any prompt
             from slimwise.serving.selfcheck import check_llm
 
             self._checks += 1
@@ -293,12 +297,6 @@ class VllmEngine:
         if kind.startswith("shared"):
             self._switch()
         return self.llm
-
-    def _prunes(self) -> bool:
-        """Whether any plan of this engine prunes an expert (an empty plan serves the full model: there is no
-        mask for the self-check to see)."""
-        plans = self.plan.values() if isinstance(self.plan, dict) else [self.plan]
-        return any(not (p if isinstance(p, PrunePlan) else PrunePlan.load(Path(p))).is_empty for p in plans)
 
     def _switch(self) -> None:
         """Put the running shared engine in `self._mode` with `self.min_decode_batch` (worker counters

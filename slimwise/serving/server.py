@@ -273,14 +273,6 @@ def checkpoint_identity(model_dir: str | Path) -> str:
     return h.hexdigest()
 
 
-def _plan_key(plan: PrunePlan) -> dict:
-    """What of a plan a decode checkpoint or gates file depends on: its kept experts and the weights it was
-    made for (not its criterion or notes)."""
-    return {"family": plan.family, "num_experts": plan.num_experts, "top_k": plan.top_k,
-            "kept_experts": {str(k): v for k, v in sorted(plan.kept_experts.items())},
-            "fingerprint": plan.fingerprint}
-
-
 def _content_key(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -297,11 +289,12 @@ def _model_type(model_dir: str | Path) -> str:
 
 def decode_export_key(cfg: ServeConfig, plan: PrunePlan) -> tuple[str, dict]:
     """(key, what it hashes) of the decode checkpoint `cfg` and `plan` export: the full model's
-    `checkpoint_identity`, the plan's `_plan_key` and the delta's files' bytes (`content_sha256`; deltas are a
-    few MB), never a path."""
+    `checkpoint_identity`, the plan's `plan_hash` (kept experts and the weights they index) and the delta's
+    files' bytes (`content_sha256`; deltas are a few MB), never a path."""
+    from slimwise.delta import plan_hash
     from slimwise.engines.vllm_engine import content_sha256
 
-    inputs = {"format": EXPORT_FORMAT, "model": checkpoint_identity(cfg.model), "plan": _plan_key(plan),
+    inputs = {"format": EXPORT_FORMAT, "model": checkpoint_identity(cfg.model), "plan": plan_hash(plan),
               "delta": content_sha256(cfg.delta) if cfg.delta else None}
     if cfg.delta and inputs["delta"] is None:
         raise SlimWiseError(f"--distilled {cfg.delta}: nothing there; pass the directory `slimwise distill` "
@@ -366,11 +359,12 @@ def _decode_gates_file(cfg: ServeConfig, plan: PrunePlan) -> Path:
     """The decode instance's gates file (`slimwise.gate_sidecar`), written at every start from the full
     checkpoint, the plan and the --substitutes statistics (a few router rows and vectors per layer), under a
     key of their content (the statistics file's bytes, not its path)."""
+    from slimwise.delta import plan_hash
     from slimwise.engines.vllm_engine import content_sha256
     from slimwise.gate_sidecar import write_gate_sidecar
 
     gates = cfg.decode_gates
-    key = _content_key({"model": checkpoint_identity(cfg.model), "plan": _plan_key(plan),
+    key = _content_key({"model": checkpoint_identity(cfg.model), "plan": plan_hash(plan),
                         "gates": gates.gates,
                         "substitutes": content_sha256(gates.substitutes) if gates.substitutes else None})
     out = decode_cache_root(cfg) / "gates" / f"{_model_type(cfg.model)}-{key[:16]}.safetensors"
