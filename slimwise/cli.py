@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 
 from slimwise.argtypes import OneLineParser, integer, number
-from slimwise.decode_gates import FALLBACK_HELP, GATES, GATES_HELP, SUBSTITUTES_HELP, DecodeGates
+from slimwise.decode_gates import (
+    BUDGET_HELP,
+    BUDGET_SHARE_HELP,
+    EXTRA_HELP,
+    FALLBACK_HELP,
+    GATES,
+    GATES_HELP,
+    SUBSTITUTES_HELP,
+    DecodeGates,
+)
 from slimwise.devices import parse_max_memory, resolve_device
 from slimwise.embedded import EMBEDDED
 from slimwise.errors import SlimWiseError, run_command
@@ -303,10 +312,13 @@ def cmd_generate(args) -> None:
     plan = PrunePlan.load(args.plan) if args.plan else None
     if args.mode != "full" and plan is None and not args.decode_model:
         raise SlimWiseError(f"mode {args.mode} needs --plan PLAN or --decode-model DIR")
-    gates = DecodeGates(args.gates, args.fallback, args.substitutes)
+    gates = DecodeGates.of(args)
     if not gates.plain and (plan is None or args.decode_model):
-        raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router: give "
-                            "--plan (the masked view), not --decode-model")
+        raise SlimWiseError("--gates drop, --fallback and --budget/--extra route pruned tokens from the full "
+                            "router: give --plan (the masked view), not --decode-model")
+    if gates.budgeted and args.mode != "slimwise":
+        raise SlimWiseError(f"--budget/--budget-share/--extra choose decode steps' experts: mode {args.mode} "
+                            "has none (use --mode slimwise)")
     prompts = load_prompts(args.prompts)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
@@ -325,6 +337,10 @@ def cmd_generate(args) -> None:
     outs = engine.generate(prompts, mode=args.mode, config=config)
     if engine.mask is not None and not gates.plain and args.mode != "full":
         s = engine.mask.fallback_summary()
+        if gates.budgeted:
+            print(f"batch budget {_budget_label(gates)}: {s['routed']} decode token-layer pairs, "
+                  f"{100 * s['touching_pruned_share']:.1f}% with an expert outside the step's set in the "
+                  "full top-k", file=sys.stderr)
         print(f"gates {s['gates']}, fallback {s['fallback']}: {s['routed']} pruned token-layer pairs, "
               f"{100 * s['touching_pruned_share']:.1f}% with a pruned expert in the full top-k, "
               f"{100 * s['fallback_share']:.1f}% fell back to every expert", file=sys.stderr)
@@ -336,6 +352,11 @@ def cmd_generate(args) -> None:
     else:
         for o in outs:
             print(json.dumps({"text": o.text, "finish_reason": o.finish_reason, "tokens": len(o.token_ids)}))
+
+
+def _budget_label(gates) -> str:
+    return ", ".join(f"{k} {v}" for k, v in gates.describe().items()
+                     if k in ("budget", "budget_share", "extra"))
 
 
 def cmd_serve(args) -> None:
@@ -583,6 +604,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--gates", default="renorm", choices=GATES, help=GATES_HELP)
     p.add_argument("--fallback", type=number(0, 1), default=None, metavar="TAU", help=FALLBACK_HELP)
     p.add_argument("--substitutes", metavar="STATS", help=SUBSTITUTES_HELP)
+    p.add_argument("--budget", type=integer(1), metavar="E", help=BUDGET_HELP)
+    p.add_argument("--budget-share", type=number(0, 1, lo_open=True), metavar="SHARE", help=BUDGET_SHARE_HELP)
+    p.add_argument("--extra", type=integer(0), metavar="M", help=EXTRA_HELP)
     p.add_argument("--prompts", required=True, help=".jsonl ('prompt' field) or .txt (one per line)")
     p.add_argument("--max-new-tokens", type=integer(1), default=128)
     p.add_argument("--temperature", type=number(0), default=0.0, help="0 = greedy")
@@ -637,7 +661,8 @@ def _add_distill(sub) -> None:
 
 #: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
 EVAL_OPTIONS = (("dtype", "device", "max_memory", "out_dir", "plans", "stats", "criteria", "ratios", "phases",
-                 "scope", "modes", "distilled", "engine", "gates", "fallback", "substitutes", "data",
+                 "scope", "modes", "distilled", "engine", "gates", "fallback", "substitutes", "budget",
+                 "budget_share", "extra", "data",
                  "grader", "domain",
                  "families", "split",
                  "n_per_family", "max_samples", "calib_data", "calib_domain", "calib_per_family",
@@ -667,7 +692,8 @@ def _add_eval(sub) -> None:
 #: the options of `slimwise serve` after MODEL and --plan, in the order --help lists them
 SERVE_OPTIONS = ("default_plan", "delta", "disaggregated", "decode_model", "prefill_url", "decode_url",
                  "nixl", "host", "port", "served_model_name", "max_n", "min_decode_batch", "gates",
-                 "fallback", "substitutes", "log_every", "kv_dir_max_bytes", "decode_cache_dir")
+                 "fallback", "substitutes", "budget", "budget_share", "extra", "log_every",
+                 "kv_dir_max_bytes", "decode_cache_dir")
 
 
 def _add_serve(sub) -> None:

@@ -73,3 +73,38 @@ def decode_prerouted(encoded: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
     weights = torch.where(real, values, torch.zeros_like(values))
     ids = torch.where(real, ids, ids[:, :1])
     return weights.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def budget_allowed(weights: torch.Tensor, ids: torch.Tensor, groups: torch.Tensor, counted: torch.Tensor,
+                   forced: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
+    """The batch budget's S per routing group (plan): [G, N] bool, the experts the group's rows may route to.
+
+    weights, ids [n, k]: the full router's slots; groups [n] (long, in [0, G)): each row's group; counted
+    [n] bool: rows whose gate weight is summed (a step's live decode rows); forced [G, N] bool: experts
+    always in S; size [G] long: |S| per group. S is `forced` plus, by summed weight of the group's counted
+    rows (ties: lower expert id), the other experts up to `size`. Fixed shapes and no host read: the same
+    ops run in a CUDA graph. Exact ends: size N allows every expert; size = forced.sum() allows exactly
+    `forced`.
+    """
+    num_groups, num_experts = forced.shape
+    w = torch.where(counted[:, None], weights.float(), torch.zeros((), device=weights.device))
+    slots = (groups.long()[:, None] * num_experts + ids.long()).reshape(-1)
+    mass = torch.zeros(num_groups * num_experts, dtype=torch.float32, device=weights.device)
+    mass = mass.index_add(0, slots, w.reshape(-1)).view(num_groups, num_experts)
+    score = mass.masked_fill(forced, float("inf"))
+    order = score.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(num_experts, device=weights.device).expand(num_groups, num_experts)
+    rank = torch.empty_like(order).scatter_(1, order, ranks)
+    return rank < size.to(rank.device)[:, None]
+
+
+def within(weights: torch.Tensor, ids: torch.Tensor,
+           pruned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A masked routing held to the allowed experts: a slot on an expert of `pruned` ([E] or [n, E] bool) gets
+    weight 0 and the id of the row's heaviest allowed slot (`drop_pruned`). A no-op wherever every row found
+    k allowed experts; a grouped router (DeepSeek: top-k within the best groups) whose groups hold fewer than
+    k of a batch budget's S fills its other slots with -inf experts, which must read no weights."""
+    rows = pruned.expand(ids.shape[0], -1) if pruned.dim() == 1 else pruned
+    slot_pruned = rows.gather(1, ids.long())
+    placeholder = (~rows).to(torch.int8).argmax(dim=-1)
+    return drop_pruned(weights, ids, slot_pruned, placeholder)

@@ -95,3 +95,24 @@ class GateModel(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(_GateBlock(hidden, experts) for _ in range(layers))
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """family -> (a tiny model, its REAP plan at 50% from 8 random prompts), built once per test module."""
+    from tiny import build_tiny_model
+
+    from slimwise.calibrate import CalibrationConfig, calibrate
+    from slimwise.criteria import plan_from_stats
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model = build_tiny_model(family, seed=0, initializer_range=TINY_INIT)
+            stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8),
+                              progress=False)
+            cache[family] = (model, plan_from_stats(stats, "reap", 0.5))
+        return cache[family]
+
+    return get

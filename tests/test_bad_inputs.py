@@ -359,6 +359,15 @@ case("generate-no-plan", [*GEN, "--mode", "slimwise", "--out", OUT])
 for opt, value in [("--fallback", "1.5"), ("--fallback", "-0.1"), ("--fallback", "nan"), ("--gates", "half")]:
     case(f"generate-{opt[2:]}-{value}", [*GEN, "--plan", P, opt, value, "--out", OUT])
 case("generate-fallback-no-plan", [*GEN, "--mode", "full", "--fallback", "0.5", "--out", OUT])
+# batch budgets: out of range, two at once, with another gate variant, below top-k, outside slimwise mode
+for opt, value in [("--budget", "0"), ("--budget", "x"), ("--budget-share", "0"), ("--budget-share", "1.5"),
+                   ("--extra", "-1")]:
+    case(f"generate-{opt[2:]}-{value}", [*GEN, "--plan", P, opt, value, "--out", OUT])
+case("generate-budget-and-extra", [*GEN, "--plan", P, "--budget", "4", "--extra", "1", "--out", OUT])
+case("generate-budget-drop", [*GEN, "--plan", P, "--budget", "4", "--gates", "drop", "--out", OUT])
+case("generate-budget-below-top-k", [*GEN, "--plan", P, "--budget", "1", "--out", OUT])
+case("generate-budget-uniform", [*GEN, "--plan", P, "--mode", "uniform", "--extra", "1", "--out", OUT])
+case("generate-budget-decode-model", [*GEN, "--decode-model", "{root}/model", "--budget", "4", "--out", OUT])
 case("generate-substitute-no-stats", [*GEN, "--plan", P, "--gates", "substitute", "--out", OUT])
 case("generate-substitutes-without-gates",
      [*GEN, "--plan", P, "--substitutes", "{root}/stats.safetensors", "--out", OUT])
@@ -383,6 +392,8 @@ case("generate-out-is-dir", [*GEN, "--plan", P, "--out", "{root}/emptydir"], "{r
 EVAL = ["eval", M, "--max-samples", "2", "--max-new-tokens", "2", "--no-plots", "--no-kl", "--no-traffic"]
 case("eval-model-missing", ["eval", "{root}/nope", "--out", OUT])
 case("eval-fallback-out-of-range", [*EVAL, "--plan", P, "--fallback", "1.01", "--out", OUT])
+case("eval-budget-and-budget-share", [*EVAL, "--plan", P, "--budget", "4", "--budget-share", "0.5", "--out",
+                                      OUT])
 case("eval-gates-unknown", [*EVAL, "--plan", P, "--gates", "keep", "--out", OUT])
 case("eval-model-truncated", ["eval", "{root}/truncated", "--plan", P, "--out", OUT])
 case("eval-model-no-tokenizer", ["eval", "{root}/no-tokenizer", "--max-samples", "2", "--max-new-tokens", "2",
@@ -440,6 +451,11 @@ for opt, value in [("--port", "99999"), ("--port", "0"), ("--port", "http"), ("-
 case("serve-disaggregated-no-plan", ["serve", M, "--disaggregated"], None)
 case("serve-fallback-disaggregated", ["serve", M, "--plan", P, "--disaggregated", "--fallback", "0.5"], None)
 case("serve-gates-no-plan", ["serve", M, "--gates", "drop"], None)
+case("serve-budget-disaggregated", ["serve", M, "--plan", P, "--disaggregated", "--budget-share", "0.5"],
+     None)
+case("serve-budget-no-plan", ["serve", M, "--extra", "2"], None)
+case("serve-budget-distilled", ["serve", M, "--plan", P, "--budget", "4", "--distilled", "{root}/emptydir"],
+     None)
 case("serve-gates-over-running-instances", ["serve", M, "--plan", P, "--disaggregated", "--gates", "drop",
                                             "--prefill-url", "http://127.0.0.1:9", "--decode-url",
                                             "http://127.0.0.1:9"], None)

@@ -76,21 +76,6 @@ def test_settings_are_validated():
     assert DecodeGates().plain and not DecodeGates(fallback=1.0).plain and not DecodeGates("drop").plain
 
 
-@pytest.fixture(scope="module")
-def planned():
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = build_tiny_model(family, seed=0, initializer_range=TINY_INIT)
-            stats = calibrate(model, random_prompts(8, seed=1), config=CalibrationConfig(max_new_tokens=8),
-                              progress=False)
-            cache[family] = (model, plan_from_stats(stats, "reap", 0.5))
-        return cache[family]
-
-    return get
-
-
 def tokens(model, plan, mode, gates=PLAIN):
     with PhaseSplitEngine(model, plan=plan, gates=gates) as engine:
         return [o.token_ids for o in engine.generate(PROMPTS, mode, CONFIG)]

@@ -42,6 +42,7 @@ from transformers import PretrainedConfig
 
 from slimwise.plan import PrunePlan
 from slimwise.serving.routing import (
+    BUDGET_KEY,
     COUNT_EXPERTS_KEY,
     DELTA_KEY,
     FALLBACK_KEY,
@@ -375,6 +376,28 @@ def test_substitute_gates(tmp_path):
     model, routing = routed(softmax_router(), settings)
     assert routing.hooked["substitution"] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     check_replays(model, routing, STATES)
+
+
+# ----- batch budgets: each step's S from the step's own rows (`decode_gate_ops.budget_allowed`) -------------
+
+
+@pytest.mark.parametrize("budget", [{"budget": 3}, {"extra": 1}, {"budget_share": 0.375, "fallback": 0.8}])
+def test_batch_budget(budget):
+    """S depends on the step's decode rows (which rows, which plan), all in tensors: every state replays."""
+    settings = {PLANS_KEY: {"a": plan(KEPT), "b": plan(OTHER)},
+                BUDGET_KEY: {k: v for k, v in budget.items() if k != "fallback"},
+                **({FALLBACK_KEY: budget["fallback"]} if "fallback" in budget else {})}
+    model, routing = routed(softmax_router(), settings)
+    assert routing.gates.budgeted
+    positions = [9] * N
+    check_replays(model, routing, [*STATES, Step("plans-a-b-full", positions, [1] * N, [1, 2, 0, 1, 2, 0]),
+                                   Step("plans-b-a-a", positions, [1] * N, [2, 1, 1, 2, 0, 1])])
+
+
+def test_batch_budget_symbolic_token_count():
+    model, routing = routed(deepseek_router(), {PLAN_KEY: plan(DEEPSEEK_KEPT, 16, 4, "deepseek_v3"),
+                                                BUDGET_KEY: {"budget": 6}}, experts=16, top_k=4)
+    check_replays(model, routing, SIZED, inputs=[_x(0, len(s.positions)) for s in SIZED], dynamic=True)
 
 
 # ----- DeepSeek-V3: the selection mask (`masked_grouped_topk`) ----------------------------------------------

@@ -361,7 +361,21 @@ def test_colocated_serve_with_a_fallback(served):
     assert "gates renorm, fallback above a pruned share of 0.3" in text
 
 
-def serve_gated(served, gates, args: list[str], log_name: str, vllm_args: list[str] = VLLM_ARGS) -> str:
+def test_colocated_serve_with_a_batch_budget(served):
+    """`slimwise serve --budget-share 0.5`, as a user starts it: requests sent one at a time are decode
+    batches of one, whose k experts never exceed the budget, so completions, streams and chat equal the
+    reference engine's under the same budget at batch 1 (which differ from static SlimWise's here), the
+    start-up self-check passes with the budget in effect, and the log states the budget."""
+    from slimwise.decode_gates import DecodeGates
+
+    text = serve_gated(served, DecodeGates(budget_share=0.5), ["--budget-share", "0.5"], "budget.log",
+                       batch_size=1)
+    assert "batch budget {'gates': 'renorm', 'fallback': None, 'budget_share': 0.5}" in text
+    assert "checked:" in text
+
+
+def serve_gated(served, gates, args: list[str], log_name: str, vllm_args: list[str] = VLLM_ARGS,
+                batch_size: int = 16) -> str:
     """`slimwise serve MODEL --plan P ARGS` against the reference engine with `gates` (which must change the
     tokens here): completions, streams and chat equal; returns the server's log."""
     from slimwise.plan import PrunePlan
@@ -369,7 +383,8 @@ def serve_gated(served, gates, args: list[str], log_name: str, vllm_args: list[s
     root, prompts, ref = served
     model, tok = load_model(root / "model"), load_tokenizer(root / "model")
     with PhaseSplitEngine(model, tok, plan=PrunePlan.load(root / "plan.json"), gates=gates) as engine:
-        want = engine.generate(prompts, "slimwise", GenerationConfig(max_new_tokens=MAX_TOKENS))
+        want = engine.generate(prompts, "slimwise", GenerationConfig(max_new_tokens=MAX_TOKENS,
+                                                                     batch_size=batch_size))
     assert [g.token_ids for g in want] != [g.token_ids for g in ref["slimwise"]]
     port = free_port()
     log = open(root / log_name, "w")  # noqa: SIM115

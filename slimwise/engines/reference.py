@@ -194,11 +194,12 @@ class PhaseSplitEngine:
         self.decode_model = decode_model.eval() if decode_model is not None else None
         self.mask: ExpertMask | None = None
         if not gates.plain and (decode_model is not None or plan is None):
-            raise SlimWiseError(f"gates {gates.gates} with fallback {gates.fallback} route from the full "
+            raise SlimWiseError(f"gates {gates.gates} with fallback {gates.fallback}"
+                                f"{' and a batch budget' if gates.budgeted else ''} route from the full "
                                 "router: give the plan (the masked view), not a pruned decode checkpoint")
         if not gates.plain and delta is not None:
             raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
-                                "--gates/--fallback, or evaluate them without --distilled")
+                                "--gates/--fallback/--budget, or evaluate them without --distilled")
         if decode_model is not None:
             check_decode_compatible(model, decode_model)
             manifest = getattr(decode_model, "slimwise_manifest", None)
@@ -263,7 +264,9 @@ class PhaseSplitEngine:
             return self.decode_model, nullcontext
         if self.mask is None:
             raise SlimWiseError(f"mode {mode!r} needs a plan or a decode model")
-        return self.model, lambda: self.mask.pruned(True)
+        # a batch budget chooses decode steps' experts; uniform pruning keeps the static plan
+        budgeted = mode == "slimwise" and self.gates.budgeted
+        return self.model, lambda: self.mask.pruned(True, budgeted=budgeted)
 
     @property
     def pad_id(self) -> int:
@@ -338,6 +341,18 @@ class PhaseSplitEngine:
             )
         return out.logits.float()
 
+    @contextmanager
+    def _budget_rows(self, alive: torch.Tensor):
+        """A batch budget weighs the live rows only: finished rows stay in the batch as padding."""
+        if self.mask is None:
+            yield
+            return
+        previous, self.mask.budget_rows = self.mask.budget_rows, alive
+        try:
+            yield
+        finally:
+            self.mask.budget_rows = previous
+
     def _generate_batch(self, batch, mode, config, eos, generator, observer, keep_first_logits):
         device = input_device(self.model)
         cache, logits, attention, positions = self.prefill(batch, mode, observer)
@@ -366,7 +381,8 @@ class PhaseSplitEngine:
             if observer is not None:
                 observer.before_forward("decode", alive)
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            logits = self.decode(tokens[:, None], cache, attention, next_pos, mode)[:, -1, :]
+            with self._budget_rows(alive):
+                logits = self.decode(tokens[:, None], cache, attention, next_pos, mode)[:, -1, :]
             next_pos = next_pos + 1
 
         results = []

@@ -29,6 +29,7 @@ from slimwise.plan import PrunePlan
 from slimwise.serving.models import CPU_ROPE_FIX, STOCK_ARCHS, register_config_hooks, slimwise_arch
 from slimwise.serving.plugin import require_known_vllm
 from slimwise.serving.routing import (
+    BUDGET_KEY,
     COUNT_EXPERTS_KEY,
     DEFAULT_PLAN_KEY,
     DELTA_KEY,
@@ -167,6 +168,9 @@ def slimwise_overrides(
         out[DELTA_KEY] = str(Path(delta).resolve())
     if not gates.plain:
         out[GATES_KEY], out[FALLBACK_KEY] = gates.gates, gates.fallback
+    if gates.budgeted:
+        out[BUDGET_KEY] = {k: v for k, v in gates.describe().items()
+                           if k in ("budget", "budget_share", "extra")}
     if gates.substitutes:
         out[SUBSTITUTES_KEY] = str(Path(gates.substitutes).resolve())
     if count_experts:  # per-layer counters of experts touched and fallbacks (eager engines; a sync per layer)
@@ -230,7 +234,7 @@ class VllmEngine:
         self._checks = 0
         # whether any plan prunes an expert (an empty plan serves the full model: no mask for the self-check)
         plans = [] if plan is None else plan.values() if isinstance(plan, dict) else [plan]
-        self._prunes = any(not (p if isinstance(p, PrunePlan) else PrunePlan.load(Path(p))).is_empty
+        self._prunes = any(gates.drops_experts(p if isinstance(p, PrunePlan) else PrunePlan.load(Path(p)))
                            for p in plans)
         self.self_check: dict | None = None  # what the last start-up self-check verified (selfcheck.py)
         self.llm = None

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import comma_list, integer
-from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
+from slimwise.decode_gates import DecodeGates, GateOptions
 from slimwise.errors import SlimWiseError
 from slimwise.evaluation.runs import ENGINES
 from slimwise.evaluation.samples import GRADERS
@@ -26,7 +26,7 @@ KL_REFERENCE_BYTES = 1 << 30  # cache the full model's teacher-forced log-probs 
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(GateOptions):
     """Everything `slimwise eval` varies. Defaults are the default sweep (4 criteria x 3 ratios x 2 phases).
     The metadata of a field makes it an option of `slimwise eval` (slimwise.options)."""
 
@@ -54,9 +54,6 @@ class EvalConfig:
         "help": "a `slimwise distill` delta: adds mode distilled on the plan it was made for"})
     engine: str = field(default="hf", metadata={
         "choices": ENGINES, "help": "hf (reference) or vllm (if installed)"})
-    gates: str = gates_field()
-    fallback: float | None = fallback_field()
-    substitutes: str | None = substitutes_field()
     # tasks
     data: str | None = field(default=None, metadata={  # default: the testbed
         "help": "JSONL with prompt and answer (optional family) instead of the testbed"})
@@ -141,7 +138,7 @@ class EvalConfig:
             raise SlimWiseError(f"unknown modes {bad}; choose among {', '.join(EVAL_MODES)}")
         if ("distilled" in self.modes or self.distilled) and not self.distilled:
             raise SlimWiseError("mode distilled needs --distilled DELTA (the output of `slimwise distill`)")
-        DecodeGates(self.gates, self.fallback, self.substitutes)  # refuses an unknown variant or threshold
+        DecodeGates.of(self)  # refuses an unknown variant or threshold
         if self.engine not in ENGINES:
             raise SlimWiseError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if not self.plans:
@@ -165,9 +162,6 @@ class EvalConfig:
             raise SlimWiseError("batch size and max new tokens must be at least 1")
 
 
-    @property
-    def decode_gates(self) -> DecodeGates:
-        return DecodeGates(self.gates, self.fallback, self.substitutes)
 
 
 def parse_calib_mix(mix: str) -> dict[str, float]:

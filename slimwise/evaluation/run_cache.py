@@ -64,7 +64,8 @@ class RunCache:
         g = self.gen_config
         delta = digest(self.delta.manifest) if mode == "distilled" and self.delta is not None else None
         prompts = self.other_prompt_ids if other else self.prompt_ids
-        gates = self.config.decode_gates
+        # uniform pruning keeps the static plan under a batch budget (a decode-step choice): runs are shared
+        gates = self.config.decode_gates.static if mode == "uniform" else self.config.decode_gates
         # the field names and values are the cache file names of every existing run: never rename them (a
         # run with the plain gates has no "gates" field, as before there were others)
         return digest({"fp": self.subject.fingerprint, "prompts": prompts, "mode": mode,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import gib_to_bytes, integer, number
-from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
+from slimwise.decode_gates import GateOptions
 
 # kept literal (slimwise.perf.presets imports transformers); a test checks they match the presets
 PRESET_NAMES = ("cpu", "cpu-hybrid", "cpu-shared", "qwen3-30b-a3b", "qwen3.6-35b-a3b", "smoke")
@@ -25,7 +25,7 @@ def _hardware(name: str) -> str | None:
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(GateOptions):
     """What to benchmark and how. Exactly one of `model` (a checkpoint) and `synthetic` (a preset name)."""
 
     model: str | None = field(default=None, metadata={
@@ -101,10 +101,4 @@ class BenchConfig:
     seed: int = field(default=0, metadata={"type": integer(0), "help": None})
     verbose: bool = field(default=False, metadata={"help": "keep vLLM's INFO logs"})
     # the `gated` variant's gates (slimwise.decode_gates); the other variants keep the plain ones
-    gates: str = gates_field()
-    fallback: float | None = fallback_field()
-    substitutes: str | None = substitutes_field()
 
-    @property
-    def decode_gates(self) -> DecodeGates:
-        return DecodeGates(self.gates, self.fallback, self.substitutes)

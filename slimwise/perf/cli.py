@@ -326,7 +326,7 @@ BENCH_OPTIONS = ("model", "synthetic", "layers", "top_k", "routing_skew", "synth
                  "output_len", "repetitions", "warmup_tokens", "dtype", "enforce_eager", "kv_cache_bytes",
                  "max_num_batched_tokens", "in_process", "restart", "resume", "count_experts",
                  "count_output_len", "hardware", "kernel_roofline", "suggest_threshold", "gates", "fallback",
-                 "substitutes")
+                 "substitutes", "budget", "budget_share", "extra")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

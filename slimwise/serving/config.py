@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from slimwise.argtypes import gib_to_bytes, integer, number
-from slimwise.decode_gates import DecodeGates, fallback_field, gates_field, substitutes_field
+from slimwise.decode_gates import GateOptions
 from slimwise.serving.validation import MAX_N_DEFAULT
 
 
 @dataclass
-class ServeConfig:
+class ServeConfig(GateOptions):
     """One `slimwise serve`: the model, its plan(s), colocated or disaggregated, and the endpoint. `--plan` is
     read by `slimwise.cli.serve_plans` into `plan` (one unnamed plan) or `plans` (named ones)."""
 
@@ -46,9 +46,6 @@ class ServeConfig:
         "help": "load-aware: use the pruned experts only when a step has at least this many decode tokens"})
     log_every: int = field(default=0, metadata={
         "type": integer(0), "help": "log routing counters every N steps (0: never)"})
-    gates: str = gates_field()  # --disaggregated: drop/substitute without --fallback (gate_sidecar)
-    fallback: float | None = fallback_field()
-    substitutes: str | None = substitutes_field()
     vllm_args: list[str] = field(default_factory=list)
     startup_timeout: float = 900.0
     kv_dir_max_bytes: int | None = field(default=None, metadata={  # None: the proxy's 4 GiB
@@ -67,6 +64,3 @@ class ServeConfig:
         "help": "most completions one request may ask for (n); more gets 400 (default %(default)s; the "
                 "disaggregated proxy serves n=1 only)"})
 
-    @property
-    def decode_gates(self) -> DecodeGates:
-        return DecodeGates(self.gates, self.fallback, self.substitutes)

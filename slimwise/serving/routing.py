@@ -8,6 +8,11 @@ then always passed through `logits.masked_fill(pruned_table[row_plan[:n]], -inf)
 not a Python branch, the same graph serves eager mode, torch.compile and CUDA graphs (the buffers have fixed
 addresses; only their contents change per step).
 
+A batch budget (`slimwise.decode_gates`: budget / budget_share / extra) replaces a plan row's static pruned
+set by the step's own S, chosen per plan group inside each gate hook from the stock routing of the step's
+rows (`decode_gate_ops.budget_allowed`: fixed shapes, no host read, so graph-safe like the static mask).
+Uniform mode keeps the static plan (`budget_on` is a buffer, so a mode switch needs no re-trace).
+
 Several plans in one engine: `row_plan` holds, per token, the index of the plan it is routed with (0: every
 expert); row k of each gate's `pruned_table` is plan k's pruned set in that layer, row 0 all False. A request
 chooses its plan by name in `SamplingParams.extra_args["slimwise_plan"]` (the OpenAI server's `vllm_xargs`;
@@ -30,7 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from slimwise.adapters.deepseek_v3 import grouped_topk_ids
-from slimwise.decode_gate_ops import decode_prerouted, encode_prerouted, falls_back, substitution
+from slimwise.decode_gate_ops import (
+    budget_allowed,
+    decode_prerouted,
+    encode_prerouted,
+    falls_back,
+    substitution,
+    within,
+)
 from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import config_fingerprint
@@ -55,6 +67,7 @@ GATES_KEY = "slimwise_gates"  # the pruned rows' gate variant (slimwise.decode_g
 SUBSTITUTES_KEY = "slimwise_substitutes"  # `substitute`: the statistics file with expert output sums
 PRUNED_GATES_KEY = "slimwise_pruned_gates"  # a pruned checkpoint's gates file (slimwise.gate_sidecar)
 FALLBACK_KEY = "slimwise_fallback"  # route a decode token with every expert above this pruned share
+BUDGET_KEY = "slimwise_budget"  # a batch budget: {"budget": E} | {"budget_share": s} | {"extra": M}
 
 _GATE_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.(?:gate|router)$")
 _NORM_NAME = re.compile(r"layers\.(\d+)\.post_attention_layernorm$")
@@ -146,6 +159,17 @@ def load_plans(hf_config, text_config) -> tuple[dict[str, PrunePlan], str]:
     return plans, default
 
 
+def read_gates(hf_config, text_config) -> DecodeGates:
+    """The gate variant, fallback and batch budget the overrides set (`slimwise_overrides`)."""
+    fallback = getattr(hf_config, FALLBACK_KEY, None)  # 0.0 is a threshold: no `or` chain here
+    fallback = getattr(text_config, FALLBACK_KEY, None) if fallback is None else fallback
+    budget = _setting(hf_config, text_config, BUDGET_KEY) or {}
+    return DecodeGates(_setting(hf_config, text_config, GATES_KEY) or PLAIN.gates,
+                       None if fallback is None or fallback == "" else float(fallback),
+                       _setting(hf_config, text_config, SUBSTITUTES_KEY) or None,
+                       **{k: budget.get(k) for k in ("budget", "budget_share", "extra")})
+
+
 class DecodeRouting(nn.Module):
     """Owns the per-step decode mask and the pruned-expert masks; installed on a vLLM model's gates."""
 
@@ -165,11 +189,9 @@ class DecodeRouting(nn.Module):
         self.min_decode_batch = int(getattr(hf_config, MIN_BATCH_KEY, 0) or 0)
         self.log_every = int(getattr(hf_config, LOG_EVERY_KEY, 0) or 0)
         self.count_experts = bool(getattr(hf_config, COUNT_EXPERTS_KEY, False))
-        fallback = getattr(hf_config, FALLBACK_KEY, None)  # 0.0 is a threshold: no `or` chain here
-        fallback = getattr(text_config, FALLBACK_KEY, None) if fallback is None else fallback
-        self.gates = DecodeGates(_setting(hf_config, text_config, GATES_KEY) or PLAIN.gates,
-                                 None if fallback is None or fallback == "" else float(fallback),
-                                 _setting(hf_config, text_config, SUBSTITUTES_KEY) or None)
+        self.gates = read_gates(hf_config, text_config)
+        self.top_k = int(getattr(text_config, "num_experts_per_tok", 0)
+                         or getattr(text_config, "experts_per_token", 0) or 0)
         self.has_delta = False
         self._count_batch = 0  # decode tokens in the current step (expert counting)
         self.counters = RoutingCounters()
@@ -177,6 +199,8 @@ class DecodeRouting(nn.Module):
         self.register_buffer("decode_mask", torch.zeros(max_tokens, dtype=torch.bool), persistent=False)
         # per token: the plan it is routed with (0: every expert); indexes each gate's pruned table
         self.register_buffer("row_plan", torch.zeros(max_tokens, dtype=torch.long), persistent=False)
+        # whether a batch budget chooses the plan rows' experts (off in uniform mode: the static plan)
+        self.register_buffer("budget_on", torch.tensor(self.mode != "uniform"), persistent=False)
         # rows the forward itself saw, counted inside one gate hook (`row_counts.install_row_counter`): what
         # the start-up self-check compares with the rows it scheduled, so a runner that never set the step
         # state is caught even where no Python runs per step (CUDA-graph replay)
@@ -217,7 +241,7 @@ class DecodeRouting(nn.Module):
             sorted(self.plan.kept_experts), self.plan.num_experts, int(text_config.hidden_size))
         if self.has_delta and not self.gates.plain:
             raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
-                                "--gates/--fallback, or serve them without --distilled")
+                                "--gates/--fallback/--budget/--extra, or serve them without --distilled")
         self._install_lora(model)
         routers, norms = self.pending_routers, self.pending_norms
         for name, module in model.named_modules():
@@ -243,8 +267,9 @@ class DecodeRouting(nn.Module):
                         ", all tokens pruned (uniform)" if self.mode == "uniform" else "")
         if not self.gates.plain:
             fallback = self.gates.fallback
-            logger.info("SlimWise: gates %s, fallback %s", self.gates.gates,
-                        "off" if fallback is None else f"above a pruned share of {fallback}")
+            logger.info("SlimWise: gates %s, fallback %s%s", self.gates.gates,
+                        "off" if fallback is None else f"above a pruned share of {fallback}",
+                        f", batch budget {self.gates.describe()}" if self.gates.budgeted else "")
         self._install_counting(model, text_config)
 
     def _install_gate(self, model: nn.Module, name: str, module: nn.Module) -> None:
@@ -257,15 +282,17 @@ class DecodeRouting(nn.Module):
         if all(layer not in p.kept_experts for p in self.plans.values()):
             return
         pruned = self._pruned_table(layer)
+        budget = self._budget_table(layer, pruned)
         routers = self.pending_routers
-        if not pruned.any() and layer not in routers:
+        masks = bool(pruned.any()) or budget is not None
+        if not masks and layer not in routers:
             return
         router = _selection_router(model, name)
         runner = getattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts", None)
-        full = self._full_routing(runner, router, name) if pruned.any() and not self.gates.plain else None
+        full = self._full_routing(runner, router, name) if masks and not self.gates.plain else None
         if router is not None:  # sigmoid + correction bias / grouped top-k: -inf logits alone would not do
-            self._install(module, pruned if pruned.any() else None, routers.pop(layer, None), layer, full)
-            if pruned.any():
+            self._install(module, pruned if masks else None, routers.pop(layer, None), layer, full, budget)
+            if masks:
                 self._install_selection(router)
                 self.hooked["selection"].append(name.rsplit(".", 1)[0] + ".experts.router")
         elif getattr(runner, "_fse_fuse_gate", False):
@@ -275,19 +302,22 @@ class DecodeRouting(nn.Module):
                                 "fused shared experts), which bypasses the SlimWise gate hook; disable the "
                                 "fusion (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0)")
         else:
-            self._install(module, pruned, routers.pop(layer, None), layer, full)
+            self._install(module, pruned, routers.pop(layer, None), layer, full, budget)
         if full is not None and self.gates.routes_as_drop:
             self._install_prerouted(runner.router, full)
         if full is not None and layer in self.substitutes:
             self._install_substitution(name.rsplit(".", 1)[0], model, module, full, self.substitutes[layer])
         self.gates_by_layer[layer] = module
         self.hooked["gates"].append(name)
-        if self.counted_layer is None and pruned.any():
+        if self.counted_layer is None and masks:
             from slimwise.serving.row_counts import install_row_counter
 
             install_row_counter(module, self)
             self.counted_layer = layer
-            self.counted_prunes = pruned.any(dim=-1).tolist()
+            prunes = pruned.any(dim=-1)
+            if budget is not None:
+                prunes = prunes | (budget[1] < pruned.shape[1])
+            self.counted_prunes = prunes.tolist()
 
     def _full_routing(self, runner, selection, name: str):
         """The layer's stock routing as a function of (hidden, logits) -> (weights, ids): what the gate
@@ -352,6 +382,19 @@ class DecodeRouting(nn.Module):
             rows.append(plan.pruned_mask(layer) if layer in plan.kept_experts
                         else torch.zeros(plan.num_experts, dtype=torch.bool))
         return torch.stack(rows)
+
+    def _budget_table(self, layer: int, pruned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A batch budget's (forced [plans + 1, experts], size [plans + 1]) for `budget_allowed` in `layer`:
+        row 0 (every expert) forces all; plan k forces its kept set under `extra` (nothing under `budget`),
+        and its size is `DecodeGates.step_experts`. None: no budget."""
+        if not self.gates.budgeted:
+            return None
+        experts = pruned.shape[1]
+        forced = ~pruned if self.gates.extra is not None else torch.zeros_like(pruned)
+        forced[0] = True
+        size = torch.tensor([experts] + [self.gates.step_experts(experts, self.top_k, int((~row).sum()))
+                                         for row in pruned[1:]])
+        return forced, size
 
     def _load_delta(self, value) -> None:
         """Load a distilled delta and let each trainable set hand its tensors over (`pending_routers`,
@@ -436,7 +479,7 @@ class DecodeRouting(nn.Module):
             logger.info("SlimWise: decode-only LoRA merged into %d projections", len(self.lora_modules))
 
     def _install(self, gate: nn.Module, pruned: torch.Tensor | None, router: torch.Tensor | None = None,
-                 layer: int = -1, full=None) -> None:
+                 layer: int = -1, full=None, budget: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Gate output hook: decode rows get the distilled router (if any) and, with `pruned` (the per-plan
         table), -inf logits for the experts their plan prunes (softmax routers). pruned=None: logits untouched
         (the selection is masked instead). `full` (the layer's stock routing; gates other than plain): rows
@@ -446,6 +489,9 @@ class DecodeRouting(nn.Module):
             gate.register_buffer("slimwise_pruned", pruned.to(gate.weight.device), persistent=False)
             first_kept = (~pruned).to(torch.int8).argmax(dim=-1)  # per plan row: a kept expert (drop's fill)
             gate.register_buffer("slimwise_first_kept", first_kept.to(gate.weight.device), persistent=False)
+        if budget is not None:  # the batch budget's forced sets and sizes per plan row (`_budget_table`)
+            gate.register_buffer("slimwise_forced", budget[0].to(gate.weight.device), persistent=False)
+            gate.register_buffer("slimwise_size", budget[1].to(gate.weight.device), persistent=False)
         if router is not None:
             gate.register_buffer("slimwise_router",
                                  router.to(gate.weight.device, gate.weight.dtype), persistent=False)
@@ -473,6 +519,10 @@ class DecodeRouting(nn.Module):
         row_plan = self.row_plan[:n]
         rows_pruned = gate.slimwise_pruned[row_plan]
         weights, ids = full(hidden, logits)
+        if hasattr(gate, "slimwise_forced"):  # batch budget: the step's S per plan group, its decode rows
+            allowed = budget_allowed(weights, ids, row_plan, row_plan > 0, gate.slimwise_forced,
+                                     gate.slimwise_size)
+            rows_pruned = torch.where(self.budget_on, ~allowed[row_plan], rows_pruned)
         slot_pruned = rows_pruned.gather(1, ids.long())
         back = falls_back(weights, slot_pruned, self.gates.fallback)
         if self.count_experts and not torch.compiler.is_compiling():
@@ -581,6 +631,7 @@ class DecodeRouting(nn.Module):
             raise SlimWiseError("this engine carries a SlimWise decode-only delta, which uniform pruning "
                                 "must not use: start an engine without --distilled for uniform")
         self.mode = mode
+        self.budget_on.fill_(mode != "uniform")
         if min_decode_batch is not None:
             self.min_decode_batch = int(min_decode_batch)
         self.counters = RoutingCounters()
@@ -778,6 +829,8 @@ def masked_grouped_topk(router_logits: torch.Tensor, rows_pruned: torch.Tensor, 
     topk_weights = scores.gather(1, topk_ids)  # biased: the unbiased scores; unbiased: the selection scores
     if router.renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    # a batch budget's S may leave a row fewer than k experts in its best groups: those slots read nothing
+    topk_weights, topk_ids = within(topk_weights, topk_ids, rows_pruned)
     if router.routed_scaling_factor != 1.0:
         topk_weights = topk_weights * router.routed_scaling_factor
     return topk_weights.to(torch.float32).contiguous(), topk_ids.to(torch.int32).contiguous()

@@ -560,11 +560,15 @@ def check_gates(cfg: ServeConfig) -> None:
     if gates.plain:
         return
     if not (cfg.plan or cfg.plans):
-        raise SlimWiseError("--gates drop and --fallback route pruned tokens from the full router, which "
-                            "only an engine with a plan has: give --plan")
+        raise SlimWiseError("--gates drop, --fallback and --budget/--extra route pruned tokens from the full "
+                            "router, which only an engine with a plan has: give --plan")
     if cfg.delta:
         raise SlimWiseError("a distilled delta decodes with the plain gates it was trained with: drop "
-                            "--gates/--fallback, or serve them without --distilled")
+                            "--gates/--fallback/--budget/--extra, or serve them without --distilled")
+    if gates.budgeted and cfg.disaggregated:
+        raise SlimWiseError("a batch budget chooses each step's experts from every expert, which only the "
+                            "colocated engine holds (the disaggregated decode instance has the pruned "
+                            "checkpoint): drop --disaggregated, or --budget/--budget-share/--extra")
     if not cfg.disaggregated:
         return
     if gates.fallback is not None:
@@ -683,7 +687,8 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
 
     if cfg.plans:
         env[PLAN_MODELS_ENV] = json.dumps(plan_model_names(cfg))
-    if any(p is not None and not p.is_empty for p in plans.values()):  # empty: the full model, no mask
+    # an empty plan (or a budget of every expert) serves the full model: no mask to check
+    if any(p is not None and cfg.decode_gates.drops_experts(p) for p in plans.values()):
         env[SELF_CHECK_ENV] = "1"
     env[MAX_N_ENV] = str(cfg.max_n)
     proc = sup.start("vllm", colocated_command(cfg), env=server_env(env))
