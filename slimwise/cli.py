@@ -661,8 +661,8 @@ def _add_distill(sub) -> None:
 
 #: the options of `slimwise eval` from EvalConfig, in the order --help lists them (--no-calib-mixes between)
 EVAL_OPTIONS = (("dtype", "device", "max_memory", "out_dir", "plans", "stats", "criteria", "ratios", "phases",
-                 "scope", "modes", "distilled", "engine", "gates", "fallback", "substitutes", "budget",
-                 "budget_share", "extra", "data",
+                 "uniform_phase", "scope", "modes", "distilled", "engine", "gates", "fallback", "substitutes",
+                 "budget", "budget_share", "extra", "data",
                  "grader", "domain",
                  "families", "split",
                  "n_per_family", "max_samples", "calib_data", "calib_domain", "calib_per_family",

@@ -341,7 +341,13 @@ def test_end_to_end_eval(model_dir, tmp_path):
     assert report["tasks"]["n"] == 5 and len(report["runs"]) == 8
     assert [r["phase"] for r in report["runs"]][::2] == ["prompt", "decode", "decode@all",
                                                          "decode@arithmetic3-lists1-text1"]
-    assert set(report["calibration"]) == {"prompt", "decode", "decode@all", "decode@arithmetic3-lists1-text1"}
+    # the uniform baseline is calibrated on whole sequences (--uniform-phase all, the default): every uniform
+    # run uses the "all" plan of its criterion and ratio, whichever plan it is reported beside
+    assert set(report["calibration"]) == {"prompt", "decode", "all", "decode@all",
+                                          "decode@arithmetic3-lists1-text1"}
+    uniform = [r for r in report["runs"] if r["mode"] == "uniform"]
+    assert {(r["calibrated_on"], r["plan"].rsplit("/", 1)[-1]) for r in uniform} == {("all", "reap-all-0.5.json")}
+    assert all("calibrated_on" not in r for r in report["runs"] if r["mode"] == "slimwise")
     mix = report["calibration"]["decode@arithmetic3-lists1-text1"]
     assert "arithmetic 3/family, lists 1/family, text 1/family" in mix["source"] \
         and mix["prompts"] == 5 * 3 + 8
@@ -377,12 +383,12 @@ def test_end_to_end_eval(model_dir, tmp_path):
     for text in ("accuracy [95% CI]", "len mean / med / p90", "EOS", "truncated", "len ratio vs full",
                  "exact match", "first diff pos", "KL(full‖mode)", "experts/layer/step", "expert MiB/step",
                  "slimwise − uniform", "Runtime:", "Sample size:", "## Plots", "## Other domains",
-                 "other domains: full / uniform / SlimWise", "decode@all"):
+                 "other domains: full / uniform / SlimWise", "decode@all", "Uniform (classic pruning)"):
         assert text in md, text
     assert report["plots"] == list(PLOTS)
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"({name})" in md
-    assert len(list((out / "plans").glob("*.json"))) == 4
+    assert len(list((out / "plans").glob("*.json"))) == 5  # the 4 grid plans and the baseline's
     # rerun: everything from the cache, same numbers
     sweep = Sweep(model_dir, EvalConfig(out_dir=str(out), **SMALL | CROSS))
     again = sweep.run()

@@ -47,6 +47,12 @@ class EvalConfig(GateOptions):
     scope: str = field(default="layer", metadata={
         "flag": "--global", "action": "store_const", "const": "global",
         "help": "one pruning budget across layers"})
+    # the classic baseline as classic pruners calibrate it: whole sequences of the calibration data
+    uniform_phase: str = field(default="all", metadata={
+        "choices": ["all", "prompt", "decode", "same"],
+        "help": "calibration phase of the uniform (classic pruning) baseline's plans: all (whole sequences, "
+                "as classic pruners calibrate; default), prompt, decode, or same (each grid plan's own "
+                "phase). Explicit --plan / --stats keep their own plans"})
     modes: tuple[str, ...] = field(default=("full", "uniform", "slimwise"), metadata={
         "type": comma_list(str),
         "help": "comma-separated among full,uniform,slimwise,distilled (default: full,uniform,slimwise)"})

@@ -289,6 +289,11 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                  f"{tm.get('calibration_s', 0):.0f} s, full {tm.get('full_s', 0):.0f} s, pruned runs "
                  f"{tm.get('pruned_runs_s', 0):.0f} s; without the run cache about "
                  f"{tm.get('uncached_estimate_s', 0):.0f} s.")
+    baseline = sorted({r["calibrated_on"] for r in report["runs"] if "calibrated_on" in r})
+    if baseline:  # reports before --uniform-phase ran uniform on each plan itself
+        lines.append(f"Uniform (classic pruning): each plan's criterion and ratio, calibrated on "
+                     f"{', '.join(baseline)} tokens (`--uniform-phase`; all: whole sequences, as classic "
+                     "pruners calibrate), not on the plan's own phase.")
     hw = report["summary"]["accuracy_ci_halfwidth_at_half"]
     lines.append(f"Sample size: n = {t['n']} gives a 95% interval of about ±{100 * hw:.0f} pp at 50% "
                  "accuracy (less near 0% or 100%); paired differences between modes on the same "

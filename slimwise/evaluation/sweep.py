@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ class Sweep:
                                            seed=config.seed, progress=config.progress)
         self.calib_cache = CalibrationCache(config, subject, self.cache_dir)
         self.calibration = self.calib_cache.entries  # the report's "calibration" section
+        self.uniform_specs: dict[tuple[str, float], PlanSpec] = {}  # the baseline's plans (`run`)
         self.delta = Delta.load(config.distilled) if config.distilled else None
         modes = [*config.modes, *(["distilled"] if self.delta else [])]
         self.modes = [m for m in dict.fromkeys(modes) if m != "full"]
@@ -185,6 +187,7 @@ class Sweep:
             raise SlimWiseError(f"the delta {cfg.distilled} was distilled for another plan than any "
                                 "evaluated here: pass --plan PLAN, the plan given to `slimwise distill`")
         todo = [(sp, m) for sp in specs for m in modes if m != "distilled" or self._delta_fits(sp)]
+        self.uniform_specs = self._uniform_specs(specs) if "uniform" in modes else {}
         total = 1 + len(todo)
         kept_sets = len({s.kept_key for s in specs})
         self.console.print(f"[bold]{self.model_name}[/]: {len(self.samples)} samples, {len(specs)} plans, "
@@ -222,6 +225,29 @@ class Sweep:
         self.write(report)
         return report
 
+    def _uniform_specs(self, specs: list[PlanSpec]) -> dict[tuple[str, float], PlanSpec]:
+        """The uniform baseline's plan per (criterion, ratio), calibrated on `uniform_phase` (default: whole
+        sequences, as classic pruners calibrate), when it differs from a grid plan's own phase; empty for
+        `same` and for explicit plans or statistics (the uniform runs then use each plan itself)."""
+        cfg = self.config
+        if cfg.uniform_phase == "same" or cfg.plans or cfg.stats:
+            return {}
+        have = {(s.criterion, s.ratio, s.phase): s for s in specs}
+        out = {}
+        wanted = {(s.criterion, s.ratio) for s in specs if s.phase != cfg.uniform_phase}
+        missing = sorted((c, r) for c, r in wanted if (c, r, cfg.uniform_phase) not in have)
+        extra = {}
+        if missing:
+            extra_cfg = replace(cfg, phases=(cfg.uniform_phase,), calib_mixes=(),
+                                criteria=tuple(dict.fromkeys(c for c, _ in missing)),
+                                ratios=tuple(dict.fromkeys(r for _, r in missing)))
+            extra = {(s.criterion, s.ratio): s for s in grid_plans(extra_cfg, self.subject, self.calib_cache,
+                                                                     self.out_dir, self.console)}
+        for criterion, ratio in wanted:
+            out[(criterion, ratio)] = have.get((criterion, ratio, cfg.uniform_phase)) \
+                or extra[(criterion, ratio)]
+        return out
+
     def _pruned_runs(self, todo: list[tuple[PlanSpec, str]], total: int
                      ) -> tuple[list[dict[str, Any]], list[dict], list[dict]]:
         """The report's runs in grid order, and the metrics of each distinct (mode, kept set) run and its
@@ -231,21 +257,25 @@ class Sweep:
         shared_other: dict[tuple[str, str], dict] = {}
         t0 = time.perf_counter()
         for done, (spec, mode) in enumerate(todo, start=2):
-            key = (mode, spec.kept_key)
+            # uniform runs on the baseline's own calibration (`uniform_phase`), reported beside the plan
+            baseline = self.uniform_specs.get((spec.criterion, spec.ratio), spec)
+            run_spec = baseline if mode == "uniform" else spec
+            key = (mode, run_spec.kept_key)
             if key not in shared:
-                shared[key] = self._metrics(self.run_cache.generate(mode, spec))
+                shared[key] = self._metrics(self.run_cache.generate(mode, run_spec))
                 if self.other_samples:
-                    shared_other[key] = self._other_metrics(mode, spec)
+                    shared_other[key] = self._other_metrics(mode, run_spec)
                 elapsed = time.perf_counter() - t0
                 eta = elapsed / (done - 1) * (total - done)
-                self._say(done, total, mode, spec, shared[key], f"elapsed {elapsed / 60:.1f} min, ETA "
+                self._say(done, total, mode, run_spec, shared[key], f"elapsed {elapsed / 60:.1f} min, ETA "
                           f"{eta / 60:.1f} min", other=shared_other.get(key))
             else:
                 self.console.print(f"[{done}/{total}] {mode:8s} {spec.label}: same kept experts as an "
                                    "earlier plan, reusing its run")
             runs.append({"mode": mode, "criterion": spec.criterion, "ratio": spec.ratio, "phase": spec.phase,
-                         "label": spec.label, "plan": spec.path, "kept_key": spec.kept_key,
-                         "kept_per_layer": spec.plan.num_kept if spec.plan.is_uniform else None,
+                         "label": spec.label, "plan": run_spec.path, "kept_key": run_spec.kept_key,
+                         "kept_per_layer": run_spec.plan.num_kept if run_spec.plan.is_uniform else None,
+                         **({"calibrated_on": run_spec.phase} if run_spec is not spec else {}),
                          "metrics": shared[key]})
             if key in shared_other:
                 runs[-1]["other_metrics"] = shared_other[key]
