@@ -26,6 +26,8 @@ def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0
              criterion: str = "reap", model: str | Path | None = None, max_new_tokens: int = 160,
              batch_size: int = 32, threads: int | None = 1, **overrides) -> dict:
     """Calibrate (decode phase), plan, export, evaluate full / uniform / SlimWise; print and save the report.
+    The uniform baseline prunes with the same criterion and ratio calibrated on whole sequences
+    (`EvalConfig.uniform_phase`), as classic pruners calibrate.
 
     One torch thread by default: the testbed models are too small to gain from more, and on a shared box extra
     threads only contend (measured 10-40x slower per step under load). `overrides` go to EvalConfig.

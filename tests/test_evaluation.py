@@ -459,6 +459,8 @@ def test_demo_on_a_given_model(model_dir, tmp_path):
     assert [r["mode"] for r in report["runs"]] == ["uniform", "slimwise"]
     assert report["runs"][0]["criterion"] == "reap" and report["runs"][0]["ratio"] == 0.5
     assert report["runs"][0]["phase"] == "decode" and report["tasks"]["n"] == 5
+    # the demo's uniform baseline is classic pruning as practitioners calibrate it: on whole sequences
+    assert report["runs"][0]["calibrated_on"] == "all" and "calibrated_on" not in report["runs"][1]
     assert report["other_domains"]["n"] == 5  # the demo scores the other domains too (capped like the target)
     for name in ("report.json", "report.md", "pruned/config.json", *PLOTS):
         assert (tmp_path / "demo" / name).is_file(), name
