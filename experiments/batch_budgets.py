@@ -1,22 +1,26 @@
 """Batch-aware decode budgets against static SlimWise and the classic baseline (results: batch-budgets.md).
 
-Each backbone (testbed-a, -b, -c), REAP, float32 reference engine, greedy, 240 arithmetic test problems:
+Each backbone (testbed-a, -b, -c), REAP, float32 reference engine, greedy, 240 arithmetic test problems,
+batch 32:
   full       the model as is;
-  uniform    classic pruning of both phases, calibrated on whole sequences (`--phases all`): what a
-             practitioner runs (the strongest classic setting, docs/results/protocol.md);
+  uniform    classic pruning of both phases, calibrated on whole sequences (phase `all`), as classic
+             pruners calibrate;
   static     SlimWise with the decode-calibrated plan (the published mode);
   budget     SlimWise with a dynamic batch budget of E = the static plan's kept count per layer
-             (`--budget-share 1 - ratio`): the same expert bytes per step at most, chosen per step;
+             (`--budget-share 1 - ratio`): at most the same experts per step, chosen per step;
   extra      the static plan plus at most M = experts / 8 more per step (`--extra M`).
-Accuracy at batch 32, with the decode experts each step actually read beside it (the reference traffic
-meter: distinct experts per MoE layer per decode step over the live rows). Batch dependence: testbed-a at
-50%, the budget and the static plan at batch 1, 8, 32 and 64, tokens compared problem by problem with batch
-32, and the budget on a mixed-domain sample (every domain in each batch) against one domain.
+Stages: `half` (every variant at 50%), `grid` (the budget at 9 values of E; static and uniform at 5 ratios
+over 3 calibration seeds: accuracy against the experts each decode step read, from the reference traffic
+meter), `batch` (testbed-a at 50%: the budget and the static plan at batch 1, 8, 32, 64, tokens compared
+problem by problem with batch 32, and mixed-domain batches), `long` (testbed-a-long at 1,024 characters),
+`bench` / `bench32` (`slimwise bench` on testbed-a's MoE shape: batch 8, 32, 64 with 3 rounds; batch 32
+with 7).
 
     python -m experiments.batch_budgets --work runs/batch-budgets --out docs/results/batch-budgets
 
-Every run is an `slimwise eval` whose generations are cached under WORK/cache, so a rerun only renders;
-`--report-only` re-renders from OUT/batch-budgets.json.
+Every eval's generations are cached under WORK/cache, the long-prompt runs in WORK/testbed-a-long/long.json
+and each bench in its bench.json, so a rerun only renders; `--report-only` re-renders from
+OUT/batch-budgets.json.
 """
 
 from __future__ import annotations
@@ -178,7 +182,8 @@ def _long_cell(run: dict, full: dict) -> dict:
                                                                      0)}
 
 
-def bench(work: Path, model: str = "testbed-a") -> dict:
+def bench(work: Path, model: str = "testbed-a", batches: tuple[int, ...] = BENCH_BATCHES, rounds: int = 3,
+          tag: str = "bench") -> dict:
     """`slimwise bench` on the backbone's MoE shape (the frontier's synthetic model: preset `cpu`, 4 layers,
     top-8, routers skewed like testbed-a's decode usage) with its static 50% plan: full, static SlimWise and
     the budget E = 32 (`gated --budget-share 0.5`) at batch 8, 32 and 64, three paired rounds, the experts
@@ -189,19 +194,19 @@ def bench(work: Path, model: str = "testbed-a") -> dict:
     static = json.loads((work / model / "static" / "report.json").read_text())
     plan = next(r["plan"] for r in static["runs"] if r["phase"] == "decode" and r["ratio"] == 0.5)
     stats = static["calibration"]["decode"]["stats"]
-    out = work / model / "bench"
+    out = work / model / tag
     if not (out / "bench.json").is_file():
         slimwise = str(Path(sys.executable).parent / "slimwise")
         cmd = [slimwise, "bench", "--synthetic", "cpu", "--layers", "4", "--top-k", "8",
                "--routing-skew", stats, "--synthetic-dir", str(work / "synthetic"), "--plan", plan,
                "--variants", "full", "slimwise", "gated", "--budget-share", "0.5",
-               "--batch", *map(str, BENCH_BATCHES), "--output-len", "48",
-               "--repetitions", "3", "--hardware", "none", "--in-process", "--out", str(out)]
+               "--batch", *map(str, batches), "--output-len", "48",
+               "--repetitions", str(rounds), "--hardware", "none", "--in-process", "--out", str(out)]
         print(" ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True)
     b = json.loads((out / "bench.json").read_text())
     rows = {}
-    for batch in map(str, BENCH_BATCHES):
+    for batch in map(str, batches):
         runs = {v: b["runs"][v][batch] for v in ("full", "slimwise", "gated")}
         per_round = [g["tokens_per_s"] / s["tokens_per_s"] for g, s in zip(runs["gated"], runs["slimwise"],
                                                                               strict=True)]
@@ -209,8 +214,7 @@ def bench(work: Path, model: str = "testbed-a") -> dict:
                        "budget_over_static": sorted(per_round),
                        "experts_touched": {v: (b.get("traffic") or {}).get(v, {}).get("batches", {}).get(
                            batch, {}).get("touched_mean") for v in runs}}
-    return {"model": model, "command": "slimwise bench ... (experiments.batch_budgets.bench)",
-            "machine": b.get("machine"), "rows": rows}
+    return {"model": model, "rounds": rounds, "machine": b.get("machine"), "rows": rows}
 
 
 def measure(work: Path, out: Path, stages: list[str]) -> dict:
@@ -223,13 +227,15 @@ def measure(work: Path, out: Path, stages: list[str]) -> dict:
             results["batch"] = batch_dependence(work)
         elif stage == "bench":
             results["bench"] = bench(work)
+        elif stage == "bench32":  # batch 32 alone, more rounds: the goal's comparison past the round noise
+            results["bench32"] = bench(work, batches=(32,), rounds=7, tag="bench-32x7")
         elif stage == "long":
             results["long"] = long_prompts(work)
         elif stage == "grid":
             results["grid"] = {model: budget_grid(work, model) for model in MODELS}
         else:
             ratios = (0.5,) if stage == "half" else RATIOS
-            for model in MODELS if stage != "ratios-a" else ("testbed-a",):
+            for model in MODELS:
                 rows = measure_model(work, model, ratios)
                 kept = results["models"].setdefault(model, {})
                 for name, cells in rows.items():
@@ -390,7 +396,7 @@ def goal(results: dict) -> list[str]:
             lead = 100 * (budget["accuracy"] - static["accuracy"])
             lines.append(f"| {model}: {bar} | budget {_pct(budget['accuracy'])} vs static "
                          f"{_pct(static['accuracy'])} ({lead:+.1f}) | {'yes' if lead > 0 else 'no'} |")
-    b = (results.get("bench") or {}).get("rows", {}).get("32")
+    b = (results.get("bench32") or results.get("bench") or {}).get("rows", {}).get("32")
     if b:
         ratio = b["budget_over_static"]
         median = ratio[len(ratio) // 2]
@@ -419,27 +425,29 @@ def equal_reads(results: dict) -> list[str]:
 
 
 def bench_table(results: dict) -> list[str]:
-    b = results.get("bench")
-    if not b:
+    runs = [results[k] for k in ("bench", "bench32") if results.get(k)]
+    if not runs:
         return []
-    lines = [f"## Decode speed ({b['model']}'s MoE shape, `slimwise bench`)", "",
+    lines = [f"## Decode speed ({runs[0]['model']}'s MoE shape, `slimwise bench`)", "",
              "Synthetic model of preset `cpu` (4 layers, 64 experts, top-8, routers skewed like testbed-a's "
-             "decode usage), its static 50% plan; 48 output tokens, 3 paired rounds; speedup over full, "
-             "median (min-max); budget / static: each round's tokens per second, min-median-max. Machine: "
-             f"{results['machine']}, {', '.join(results['hardware'].get('isa', []))}.", "",
-             "| batch | static SlimWise | budget E = 32 | budget / static per round | experts read per step: "
-             "full / static / budget |", "|---|---|---|---|---|"]
-    for batch, r in b["rows"].items():
-        sp = r["speedup"]
+             "decode usage), its static 50% plan; 48 output tokens, paired rounds (variants interleaved); "
+             "speedup over full, median (min-max); budget / static: each round's tokens per second, "
+             f"min / median / max. Machine: {results['machine']}, "
+             f"{', '.join(results['hardware'].get('isa', []))}.", "",
+             "| batch | rounds | static SlimWise | budget E = 32 | budget / static per round | "
+             "experts read per step: full / static / budget |", "|---|---|---|---|---|---|"]
+    for b in runs:
+        for batch, r in b["rows"].items():
+            sp = r["speedup"]
 
-        def fmt(x: dict) -> str:
-            return f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
+            def fmt(x: dict) -> str:
+                return f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
 
-        ratio = r["budget_over_static"]
-        touched = " / ".join("-" if r["experts_touched"][v] is None else f"{r['experts_touched'][v]:.1f}"
-                             for v in ("full", "slimwise", "gated"))
-        lines.append(f"| {batch} | {fmt(sp['slimwise'])} | {fmt(sp['gated'])} | {ratio[0]:.3f} / "
-                     f"{ratio[len(ratio) // 2]:.3f} / {ratio[-1]:.3f} | {touched} |")
+            ratio = r["budget_over_static"]
+            touched = " / ".join("-" if r["experts_touched"][v] is None
+                                 else f"{r['experts_touched'][v]:.1f}" for v in ("full", "slimwise", "gated"))
+            lines.append(f"| {batch} | {b.get('rounds', 3)} | {fmt(sp['slimwise'])} | {fmt(sp['gated'])} | "
+                         f"{ratio[0]:.3f} / {ratio[len(ratio) // 2]:.3f} / {ratio[-1]:.3f} | {touched} |")
     return lines
 
 
@@ -508,9 +516,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="runs/batch-budgets")
     p.add_argument("--out", default="docs/results/batch-budgets")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--stages", default="half,batch,ratios",
-                   help="comma-separated, in order: half (every backbone at 50%%), batch (testbed-a's batch "
-                        "dependence), ratios-a / ratios (25, 50 and 75%%: testbed-a / every backbone)")
+    p.add_argument("--stages", default="half,batch,grid,long,bench,bench32",
+                   help="comma-separated, in order: half (every backbone at 50%%, every variant), batch "
+                        "(testbed-a's batch dependence), grid (budgets and static / uniform plans over 3 "
+                        "calibration seeds), long (testbed-a-long at 1,024 characters), bench (batch 8, 32, "
+                        "64; 3 rounds), bench32 (batch 32, 7 rounds); ratios: every variant at 25/50/75%%")
     args = p.parse_args(argv)
     out = Path(args.out)
     data = out / "batch-budgets.json"

@@ -523,6 +523,8 @@ class DecodeRouting(nn.Module):
             allowed = budget_allowed(weights, ids, row_plan, row_plan > 0, gate.slimwise_forced,
                                      gate.slimwise_size)
             rows_pruned = torch.where(self.budget_on, ~allowed[row_plan], rows_pruned)
+            if self.gates.fallback is None and not self.count_experts:  # nothing reads the slots: mask now
+                return logits.masked_fill(rows_pruned, float("-inf"))
         slot_pruned = rows_pruned.gather(1, ids.long())
         back = falls_back(weights, slot_pruned, self.gates.fallback)
         if self.count_experts and not torch.compiler.is_compiling():
