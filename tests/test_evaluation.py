@@ -346,7 +346,8 @@ def test_end_to_end_eval(model_dir, tmp_path):
     assert set(report["calibration"]) == {"prompt", "decode", "all", "decode@all",
                                           "decode@arithmetic3-lists1-text1"}
     uniform = [r for r in report["runs"] if r["mode"] == "uniform"]
-    assert {(r["calibrated_on"], r["plan"].rsplit("/", 1)[-1]) for r in uniform} == {("all", "reap-all-0.5.json")}
+    assert {(r["calibrated_on"], r["plan"].rsplit("/", 1)[-1]) for r in uniform} == {("all",
+                                                                                       "reap-all-0.5.json")}
     assert all("calibrated_on" not in r for r in report["runs"] if r["mode"] == "slimwise")
     mix = report["calibration"]["decode@arithmetic3-lists1-text1"]
     assert "arithmetic 3/family, lists 1/family, text 1/family" in mix["source"] \
