@@ -46,6 +46,9 @@ GRID_RATIOS = (0.25, 0.375, 0.5, 0.625, 0.75)
 CALIB_SEEDS = (0, 1, 2)
 PLOT = "batch-budgets.png"
 BENCH_BATCHES = (8, 32, 64)
+OTHER_BATCHES = (8, 64)  # the grid's curve at other batch sizes
+BATCH_SHARES = (0.25, 0.375, 0.5, 0.625)
+BATCH_RATIOS = (0.375, 0.5, 0.625, 0.75)
 CAVEATS = [
     "- One test sample (seed 0) of the test split on which the backbones and earlier defaults were chosen "
     "(no untouched split, no exact tests here); the dynamic budget has no calibration to vary, static and "
@@ -134,10 +137,10 @@ def budget_grid(work: Path, model: str) -> dict:
     return out
 
 
-def long_prompts(work: Path) -> dict:
-    """testbed-a-long at 1,024-character prompts, 50% of the experts, batch 32: full, uniform (whole-sequence
-    and decode calibration), static SlimWise, the budget E = kept and the static plan + M (48 new tokens, the
-    long families' setting in docs/results/long-prompts.md; 150 problems, seed 0)."""
+def long_prompts(work: Path, ratio: float = 0.5) -> dict:
+    """testbed-a-long at 1,024-character prompts, `ratio` of the experts pruned, batch 32: full, uniform
+    (whole-sequence and decode calibration), static SlimWise, the budget E = kept and the static plan + M (48
+    new tokens, the long families' setting in docs/results/long-prompts.md; 150 problems, seed 0)."""
     from dataclasses import replace as with_
 
     from experiments.distill_bars import BarsConfig, evaluate_run
@@ -148,8 +151,8 @@ def long_prompts(work: Path) -> dict:
     from slimwise.models import load_model, load_tokenizer
     from slimwise.testbed.long_tasks import LENGTHS, make_long_split
 
-    model_name, length, ratio = "testbed-a-long", 1024, 0.5
-    path = work / model_name / "long.json"
+    model_name, length = "testbed-a-long", 1024
+    path = work / model_name / ("long.json" if ratio == 0.5 else f"long-{ratio:g}.json")
     if path.is_file():
         return json.loads(path.read_text())
     model, tok = load_model(model_name, dtype="float32"), load_tokenizer(model_name)
@@ -217,6 +220,33 @@ def bench(work: Path, model: str = "testbed-a", batches: tuple[int, ...] = BENCH
     return {"model": model, "rounds": rounds, "machine": b.get("machine"), "rows": rows}
 
 
+def by_batch(work: Path, model: str) -> dict:
+    """The budget and the static plans (calibration seed 0) at batch 8 and 64: the curve's shift with the
+    batch it serves (batch 32 is the grid's)."""
+    out: dict = {}
+    for batch in OTHER_BATCHES:
+        cells: dict = {"budget": {}, "static": {}}
+        for share in BATCH_SHARES:
+            report = run_eval([model], base_config(work, model, f"bybatch-budget-{share:g}-{batch}",
+                                                   ratios=(0.5,), batch_size=batch, budget_share=share))[0]
+            cells["budget"][f"{share:g}"] = cell(runs_of(report)[("slimwise", 0.5, "decode")], report["full"])
+        report = run_eval([model], base_config(work, model, f"bybatch-static-{batch}", ratios=BATCH_RATIOS,
+                                               batch_size=batch))[0]
+        runs = runs_of(report)
+        for ratio in BATCH_RATIOS:
+            cells["static"][f"{ratio:g}"] = cell(runs[("slimwise", ratio, "decode")], report["full"])
+        cells["full"] = cell(report["full"])
+        out[str(batch)] = cells
+    return out
+
+
+def with_fallback(work: Path, model: str) -> dict:
+    """The budget E = half combined with the per-token fallback (TAU 0.5), batch 32."""
+    report = run_eval([model], base_config(work, model, "budget-fallback-0.5", ratios=(0.5,),
+                                           budget_share=0.5, fallback=0.5))[0]
+    return cell(runs_of(report)[("slimwise", 0.5, "decode")], report["full"])
+
+
 def measure(work: Path, out: Path, stages: list[str]) -> dict:
     """Run the stages in order ("a-b-c@0.5", "batch", "ratios"), saving the results after each one."""
     data = out / "batch-budgets.json"
@@ -229,8 +259,15 @@ def measure(work: Path, out: Path, stages: list[str]) -> dict:
             results["bench"] = bench(work)
         elif stage == "bench32":  # batch 32 alone, more rounds: the goal's comparison past the round noise
             results["bench32"] = bench(work, batches=(32,), rounds=7, tag="bench-32x7")
+        elif stage == "bybatch":
+            results["by_batch"] = {model: by_batch(work, model) for model in MODELS}
+        elif stage == "fallback":
+            for model in MODELS:
+                results["models"][model].setdefault("budget+fallback", {})["0.5"] = with_fallback(work, model)
         elif stage == "long":
             results["long"] = long_prompts(work)
+        elif stage == "long-ratios":
+            results["long_ratios"] = {f"{r:g}": long_prompts(work, r) for r in (0.25, 0.75)}
         elif stage == "grid":
             results["grid"] = {model: budget_grid(work, model) for model in MODELS}
         else:
@@ -451,6 +488,43 @@ def bench_table(results: dict) -> list[str]:
     return lines
 
 
+def fallback_line(results: dict) -> list[str]:
+    cells = {m: r["budget+fallback"]["0.5"] for m, r in results["models"].items() if "budget+fallback" in r}
+    if not cells:
+        return []
+    return ["With the per-token fallback on top (`--budget-share 0.5 --fallback 0.5`: a row whose pruned "
+            "share against S exceeds 0.5 uses every expert): " + "; ".join(
+                f"{m} {_acc(c)}, {_reads(c)} experts per step" for m, c in cells.items()) + "."]
+
+
+def _at(c: dict) -> str:
+    return f"{_pct(c['accuracy'])} ({c['experts_per_step']:.1f})"
+
+
+def by_batch_table(results: dict) -> list[str]:
+    data = results.get("by_batch")
+    if not data:
+        return []
+    lines = ["## By batch size", "",
+             "Accuracy (experts read per step) of the dynamic budget at E and of the static plan keeping the "
+             "same count (calibration seed 0), at batch 8, 32 and 64; batch 32 from the grid above.", "",
+             "| backbone | batch | full | " + " | ".join(f"E = {100 * s:g}% of experts: budget / static"
+                                                      for s in BATCH_SHARES) + " |",
+             "|---|---|---|" + "---|" * len(BATCH_SHARES)]
+    for model, batches in data.items():
+        grid = results["grid"][model]
+        merged = {**batches, "32": {"full": results["models"][model]["full"]["0"], "budget": grid["budget"],
+                                    "static": {k: v["0"] for k, v in grid["static"].items()}}}
+        for batch in sorted(merged, key=int):
+            b = merged[batch]
+            parts = []
+            for share in BATCH_SHARES:
+                bud, st = b["budget"].get(f"{share:g}"), b["static"].get(f"{1 - share:g}")
+                parts.append(" / ".join("-" if c is None else _at(c) for c in (bud, st)))
+            lines.append(f"| {model} | {batch} | {_at(b['full'])} | " + " | ".join(parts) + " |")
+    return lines
+
+
 def long_table(results: dict) -> list[str]:
     lg = results.get("long")
     if not lg:
@@ -458,12 +532,14 @@ def long_table(results: dict) -> list[str]:
     names = (("full", "full"), ("uniform", "uniform, whole-seq. calib."),
              ("uniform-decode", "uniform, decode calib."), ("static", "static SlimWise"),
              ("budget", "budget E = kept"), ("extra", "static + M"))
-    return [f"## Long prompts (testbed-a-long, {lg['length']} characters, {100 * lg['ratio']:.0f}%, "
-            "batch 32)",
-            "",
-            f"{lg['n']} problems, 48 new tokens; accuracy (Δ full, paired).", "",
-            "| " + " | ".join(label for _, label in names) + " |", "|" + "---|" * len(names),
-            "| " + " | ".join(_acc(lg[key]) for key, _ in names) + " |"]
+    rows = sorted([lg, *(results.get("long_ratios") or {}).values()], key=lambda r: r["ratio"])
+    return [f"## Long prompts (testbed-a-long, {lg['length']} characters, batch 32)", "",
+            f"{lg['n']} problems, 48 new tokens; accuracy (Δ full, paired); full: "
+            f"{_pct(lg['full']['accuracy'])}.",
+            "", "| pruned | " + " | ".join(label for key, label in names if key != "full") + " |",
+            "|---|" + "---|" * (len(names) - 1),
+            *(f"| {100 * r['ratio']:.0f}% | " + " | ".join(_acc(r[key]) for key, _ in names if key != "full")
+              + " |" for r in rows)]
 
 
 def plot(results: dict, path: Path) -> None:
@@ -501,11 +577,13 @@ def render(results: dict, out: Path) -> None:
             f"(per-problem correctness inside). Machine: {results['machine']}, "
             f"{', '.join(results['hardware'].get('isa', []))}.", "",
             "## The goal", "", *goal(results), "", "## At half the experts, batch 32", "",
-            *headline(results), "", "At equal experts read per step (batch 32):", "",
+            *headline(results), "", *fallback_line(results), "",
+            "At equal experts read per step (batch 32):", "",
             *equal_reads(results), "",
             "## Accuracy against experts read", "", *grid_table(results), "",
             f"![accuracy against experts read](batch-budgets/{PLOT})", "",
-            "## Batch dependence (testbed-a, 50%)", "", *batch_table(results), "", *long_table(results), "",
+            "## Batch dependence (testbed-a, 50%)", "", *batch_table(results), "",
+            *by_batch_table(results), "", *long_table(results), "",
             *bench_table(results), "", "## What these numbers do not show", "", *CAVEATS]
     plot(results, out / PLOT)
     atomic_write_text(out.parent / f"{out.name}.md", "\n".join(body) + "\n")
@@ -516,11 +594,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", default="runs/batch-budgets")
     p.add_argument("--out", default="docs/results/batch-budgets")
     p.add_argument("--report-only", action="store_true")
-    p.add_argument("--stages", default="half,batch,grid,long,bench,bench32",
+    p.add_argument("--stages", default="half,batch,grid,long,bench,bench32,bybatch,fallback,long-ratios",
                    help="comma-separated, in order: half (every backbone at 50%%, every variant), batch "
                         "(testbed-a's batch dependence), grid (budgets and static / uniform plans over 3 "
                         "calibration seeds), long (testbed-a-long at 1,024 characters), bench (batch 8, 32, "
-                        "64; 3 rounds), bench32 (batch 32, 7 rounds); ratios: every variant at 25/50/75%%")
+                        "64; 3 rounds), bench32 (batch 32, 7 rounds), bybatch (the budget and static plans "
+                        "at batch 8 and 64), fallback (the budget with --fallback 0.5); ratios: each variant "
+                        "at 25/50/75%%")
     args = p.parse_args(argv)
     out = Path(args.out)
     data = out / "batch-budgets.json"
