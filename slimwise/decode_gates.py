@@ -143,11 +143,12 @@ class DecodeGates:
 
     def drops_experts(self, plan) -> bool:
         """Whether decode rows of `plan` (a `PrunePlan`) can lose an expert under these settings: a plan
-        that prunes nothing, or a budget of every expert, serves the full model (no mask to self-check)."""
+        that prunes nothing, or a budget of every expert, serves the full model (no mask to self-check).
+        Refuses a budget the plan's model cannot take (E below its top-k or above its experts)."""
         if not self.budgeted:
             return not plan.is_empty
-        return any(self.step_experts(plan.num_experts, 1, len(kept)) < plan.num_experts
-                   for kept in plan.kept_experts.values())
+        return any([self.step_experts(plan.num_experts, plan.top_k, len(kept)) < plan.num_experts
+                    for kept in plan.kept_experts.values()])  # every layer checked (refuses E < top-k)
 
     def describe(self) -> dict:
         budget = {k: v for k, v in (("budget", self.budget), ("budget_share", self.budget_share),

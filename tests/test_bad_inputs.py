@@ -454,6 +454,7 @@ case("serve-gates-no-plan", ["serve", M, "--gates", "drop"], None)
 case("serve-budget-disaggregated", ["serve", M, "--plan", P, "--disaggregated", "--budget-share", "0.5"],
      None)
 case("serve-budget-no-plan", ["serve", M, "--extra", "2"], None)
+case("serve-budget-below-top-k", ["serve", M, "--plan", P, "--budget", "1"], None)
 case("serve-budget-distilled", ["serve", M, "--plan", P, "--budget", "4", "--distilled", "{root}/emptydir"],
      None)
 case("serve-gates-over-running-instances", ["serve", M, "--plan", P, "--disaggregated", "--gates", "drop",

@@ -393,6 +393,12 @@ def serve_gated(served, gates, args: list[str], log_name: str, vllm_args: list[s
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
         check_completions(client, prompts, want)
+        # the server prints its start-up lines (the self-check's included) while clients may already be
+        # served: wait for the last of them, so the log read below is whole
+        deadline = time.monotonic() + 300
+        while "SlimWise ready" not in (root / log_name).read_text() and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         stop(proc)
         log.close()

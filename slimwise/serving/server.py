@@ -629,6 +629,8 @@ def preflight(cfg: ServeConfig) -> dict[str, PrunePlan]:
         for plan in plans.values():
             check_plan_config(plan, config)
             check_plan_for_checkpoints(plan, cfg.model, cfg.decode_model)
+            # a budget below top-k or above the experts: one line now, not each worker's error at start
+            cfg.decode_gates.drops_experts(plan)
     if not (cfg.prefill_url and cfg.decode_url):  # running instances are probed when the proxy starts
         check_tokenizer_before_start(cfg.model, cfg.vllm_args, _tokenizer_dir(cfg, cfg.model))
     return plans
