@@ -17,13 +17,13 @@ demo: setup
 # target fails if either did.
 XDIST := -n 2 --dist loadfile
 test: setup
-	$(VENV)/bin/ruff check slimwise tests scripts experiments
+	$(VENV)/bin/ruff check slimwise tests scripts experiments lab
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -ra -m "not matrix and not vllm" $(XDIST) --durations=20; \
 	  a=$$?; $(VENV)/bin/python -m pytest -q -ra -m "not matrix and vllm" --durations=20; b=$$?; \
 	  exit $$(( a || b ))
 
 test-fast: setup
-	$(VENV)/bin/ruff check slimwise tests scripts experiments
+	$(VENV)/bin/ruff check slimwise tests scripts experiments lab
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -ra -m "not matrix and not vllm and not slow" $(XDIST) \
 	  --durations=10
 
@@ -33,4 +33,4 @@ test-matrix: setup
 	$(VENV)/bin/python -m pytest -q -ra -m matrix --durations=10
 
 lint:
-	$(VENV)/bin/ruff check slimwise tests scripts experiments
+	$(VENV)/bin/ruff check slimwise tests scripts experiments lab

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from lab.perf.ep import INTERCONNECTS, predict_ep, random_plan_imbalance
 from slimwise.io import atomic_write_text
-from slimwise.perf.ep import INTERCONNECTS, predict_ep, random_plan_imbalance
 from slimwise.perf.presets import preset_config
 from slimwise.perf.roofline import HARDWARE, RooflineConfig, kept_experts
 

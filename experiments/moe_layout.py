@@ -1,10 +1,10 @@
 """Does the fused-MoE kernel care where the kept experts lie in the weight tensor?
 
-The step profile found vLLM's `cpu_fused_moe` 3 ms slower per step in the colocated engine (the full 64-expert
-tensor, decode tokens routed to 32 kept experts) than in the packed pruned checkpoint (a 32-expert tensor),
-for the same number of experts read. This isolates the kernel: the `cpu` bench preset's shapes (8 MoE layers,
-hidden 1024, experts of 512, top-4, bf16), one call per layer per step as in a decode step, three weight
-layouts:
+The step profile found vLLM's `cpu_fused_moe` slower per step in the colocated engine (the full 64-expert
+tensor, decode tokens routed to 32 kept experts) than in the packed pruned checkpoint (a 32-expert
+tensor), for the same number of experts read (figures: docs/results/performance.md). This isolates the
+kernel: the `cpu` bench preset's shapes (8 MoE layers, hidden 1024, experts of 512, top-4, bf16), one call
+per layer per step as in a decode step, three weight layouts:
 
 - packed:     a 32-expert tensor, tokens routed among all 32 (the pruned checkpoint);
 - scattered:  the 64-expert tensor, tokens routed among 32 experts spread over it (colocated SlimWise today);

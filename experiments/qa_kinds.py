@@ -7,7 +7,7 @@ counts, on the test split (greedy, bfloat16 as shipped, or --dtype float32 where
 answer; every fact line copied right; every yes/no mark right; and the problems whose marks are all right but
 whose answer is wrong (the read-off step failed).
 
-  python -m experiments.qa_kinds slimwise/testbed/checkpoints/qwen3_5moe-c runs/testbed-c4 --n 100
+  python -m experiments.qa_kinds lab/testbed/checkpoints/qwen3_5moe-c runs/testbed-c4 --n 100
 """
 
 from __future__ import annotations

@@ -139,9 +139,8 @@ def run(
                 select(llm, v)
                 for b in batches:
                     prompts = make_prompts(b, config.prompt_len, vocab, config.seed)
-                    # warm-up at full length: a short one left the first engine's first repetitions 20% slow
-                    # (B = 32: 89-98 ms per step, then 78; the weights' first touches and the profiler's first
-                    # use)
+                    # warm-up at full length: a short one left the first engine's first repetitions slow (the
+                    # weights' first touches and the profiler's first use; docs/history/measurement-notes.md)
                     profile_generate(llm, prompts, tokens)
                     step = decode_step(llm, prompts, tokens, repetitions)
                     result["steps"].setdefault(v.name, {})[str(b)] = {**step, "split": split(step)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import torch
@@ -21,11 +21,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import MoEAdapter, MoELayer, get_adapter
+from slimwise.argtypes import integer
 from slimwise.devices import input_device, onloaded
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import model_fingerprint
 from slimwise.hooks import ForwardWrappers
+from slimwise.load_options import LoadOptions, dry_run_field
 from slimwise.stats import ExpertStats
 
 Phase = Literal["prompt", "decode", "all"]
@@ -34,13 +36,46 @@ PHASES = ("prompt", "decode", "all")
 
 @dataclass
 class CalibrationConfig:
-    phase: Phase = "decode"
-    max_new_tokens: int = 96  # continuation length for decode-aware calibration
-    batch_size: int = 16
-    max_samples: int | None = None
-    seed: int = 0
+    """How a calibration pass counts, and the one declaration of those options of `slimwise calibrate` (a
+    field with help in its metadata is an option: `slimwise.options`). `asdict` of it is recorded in the
+    statistics' meta, so command-line plumbing lives in `CalibrateCommand`, not here."""
+
+    phase: Phase = field(default="decode", metadata={
+        "choices": list(PHASES),
+        "help": "which positions count: prompt tokens, the model's own generated tokens, or both"})
+    # continuation length for decode-aware calibration
+    max_new_tokens: int = field(default=96, metadata={
+        "type": integer(1), "help": "continuation length for --phase decode/all"})
+    batch_size: int = field(default=16, metadata={"type": integer(1), "help": None})
+    max_samples: int | None = field(default=None, metadata={"type": integer(1), "help": None})
+    seed: int = field(default=0, metadata={"type": integer(0), "help": None})
     temperature: float = 0.0  # greedy continuations by default
-    output_sums: bool = False  # also sum each expert's un-gated outputs (`--gates substitute`: their means)
+    # also sum each expert's un-gated outputs (`--gates substitute`: their means)
+    output_sums: bool = field(default=False, metadata={
+        "help": "also sum each expert's outputs (layers x experts x hidden, float64): the vectors --gates "
+                "substitute adds in place of pruned experts"})
+
+
+ENGINE_HELP = ("who generates the decode-phase continuations: hf (the transformers model, observed as it "
+               "generates) or vllm (vLLM generates, greedy; one teacher-forced pass of the transformers "
+               "model then counts the same statistics). With vllm, unknown options (--tensor-parallel-size "
+               "2, ...) go to vLLM")
+
+
+@dataclass
+class CalibrateCommand(LoadOptions):
+    """`slimwise calibrate`'s own options, around `CalibrationConfig`'s: the model, the prompts, the output
+    and who generates the continuations."""
+
+    data: str = field(metadata={"required": True,
+                                "help": "prompts: a .jsonl file ('prompt' field) or a directory of them"})
+    out: str = field(metadata={"required": True, "help": "statistics file to write (.safetensors)"})
+    dry_run: bool = dry_run_field()
+    engine: str = field(default="hf", metadata={"choices": ["hf", "vllm"], "help": ENGINE_HELP})
+    continuations: str | None = field(default=None, metadata={
+        "metavar": "FILE",
+        "help": "count over continuations made earlier instead of generating: JSONL with token_ids per "
+                "prompt, in order (`slimwise generate --out`)"})
 
 
 class ExpertObserver:

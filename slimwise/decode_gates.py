@@ -177,8 +177,8 @@ PLAIN = DecodeGates()
 @dataclass
 class GateOptions:
     """`--gates`, `--fallback`, `--substitutes` and the batch budget, declared once for the config
-    dataclasses of `eval`, `bench` and `serve` (a base class: its fields are keyword-only, so they follow each
-    config's own fields in the constructor)."""
+    dataclasses of `eval`, `bench`, `serve` and `generate` (a base class: its fields are keyword-only, so they
+    follow each config's own fields in the constructor)."""
 
     gates: str = field(default="renorm", kw_only=True, metadata={"choices": GATES, "help": GATES_HELP})
     fallback: float | None = field(default=None, kw_only=True, metadata={

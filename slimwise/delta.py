@@ -39,6 +39,16 @@ DELTA_MODES = ("slimwise", "uniform")
 # Helpers
 
 
+def delta_dir(path: str | Path) -> Path:
+    """The delta a path names: a delta named by one of its two files is its directory; any other path is
+    itself. Content keys hash this (`slimwise.fingerprint.content_sha256`), so naming a delta by its directory
+    or by a file in it gives one key."""
+    path = Path(path)
+    if path.name in (TENSORS_FILE, MANIFEST_FILE) and (path.parent / MANIFEST_FILE).is_file():
+        return path.parent
+    return path
+
+
 def plan_hash(plan: PrunePlan) -> str:
     """Hash of what a delta depends on in a plan: each layer's kept experts and the weights they index."""
     key = {"family": plan.family, "num_experts": plan.num_experts, "fingerprint": plan.fingerprint,

@@ -9,28 +9,43 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 
+from slimwise.argtypes import integer
 from slimwise.evaluation import EvalConfig, Sweep
 from slimwise.evaluation.report import console_table
 from slimwise.export_stream import export_checkpoint
+from slimwise.load_options import DeviceOptions
 from slimwise.models import resolve_model_dir
 from slimwise.testbed import TARGET_DOMAIN, families_in_domain
 
 MODES = ("full", "uniform", "slimwise")
+#: `slimwise demo`'s --help order
+DEMO_OPTIONS = ("out", "samples", "seed", "device", "max_memory")
 
 
-def run_demo(out_dir: str | Path = "runs/demo", samples: int = 64, seed: int = 0, ratio: float = 0.5,
-             criterion: str = "reap", model: str | Path | None = None, max_new_tokens: int = 160,
-             batch_size: int = 32, threads: int | None = 1, **overrides) -> dict:
+@dataclass
+class DemoConfig(DeviceOptions):
+    """`slimwise demo`'s options (its fields declare them); the defaults are `run_demo`'s."""
+
+    out: str = field(default="runs/demo", metadata={"help": "where to write the report"})
+    samples: int = field(default=64, metadata={"type": integer(1), "help": "test prompts per mode"})
+    seed: int = field(default=0, metadata={"type": integer(0), "help": None})  # shown without a help line
+
+
+def run_demo(out_dir: str | Path = DemoConfig.out, samples: int = DemoConfig.samples,
+             seed: int = DemoConfig.seed, ratio: float = 0.5, criterion: str = "reap",
+             model: str | Path | None = None, max_new_tokens: int = 160, batch_size: int = 32,
+             threads: int | None = 1, **overrides) -> dict:
     """Calibrate (decode phase), plan, export, evaluate full / uniform / SlimWise; print and save the report.
     The uniform baseline prunes with the same criterion and ratio calibrated on whole sequences
     (`EvalConfig.uniform_phase`), as classic pruners calibrate.
 
     One torch thread by default: the testbed models are too small to gain from more, and on a shared box extra
-    threads only contend (measured 10-40x slower per step under load). `overrides` go to EvalConfig.
+    threads only contend (docs/history/measurement-notes.md). `overrides` go to EvalConfig.
     """
     console = Console()
     out_dir = Path(out_dir)

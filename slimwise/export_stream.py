@@ -66,28 +66,27 @@ from slimwise.fingerprint import checkpoint_fingerprint, config_fingerprint
 from slimwise.io import atomic_dir
 from slimwise.models import DTYPES, load_config, resolve_model_dir
 from slimwise.plan import PrunePlan
+from slimwise.safetensors_files import (
+    CODE_DTYPES,
+    DTYPE_CODES,
+    FLOAT_CODES,
+    INDEX,
+    SINGLE,
+    StoredTensor,
+    StreamingUnsupported,
+    corrupt,
+    itemsize,
+    stored_tensors,
+    weight_files,
+)
 
 #: the most tensor bytes read at once; a second chunk is held while casting it or comparing it with the output
 CHUNK_BYTES = 64 * 2**20
 #: output shard size; a tensor larger than this gets a shard of its own
 DEFAULT_SHARD_BYTES = 2 * 10**9
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_FLOAT_CODES = ("F64", "F32", "F16", "BF16")
-_SINGLE = "model.safetensors"
-_INDEX = "model.safetensors.index.json"
 # a tensor's layer: the first "layers.<n>." in its name (per-expert names: `quantized.renamed_module`)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class StreamingUnsupported(SlimWiseError):
-    """This checkpoint cannot be exported by streaming exactly as the in-memory export would write it (the
-    message says why); raised before anything is written. `export_checkpoint` falls back to the in-memory
-    export on it; refusals of the plan or the output are plain `SlimWiseError`s and are never retried."""
 
 
 @dataclass(frozen=True)
@@ -100,17 +99,6 @@ class StreamedCheckpoint:
     tensors: int
     bytes: int
     dropped: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """One tensor in a safetensors file: its dtype code, shape and absolute byte range."""
-
-    file: Path
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -127,7 +115,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[self.dtype].itemsize
+        return math.prod(self.shape) * CODE_DTYPES[self.dtype].itemsize
 
 
 @dataclass
@@ -148,65 +136,6 @@ class _Job:
 
 # ----- reading safetensors files ----------------------------------------------------------------------------
 
-def _corrupt(path: Path, why: str) -> SlimWiseError:
-    return SlimWiseError(f"the weights in {path.parent} are truncated or corrupt ({path.name}: {why}); "
-                         "copy the checkpoint again")
-
-
-def read_header(path: Path) -> tuple[int, dict]:
-    """A safetensors file's header and the offset its data starts at; a file that is not one is refused in
-    one line."""
-    try:
-        with open(path, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            if size > os.fstat(fh.fileno()).st_size:
-                raise _corrupt(path, "header longer than the file")
-            header = json.loads(fh.read(size))
-    except (OSError, ValueError, struct.error) as exc:
-        raise _corrupt(path, type(exc).__name__) from exc
-    if not isinstance(header, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    return 8 + size, header
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files transformers loads from `model_dir` (model.safetensors, else the index's)."""
-    if (model_dir / _SINGLE).is_file():
-        return [model_dir / _SINGLE]
-    index = model_dir / _INDEX
-    if not index.is_file():
-        raise StreamingUnsupported(f"{model_dir} has neither {_SINGLE} nor {_INDEX}")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SlimWiseError(f"{index} is not a readable safetensors index ({type(exc).__name__}); copy the "
-                            "checkpoint again") from exc
-
-
-def stored_tensors(files: list[Path]) -> dict[str, _Stored]:
-    """Every tensor of `files` by name, from their headers; a byte range past a file's end is refused (a
-    truncated copy) before any tensor is read."""
-    out: dict[str, _Stored] = {}
-    for path in files:
-        start, header = read_header(path)
-        size = path.stat().st_size
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                begin, end = info["data_offsets"]
-                stored = _Stored(path, info["dtype"], tuple(info["shape"]), start + begin, end - begin)
-            except (KeyError, TypeError, ValueError) as exc:
-                raise _corrupt(path, f"bad entry for {name}") from exc
-            if stored.start + stored.nbytes > size:
-                raise _corrupt(path, f"{name} ends past the end of the file")
-            if name in out:
-                raise StreamingUnsupported(f"tensor {name} is stored twice")
-            out[name] = stored
-    return out
-
-
 class _Reader:
     """Positioned reads from files opened once each: no memory mapping, so what is resident is what was
     read last."""
@@ -223,7 +152,7 @@ class _Reader:
         while done < length:
             n = os.preadv(fd, [view[done:]], start + done)
             if n <= 0:
-                raise _corrupt(path, f"ends at byte {start + done}")
+                raise corrupt(path, f"ends at byte {start + done}")
             done += n
         return buf
 
@@ -242,7 +171,7 @@ class _Reader:
 def _chunks(entry: _Entry, reader: _Reader) -> Iterator[memoryview | bytearray]:
     """The bytes of `entry` as written, in order, at most CHUNK_BYTES read at a time."""
     cast = entry.src_dtype != entry.dtype
-    size = _DTYPES[entry.src_dtype].itemsize if entry.src_dtype in _DTYPES else 1
+    size = itemsize(entry.src_dtype)
     step = max(size, CHUNK_BYTES - CHUNK_BYTES % size)
     for path, start, length in entry.pieces:
         for offset in range(0, length, step):
@@ -250,8 +179,8 @@ def _chunks(entry: _Entry, reader: _Reader) -> Iterator[memoryview | bytearray]:
             if not cast:
                 yield raw
                 continue
-            values = torch.frombuffer(raw, dtype=torch.uint8).view(_DTYPES[entry.src_dtype])
-            yield memoryview(values.to(_DTYPES[entry.dtype]).view(torch.uint8).numpy())
+            values = torch.frombuffer(raw, dtype=torch.uint8).view(CODE_DTYPES[entry.src_dtype])
+            yield memoryview(values.to(CODE_DTYPES[entry.dtype]).view(torch.uint8).numpy())
 
 
 # ----- what transformers would write ------------------------------------------------------------------------
@@ -311,7 +240,7 @@ def _saved_layout(model: nn.Module, conversions: list | None) -> dict[str, tuple
     return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
 
 
-def _matching_conversions(model: nn.Module, stored: dict[str, _Stored]) -> tuple[list, dict]:
+def _matching_conversions(model: nn.Module, stored: dict[str, StoredTensor]) -> tuple[list, dict]:
     """The weight conversions a load of these files uses, and the whole model's saved layout with them.
 
     `from_pretrained` keeps the conversions that matched a stored tensor and `save_pretrained` reverts exactly
@@ -331,7 +260,7 @@ def _matching_conversions(model: nn.Module, stored: dict[str, _Stored]) -> tuple
                                f"back (no {first_missing} of that shape)")
 
 
-def _load_dtype(dtype: str | torch.dtype | None, model_config, stored: dict[str, _Stored],
+def _load_dtype(dtype: str | torch.dtype | None, model_config, stored: dict[str, StoredTensor],
                 first_file: Path) -> torch.dtype:
     """The dtype `load_model(dtype=...)` loads in on the CPU: the given one; for "auto" the model config's,
     else the first floating tensor's of the first file (transformers' rule)."""
@@ -345,8 +274,8 @@ def _load_dtype(dtype: str | torch.dtype | None, model_config, stored: dict[str,
     if configured is not None:
         return configured if isinstance(configured, torch.dtype) else getattr(torch, str(configured))
     for name in sorted(stored):
-        if stored[name].file == first_file and stored[name].dtype in _FLOAT_CODES:
-            return _DTYPES[stored[name].dtype]
+        if stored[name].file == first_file and stored[name].dtype in FLOAT_CODES:
+            return CODE_DTYPES[stored[name].dtype]
     return torch.get_default_dtype()
 
 
@@ -374,7 +303,7 @@ def _runs(ids: list[int]) -> Iterator[tuple[int, int]]:
         yield members[0], len(members)
 
 
-def _pieces(name: str, stored: _Stored, shape: tuple[int, ...], plan: PrunePlan) -> tuple:
+def _pieces(name: str, stored: StoredTensor, shape: tuple[int, ...], plan: PrunePlan) -> tuple:
     """The byte ranges of `stored` that make the output tensor of `shape`: all of it, or the kept rows of a
     tensor whose leading dim is the expert count."""
     if shape == stored.shape:
@@ -389,7 +318,7 @@ def _pieces(name: str, stored: _Stored, shape: tuple[int, ...], plan: PrunePlan)
                                "model, not by keeping expert rows")
 
 
-def _map_tensors(stored: dict[str, _Stored], whole: dict, sliced: dict,
+def _map_tensors(stored: dict[str, StoredTensor], whole: dict, sliced: dict,
                  plan: PrunePlan) -> tuple[list[_Entry], tuple[str, ...]]:
     """The output tensors in file order, and the stored tensors the model does not load."""
     entries, dropped, seen = [], [], set()
@@ -403,13 +332,14 @@ def _map_tensors(stored: dict[str, _Stored], whole: dict, sliced: dict,
         if out not in sliced or out in seen:
             raise StreamingUnsupported(f"tensor {name} has no place in the pruned checkpoint as {out}")
         shape, dtype = sliced[out]
-        code = _CODES.get(dtype, str(dtype))
+        code = DTYPE_CODES.get(dtype, str(dtype))
         entry = _Entry(out, name, shape, src.dtype, code, _pieces(name, src, shape, plan))
-        if entry.dtype not in _DTYPES or (entry.src_dtype != entry.dtype and entry.src_dtype not in _DTYPES):
+        if entry.dtype not in CODE_DTYPES or (entry.src_dtype != entry.dtype
+                                              and entry.src_dtype not in CODE_DTYPES):
             raise StreamingUnsupported(f"tensor {name} would be cast from {src.dtype} to {dtype}")
-        if sum(length for *_, length in entry.pieces) != math.prod(shape) * _DTYPES.get(
-                src.dtype, _DTYPES[entry.dtype]).itemsize:
-            raise _corrupt(src.file, f"{name} holds {src.nbytes} bytes for shape {list(src.shape)}")
+        if sum(length for *_, length in entry.pieces) != math.prod(shape) * CODE_DTYPES.get(
+                src.dtype, CODE_DTYPES[entry.dtype]).itemsize:
+            raise corrupt(src.file, f"{name} holds {src.nbytes} bytes for shape {list(src.shape)}")
         entries.append(entry)
         seen.add(out)
     missing = sorted(set(sliced) - seen)
@@ -418,7 +348,7 @@ def _map_tensors(stored: dict[str, _Stored], whole: dict, sliced: dict,
     return entries, tuple(dropped)
 
 
-def _with_packed(stored: dict[str, _Stored]) -> dict[str, _Stored]:
+def _with_packed(stored: dict[str, StoredTensor]) -> dict[str, StoredTensor]:
     """`stored` plus, for each weight stored packed, the weight under its own name with its logical shape
     (read from `<weight>_shape`), so the layout transformers loads can be matched against the files."""
     aliases = quantized.packed_weights(stored)
@@ -430,13 +360,13 @@ def _with_packed(stored: dict[str, _Stored]) -> dict[str, _Stored]:
                 raise SlimWiseError(f"{weight}{quantized.PACKED_SUFFIX} has no 1-D integer {shape_name}; the "
                                     "checkpoint is not a valid packed one")
             raw = reader.read(shape.file, shape.start, shape.nbytes)
-            dims = torch.frombuffer(raw, dtype=_DTYPES[shape.dtype])
-            view[weight] = _Stored(packed.file, packed.dtype, tuple(int(d) for d in dims), packed.start,
+            dims = torch.frombuffer(raw, dtype=CODE_DTYPES[shape.dtype])
+            view[weight] = StoredTensor(packed.file, packed.dtype, tuple(int(d) for d in dims), packed.start,
                                    packed.nbytes)
     return view
 
 
-def _map_quantized(stored: dict[str, _Stored], whole: dict, sliced: dict,
+def _map_quantized(stored: dict[str, StoredTensor], whole: dict, sliced: dict,
                    plan: PrunePlan) -> tuple[list[_Entry], tuple[str, ...]]:
     """`_map_tensors` for a quantized checkpoint: every stored tensor follows the weight it belongs to
     (`quantized.owner`): dropped with a pruned expert, renamed with a kept one, its expert rows kept where the
@@ -459,7 +389,7 @@ def _map_quantized(stored: dict[str, _Stored], whole: dict, sliced: dict,
                 raise StreamingUnsupported(f"tensor {name} {list(src.shape)} belongs to {weight}, whose "
                                            "expert rows are kept, but is not stored one row per expert")
             shape = (kept, *src.shape[1:])
-        if src.dtype not in _DTYPES:
+        if src.dtype not in CODE_DTYPES:
             raise StreamingUnsupported(f"tensor {name} is stored as {src.dtype}, which this export cannot "
                                        "copy")
         entries.append(_Entry(out, name, shape, src.dtype, src.dtype, _pieces(name, src, shape, plan)))
@@ -539,7 +469,7 @@ def _shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
 
 def _shard_names(count: int) -> list[str]:
     if count == 1:
-        return [_SINGLE]
+        return [SINGLE]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
 
 
@@ -576,7 +506,7 @@ def _write_weights(out_dir: Path, entries: list[_Entry], max_bytes: int, reader:
         index = {"metadata": {"total_parameters": sum(math.prod(e.shape) for e in entries),
                               "total_size": sum(e.nbytes for e in entries)},
                  "weight_map": weight_map}
-        (out_dir / _INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return len(shards)
 
 
@@ -703,5 +633,4 @@ def export_checkpoint(source_dir: str | Path, plan: PrunePlan, out_dir: str | Pa
 
 
 __all__ = ["CHUNK_BYTES", "DEFAULT_SHARD_BYTES", "StreamedCheckpoint", "StreamingUnsupported",
-           "export_checkpoint", "read_header", "stored_tensors", "stream_pruned", "verify_streamed",
-           "weight_files"]
+           "export_checkpoint", "stream_pruned", "verify_streamed"]

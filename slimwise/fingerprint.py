@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from slimwise.errors import SlimWiseError
+from slimwise.safetensors_files import CODE_DTYPES, FLOAT_CODES, itemsize, read_header
 
 # config keys that fix the weights' shapes, routing and attention: what a plan depends on. A whitelist,
 # because loaders normalise other fields differently (vLLM rewrites sliding_window, label maps, architectures,
@@ -37,16 +39,6 @@ def config_fingerprint(config_dict: dict) -> str:
         merged.update(merged["text_config"])
     cfg = {k: v for k, v in merged.items() if k in _STRUCTURAL_KEYS or k.startswith("linear_")}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-_SAFETENSORS_FLOATS = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-}
-_SAFETENSORS_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 
 
 def checkpoint_fingerprint(model_dir: str | Path, samples_per_tensor: int = 32) -> str | None:
@@ -83,29 +75,24 @@ def _read_checkpoint_fingerprint(files: list[Path], samples: int) -> str | None:
     entries = []  # (name, shape, sample bytes), sorted by name so resharding does not change the checksum
     try:
         for f in files:
+            data_start, header = read_header(f)
             with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
                 for name, info in header.items():
                     name = _layer_name(name)
                     if name is None:
                         continue
                     dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-                    size = _SAFETENSORS_SIZES.get(dtype, 1)
+                    size = itemsize(dtype)
                     count = (end - begin) // size
                     first = max(0, count // 2 - samples // 2)
                     take = min(samples, count - first)
-                    fh.seek(8 + n + begin + first * size)
+                    fh.seek(data_start + begin + first * size)
                     raw = fh.read(take * size)
-                    if dtype in _SAFETENSORS_FLOATS and raw:
-                        raw = (
-                            torch.frombuffer(bytearray(raw), dtype=_SAFETENSORS_FLOATS[dtype])
-                            .float()
-                            .numpy()
-                            .tobytes()
-                        )
+                    if dtype in FLOAT_CODES and raw:
+                        values = torch.frombuffer(bytearray(raw), dtype=CODE_DTYPES[dtype])
+                        raw = values.float().numpy().tobytes()
                     entries.append((name, tuple(shape), raw))
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+    except (SlimWiseError, OSError, ValueError, KeyError, TypeError):
         return None  # unreadable: the loader says what is wrong with the file
     h = hashlib.sha256()
     for name, shape, raw in sorted(entries):
@@ -176,3 +163,34 @@ def model_fingerprint(model: nn.Module, samples_per_tensor: int = 32) -> dict[st
     if files is not None:
         fingerprint["files_sha256"] = files
     return fingerprint
+
+
+# ----- content hashes: caches keyed by what a path holds, never by the path ------------------------------
+
+
+def file_sha256(path: str | Path) -> str:
+    """sha256 (hex) of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_sha256(path: str | Path) -> str | None:
+    """sha256 (hex) of what `path` holds: a file's bytes, or a directory's regular files (each one's name
+    relative to it and its bytes' sha256, in name order; hidden entries such as `atomic_dir` temporaries left
+    out). None when nothing is there. What keys a cache by content rather than by path: a file rewritten at
+    the same path gets another key, the same files at another path the same one (a delta named by one of its
+    files: hash `slimwise.delta.delta_dir` of it)."""
+    path = Path(path)
+    if path.is_file():
+        return file_sha256(path)
+    if not path.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*")):
+        rel = f.relative_to(path)
+        if f.is_file() and not any(part.startswith(".") for part in rel.parts):
+            h.update(f"{rel.as_posix()}\0{file_sha256(f)}\n".encode())
+    return h.hexdigest()

@@ -355,7 +355,8 @@ def _quantized_prune_notes(model, job: _Job) -> list[str] | None:
     found = quantization_config(job.config)
     if not found:
         return None
-    from slimwise.export_stream import CHUNK_BYTES, stored_tensors, weight_files
+    from slimwise.export_stream import CHUNK_BYTES
+    from slimwise.safetensors_files import stored_tensors, weight_files
 
     stored = stored_tensors(weight_files(resolve_model_dir(model)))
     total = sum(s.nbytes for s in stored.values())
@@ -382,31 +383,22 @@ def _pruned_routed_share(job: _Job) -> float:
 
 # ----- distill ---------------------------------------------------------------------------------------------
 
-def _lora_targets(job: _Job) -> tuple[str, ...]:
-    targets = tuple(job.distill.lora_targets)
-    if targets == ("auto",):
-        return job.census.auto_lora_targets
-    missing = [t for t in targets if t not in job.census.linear_io]
-    if missing:
-        raise SlimWiseError(f"no Linear module named {', '.join(missing)} in the model: pass --lora-targets "
-                            "with module names it has (e.g. q_proj,v_proj,o_proj)")
-    return targets
-
-
 def _trainable_rows(job: _Job) -> tuple[list, list[str]]:
     """The delta as the trainer holds it: parameters, gradients and AdamW's two moments (router rows and norms
     at the model dtype, as installed; LoRA in float32), plus the delta's float32 starting copy; and the merged
     LoRA weights autograd keeps for the backward."""
-    c, d = job.census, job.distill
-    sets = set(d.params)
-    dense = (c.router_params if "router" in sets else 0) + (c.norm_params if "norm" in sets else 0)
-    targets = _lora_targets(job) if "lora" in sets else ()
-    lora = d.lora_rank * sum(c.linear_io.get(t, 0) for t in targets)
-    merged = sum(c.linear_weights.get(t, 0) for t in targets)
+    from slimwise.trainable import TRAINABLE_SETS
+
+    d = job.distill
+    # each chosen set says what it holds (an unknown name holds nothing here: the run itself refuses it)
+    held = [s.memory(job.census, d) for name, s in TRAINABLE_SETS.items() if name in d.params]
+    dense, lora, merged = (sum(getattr(m, kind) for m in held) for kind in ("dense", "lora", "merged"))
+    targets = tuple(t for m in held for t in m.targets)
+    dense_sets = "/".join(s.name for s in TRAINABLE_SETS.values() if s.group == "dense")
     rows = [("trainable delta + grads + AdamW", dense * (4 + 4 * job.bytes) + lora * (4 + 4 * 4))]
     if merged:
         rows.append(("LoRA merged weights kept for backward", merged * job.bytes))
-    notes = [f"trainable: {dense:,} router/norm elements at {4 * job.bytes + 4} bytes, {lora:,} LoRA "
+    notes = [f"trainable: {dense:,} {dense_sets} elements at {4 * job.bytes + 4} bytes, {lora:,} LoRA "
              f"elements (rank {d.lora_rank} on {','.join(targets) or 'nothing'}) at 20 bytes"]
     return rows, notes
 

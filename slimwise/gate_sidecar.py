@@ -100,8 +100,8 @@ def refuse_unservable(plan: PrunePlan, gates: DecodeGates) -> None:
 
 def write_gate_sidecar(source_dir: str | Path, plan: PrunePlan, gates: DecodeGates, out: str | Path) -> Path:
     """Write the gates file of `plan` on the full checkpoint `source_dir` (atomically; see the module doc)."""
-    from slimwise.export_stream import stored_tensors, weight_files
     from slimwise.models import resolve_model_dir
+    from slimwise.safetensors_files import stored_tensors, weight_files
 
     refuse_unservable(plan, gates)
     source = Path(resolve_model_dir(source_dir))

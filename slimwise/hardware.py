@@ -2,9 +2,9 @@
 
 Why a module of its own: the CPU speedup of expert pruning depends on the machine's bf16 support. On a CPU
 with bf16 matrix instructions (AMX, AVX512-BF16) bf16 halves the bytes per step and decode stays memory-bound;
-on an AVX2-only CPU torch's bf16 matmul runs at about 0.4 GFLOP/s against 41-84 in float32 (measured on an AMD
-EPYC: docs/serving.md, "dtype on CPU"), vLLM falls back to torch linears for bf16, and float32 decodes about
-1.5x faster. `--dtype auto` on a CPU asks `choose_cpu_dtype`, and every results file records `describe()`.
+on an AVX2-only CPU torch's bf16 matmul is emulated and far slower than float32, vLLM falls back to
+torch linears for bf16, and float32 decodes faster (the figures: docs/serving.md, "dtype on CPU").
+`--dtype auto` on a CPU asks `choose_cpu_dtype`, and every results file records `describe()`.
 """
 
 from __future__ import annotations

@@ -68,4 +68,17 @@ class ForwardWrappers:
         return len(self._wrapped) + len(self._handles)
 
 
-__all__ = ["ForwardWrappers"]
+def first_output(output):
+    """The tensor a forward hook acts on: a module's output, or its first item when the module returns a tuple
+    (vLLM's linear layers return (output, bias); norms with a fused add (normed, residual))."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def with_first_output(output, new):
+    """`output` with `new` in place of what `first_output` read: the rest of a tuple kept as it was. Both are
+    plain Python on the output's structure, fixed per module, so a traced hook (torch.compile) stays one
+    graph."""
+    return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+__all__ = ["ForwardWrappers", "first_output", "with_first_output"]

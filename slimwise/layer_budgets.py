@@ -27,7 +27,7 @@ from slimwise.adapters import get_adapter
 from slimwise.criteria import score_experts
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
-from slimwise.hooks import ForwardWrappers
+from slimwise.hooks import ForwardWrappers, first_output
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan, keep_count
 from slimwise.stats import ExpertStats
@@ -98,7 +98,7 @@ def layer_errors(model: nn.Module, stats: ExpertStats, criterion: str, inputs: d
         block, row = blocks[index], stats.row(index)
         order = torch.sort(-scores[row].double(), stable=True).indices
         x = x.to(next(block.parameters()).device, dtype).unsqueeze(0)
-        full = _output(block(x))
+        full = first_output(block(x)).float()
         errors = []
         for n in counts:
             if n >= stats.num_experts:
@@ -106,7 +106,7 @@ def layer_errors(model: nn.Module, stats: ExpertStats, criterion: str, inputs: d
                 continue
             plan = _one_layer_plan(stats, index, sorted(order[:n].tolist()))
             with ExpertMask(model, plan) as mask, mask.pruned():
-                y = _output(block(x))
+                y = first_output(block(x)).float()
             errors.append(float(((y - full).double().pow(2).sum() / full.double().pow(2).sum().clamp_min(
                 1e-30)).item()))
         out[index] = errors
@@ -173,10 +173,6 @@ def _one_layer_plan(stats: ExpertStats, layer: int, kept: list[int]) -> PrunePla
     return PrunePlan(family=meta["family"], num_experts=stats.num_experts, top_k=int(meta["top_k"]),
                      kept_experts={i: kept if i == layer else everything for i in stats.layers},
                      fingerprint=meta.get("fingerprint"))
-
-
-def _output(out) -> torch.Tensor:
-    return (out[0] if isinstance(out, tuple) else out).float()
 
 
 __all__ = ["allocate", "capture_decode_inputs", "grid", "layer_errors", "sensitivity_plan"]

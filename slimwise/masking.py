@@ -21,7 +21,7 @@ from slimwise.adapters import MoEAdapter, get_adapter
 from slimwise.decode_gate_ops import budget_allowed, drop_pruned, falls_back, substitution, within
 from slimwise.decode_gates import PLAIN, DecodeGates
 from slimwise.devices import execution_device, onloaded
-from slimwise.hooks import ForwardWrappers
+from slimwise.hooks import ForwardWrappers, first_output, with_first_output
 from slimwise.plan import PrunePlan
 
 
@@ -78,9 +78,9 @@ class ExpertMask:
             extra = self._extra.pop(index, None)
             if extra is None:
                 return None
-            out = output[0] if isinstance(output, tuple) else output
+            out = first_output(output)
             out = out + extra.to(out.dtype).view_as(out)
-            return (out, *output[1:]) if isinstance(output, tuple) else out
+            return with_first_output(output, out)
 
         return hook
 

@@ -87,11 +87,13 @@ def resolve_model_dir(path: str | Path) -> Path:
     """A local model directory with a config.json, or one of the embedded testbed names."""
     p = Path(path)
     if not p.is_dir():
-        from slimwise.embedded import embedded_model_dir
+        from slimwise.embedded import embedded_model_dir, missing_embedded
 
         embedded = embedded_model_dir(str(path))
         if embedded is not None:
             return embedded
+        if (missing := missing_embedded(str(path))) is not None:
+            raise SlimWiseError(missing)
         raise SlimWiseError(f"model directory {path} does not exist; pass a local checkpoint directory "
                             "(SlimWise never downloads weights)")
     if not (p / "config.json").is_file():

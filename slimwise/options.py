@@ -51,10 +51,17 @@ def add_dataclass_options(parser: argparse.ArgumentParser, config_cls, names: It
 def config_from_args(config_cls, args: argparse.Namespace, **explicit):
     """`config_cls` from the parsed options that `add_dataclass_options` added. `explicit` values win; a field
     whose option is not on this parser (or was not given and defaults to None there) keeps its default."""
+    return config_cls(**values_from_args(config_cls, args, skip=explicit), **explicit)
+
+
+def values_from_args(config_cls, args: argparse.Namespace, skip: Iterable[str] = ()) -> dict[str, Any]:
+    """The field values `config_from_args` passes to `config_cls` (without constructing it, so without its
+    checks): one per option field on this parser, less `skip`, whose parsed value is not None (a flag's
+    always)."""
     values = {}
     for name, f in option_fields(config_cls).items():
         dest = dest_of(f)
-        if name in explicit or not hasattr(args, dest):
+        if name in skip or not hasattr(args, dest):
             continue
         value = getattr(args, dest)
         if _is_flag(f):
@@ -62,7 +69,12 @@ def config_from_args(config_cls, args: argparse.Namespace, **explicit):
         elif value is not None:
             convert = f.metadata.get("convert")
             values[name] = convert(value) if convert else value
-    return config_cls(**values, **explicit)
+    return values
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    """A field's default (its default factory's value); MISSING for a field without one."""
+    return _default(f)
 
 
 def argv_of(config_cls, values: Mapping[str, Any], names: Iterable[str] | None = None, *,

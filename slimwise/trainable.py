@@ -8,19 +8,20 @@ A set owns what differs between sets, for every consumer of a delta:
   `install`         the reference engine's overrides (`InstalledDelta`): trained tensors lent to the model's
                     modules while the pruned decoder runs; the parameters the trainer optimises
   `fold`            merge into the model's weights, for a pruned-and-distilled export
-  `install_in_vllm` hand the tensors to the vLLM decode routing (`slimwise.serving.routing`), which hooks them
-                    onto decode tokens
+  `memory`          what training it holds, by kind, for the footprint (`slimwise.footprint`, `--dry-run`)
 Code that handles a delta loops over `TRAINABLE_SETS` instead of branching on set names; a new set is one
-registered subclass here (plus its vLLM hook in `routing.py`, where the vLLM module names live).
+registered subclass here. Its vLLM side (handing its tensors to the served decode routing, and vLLM's fused
+module names) is its installer in `slimwise/serving/delta_hooks.py`, found by the set's name.
 
 Invariants:
 - Registry order is the order everywhere (tensors, parameters, optimizer groups, gradient clipping): it is
   part of what makes a resumed run repeat its losses bit for bit, so new sets go after the existing ones.
 - Every set acts on the delta's tensors of its own kind only, and an absent kind is a no-op: a delta is
   applied by what it holds, whatever its manifest's `params` says.
-- vLLM workers import this module (through `slimwise.serving.routing`), so it imports neither the trainer
-  (`slimwise.distill`, torch optimizers) nor vLLM; and `slimwise.delta` imports it, so it imports nothing from
-  there either (the objects it acts on are passed in).
+- vLLM workers import this module (through `slimwise.serving.delta_hooks`), so it imports neither the trainer
+  (`slimwise.distill`, torch optimizers) nor vLLM, and names no vLLM module; nothing from `slimwise.serving`
+  either (the layers point down: serving imports the sets); and `slimwise.delta` imports it, so it imports
+  nothing from there either (the objects it acts on are passed in).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -36,24 +37,11 @@ from torch import nn
 from slimwise.adapters import MoEAdapter, MoELayer, get_adapter
 from slimwise.errors import SlimWiseError
 
-if TYPE_CHECKING:
-    from slimwise.delta import Delta, InstalledDelta
-    from slimwise.serving.routing import DecodeRouting
-
 #: where decoder layers keep the norm whose output feeds the MoE block, by family naming
 NORM_ATTRS = ("post_attention_layernorm", "ffn_norm", "pre_feedforward_layernorm")
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # routed experts are fused 3-D weights: never matched
 DENSE_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-#: transformers' projection -> (vLLM module name, block of its fused output): q/k/v are fused in vLLM's
-#: QKVParallelLinear (output blocks q, k, v), o_proj is one RowParallelLinear; a dense MLP's -- the shared
-#: expert's (Qwen2-MoE, Qwen3-Next) or a dense layer's -- gate/up are fused in MergedColumnParallelLinear
-#: (blocks gate, up) and down_proj is one RowParallelLinear. Routed experts are fused 3-D weights in both
-#: libraries, never LoRA targets.
-VLLM_LORA_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                     "o_proj": ("o_proj", None),
-                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                     "down_proj": ("down_proj", None)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -117,6 +105,33 @@ class InitOptions(Protocol):
     lora_targets: tuple[str, ...]
 
 
+class Delta(Protocol):
+    """What the sets read of a delta (`slimwise.delta.Delta`; typed here, since `slimwise.delta` imports this
+    module and the import graph, `if TYPE_CHECKING:` included, has no loops)."""
+
+    @property
+    def lora_scale(self) -> float: ...
+
+    def routers(self) -> dict[int, torch.Tensor]: ...
+
+    def norms(self) -> dict[int, torch.Tensor]: ...
+
+    def lora_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+class InstalledDelta(Protocol):
+    """What `install` uses of the reference engine's installed delta (`slimwise.delta.InstalledDelta`)."""
+
+    model: nn.Module
+    adapter: MoEAdapter
+    plan: Any  # the `PrunePlan` the delta is installed under
+    scale: float
+
+    def override_router(self, router: nn.Module, weight: nn.Parameter, pruned: torch.Tensor) -> None: ...
+
+    def override_weight(self, module: nn.Module, weight: Any) -> None: ...
+
+
 @dataclass
 class SetState:
     """One set's overrides installed on one model.
@@ -127,6 +142,19 @@ class SetState:
 
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     frozen: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SetMemory:
+    """What training one set holds, in elements, by how the footprint prices them: `dense` trained tensors at
+    the model dtype (with their gradients, AdamW moments and float32 starting copy), `lora` float32 LoRA
+    factors (the same four, all float32), `merged` weights autograd keeps for the backward (model dtype);
+    `targets` the modules it adapts (LoRA), for the footprint's note."""
+
+    dense: int = 0
+    lora: int = 0
+    merged: int = 0
+    targets: tuple[str, ...] = ()
 
 
 Layers = dict[int, MoELayer]  # the model's MoE layers by decoder-layer index
@@ -143,6 +171,11 @@ class TrainableSet:
     def validate(self, config: InitOptions) -> None:
         """Refuse settings this set cannot train with; most sets read none."""
 
+    def memory(self, census, config: InitOptions) -> SetMemory:
+        """What training this set holds on the model `census` counts (a `slimwise.footprint.Census`, built on
+        the meta device), for `config`; refuses settings the model cannot take, as `init` would."""
+        raise NotImplementedError
+
     def init(self, model: nn.Module, adapter: MoEAdapter, layers: Layers,
              config: InitOptions) -> tuple[dict[str, torch.Tensor], dict]:
         """(starting tensors by delta tensor name, manifest entries); `layers`: the MoE layers the plan keeps
@@ -156,9 +189,6 @@ class TrainableSet:
         raise NotImplementedError
 
     def fold(self, model: nn.Module, delta: Delta, adapter: MoEAdapter, layers: Layers) -> None:
-        raise NotImplementedError
-
-    def install_in_vllm(self, routing: DecodeRouting, delta: Delta) -> None:
         raise NotImplementedError
 
 
@@ -195,6 +225,9 @@ class RouterSet(TrainableSet):
 
     name = "router"
 
+    def memory(self, census, config):
+        return SetMemory(dense=census.router_params)
+
     def init(self, model, adapter, layers, config):
         return {f"layers.{i}.router.weight": layer.router.weight.detach().float().clone()
                 for i, layer in layers.items()}, {}
@@ -221,17 +254,15 @@ class RouterSet(TrainableSet):
         for i, w in delta.routers().items():
             layers[i].router.weight.copy_(w.to(layers[i].router.weight.dtype))
 
-    def install_in_vllm(self, routing, delta):
-        # the gate hook that masks the plan's pruned experts applies the router too (one hook per gate, so the
-        # distilled logits are masked like the stock ones): the gate loop takes these per layer
-        routing.pending_routers.update(delta.routers())
-
 
 @register_set
 class NormSet(TrainableSet):
     """A copy of the norm that feeds each MoE block (`post_attention_layernorm` in Qwen families)."""
 
     name = "norm"
+
+    def memory(self, census, config):
+        return SetMemory(dense=census.norm_params)
 
     def init(self, model, adapter, layers, config):
         return {f"layers.{i}.moe_norm.weight": moe_norm(model, i, adapter).weight.detach().float().clone()
@@ -257,9 +288,6 @@ class NormSet(TrainableSet):
             norm = moe_norm(model, i, adapter)
             norm.weight.copy_(w.to(norm.weight.dtype))
 
-    def install_in_vllm(self, routing, delta):
-        routing.pending_norms.update(delta.norms())  # hooked where the module walk finds each layer's norm
-
 
 @register_set
 class LoraSet(TrainableSet):
@@ -269,6 +297,17 @@ class LoraSet(TrainableSet):
 
     name = "lora"
     group = "lora"
+
+    def memory(self, census, config):
+        targets = tuple(config.lora_targets)
+        if targets == ("auto",):
+            targets = census.auto_lora_targets
+        missing = [t for t in targets if t not in census.linear_io]
+        if missing:
+            raise SlimWiseError(f"no Linear module named {', '.join(missing)} in the model: pass "
+                                "--lora-targets with module names it has (e.g. q_proj,v_proj,o_proj)")
+        return SetMemory(lora=config.lora_rank * sum(census.linear_io.get(t, 0) for t in targets),
+                         merged=sum(census.linear_weights.get(t, 0) for t in targets), targets=targets)
 
     def validate(self, config):
         if config.lora_rank < 1 or not config.lora_targets:
@@ -316,20 +355,6 @@ class LoraSet(TrainableSet):
             lin = model.get_submodule(name)
             lin.weight.copy_(merged_weight(lin.weight, a.to(lin.weight.device), b.to(lin.weight.device),
                                            delta.lora_scale))
-
-    def install_in_vllm(self, routing, delta):
-        # vLLM fuses q/k/v and gate/up: each pair goes to its fused module's output block, merged into that
-        # module's weight copy once the checkpoint is loaded (`DecodeRouting.merge_lora`)
-        routing.lora_scale = delta.lora_scale
-        for name, (a, b) in sorted(delta.lora_pairs().items()):
-            prefix, _, leaf = name.rpartition(".")
-            if leaf not in VLLM_LORA_TARGETS:
-                raise SlimWiseError(f"LoRA on {name} is not served colocated (only "
-                                    f"{', '.join(VLLM_LORA_TARGETS)}): export the folded checkpoint with "
-                                    "`slimwise prune --distilled` and serve it as the "
-                                    "--disaggregated decode model")
-            target, block = VLLM_LORA_TARGETS[leaf]
-            routing.lora_blocks.setdefault(f"{prefix}.{target}", []).append((block, a, b))
 
 
 PARAM_SETS = tuple(TRAINABLE_SETS)  # the built-in sets, in registry order

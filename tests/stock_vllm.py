@@ -3,7 +3,8 @@
 `vllm_generate` runs this file as a subprocess and reads back JSON: a fresh interpreter with vLLM's own
 process layout, which must be driven from a `__main__`-guarded entry point. `vllm_generate_here` runs the same
 engine in the calling process, for tests marked `vllm_in_process` (engine core in-process, no worker spawned):
-6-7 s instead of about 30 s per call on an AVX2-only VM, where importing vLLM again dominates.
+a fraction of a subprocess call's time, which importing vLLM again dominates
+(docs/history/measurement-notes.md).
 """
 
 from __future__ import annotations

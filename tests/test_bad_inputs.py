@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from lab.perf.cli import PROG as LAB_PROG
+from lab.perf.cli import main as lab_main
 from slimwise.cli import main
 
 GARBAGE = bytes(range(256)) * 8 + b"\xff\xfe\x00\x80"
@@ -30,11 +32,12 @@ def env(tmp_path_factory):
     """One tiny model (with tokenizer), its stats, a valid plan and export, and a shelf of broken inputs."""
     from tiny import save_tiny_model
 
+    from lab.testbed.tokenizer import build_tokenizer
     from slimwise.calibrate import CalibrationConfig, calibrate
     from slimwise.criteria import plan_from_stats
     from slimwise.export import export_pruned
     from slimwise.models import load_model
-    from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+    from slimwise.testbed import export_jsonl, make_split
 
     root = tmp_path_factory.mktemp("bad")
     model_dir = save_tiny_model("qwen3_moe", root / "model", initializer_range=0.15)
@@ -482,6 +485,9 @@ case("serve-plans-disaggregated",
 case("serve-plans-one-for-other-weights",
      ["serve", M, "--plan", "a=" + P, "--plan", "b=" + _plan("other-weights")], None)
 
+#: the lab's perf studies (`python -m lab.perf.cli`): their cases run through its main, with the same contract
+LAB_COMMANDS = {"roofline", "calib-cost", "policy-quality"}
+
 # ----- roofline ---------------------------------------------------------------------------------------------
 for opt, value in [("--ratio", "1"), ("--ratio", "nan"), ("--batch", "0"), ("--context", "0"),
                    ("--layers", "0"), ("--overhead-us", "-1"), ("--reference", "0"), ("--hardware", "abacus"),
@@ -556,14 +562,14 @@ def test_bad_input_refused(env, name, capsys):
         if out is not None and out.parent.is_dir() else None
     capsys.readouterr()
     try:
-        code = main(argv)
+        code = (lab_main if argv and argv[0] in LAB_COMMANDS else main)(argv)
     except SystemExit as exc:  # argparse's usage errors
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2, f"exit {code}, stderr: {err[-600:]!r}"
     lines = err.splitlines()
     assert len(lines) == 1, f"stderr is not one line: {err[-600:]!r}"
-    assert lines[0].startswith("slimwise") and ": error: " in lines[0], lines[0]
+    assert lines[0].startswith(("slimwise", LAB_PROG)) and ": error: " in lines[0], lines[0]
     assert SAYS.get(name, "") in lines[0], lines[0]
     assert "Traceback" not in err
     assert snapshot(env / "model") == model_before, "the source model was modified"
@@ -581,9 +587,12 @@ def test_bad_input_refused(env, name, capsys):
 
 def test_the_corpus_is_large_and_covers_every_subcommand():
     assert len(CASES) >= 120
+    from lab.perf.cli import build_parser as lab_parser
     from slimwise.cli import build_parser
 
     commands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert set(lab_parser()._subparsers._group_actions[0].choices) == LAB_COMMANDS
+    commands |= LAB_COMMANDS
     covered = {argv[0] for argv, _ in CASES.values() if argv}
     assert commands <= covered, f"subcommands without a bad-input case: {sorted(commands - covered)}"
 

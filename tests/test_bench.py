@@ -1,4 +1,4 @@
-"""`slimwise bench` and `slimwise calib-cost`: structure and invariants, never timings.
+"""`slimwise bench` and the lab's `calib-cost`: structure and invariants, never timings.
 
 Fast tests run the pure parts (pairing, rounds, thresholds, bars, traffic accounting, tables, plot, parser)
 and the expert-counting hook of DecodeRouting on a stand-in model; the calibration observers on a tiny HF
@@ -219,7 +219,9 @@ def test_parsers_are_light_and_registered():
         and args.variants == ["full", "slimwise-min16"]
         and args.suggest_threshold == 1.1
     )
-    assert build_parser().parse_args(["calib-cost", "--synthetic", "smoke"]).phase == "prompt"
+    from lab.perf.cli import build_parser as lab_parser
+
+    assert lab_parser().parse_args(["calib-cost", "--synthetic", "smoke"]).phase == "prompt"
 
 
 def test_from_json_prints_tables_and_threshold(tmp_path, capsys):
@@ -279,9 +281,9 @@ def test_counting_off_keeps_the_routing_inactive_without_a_plan():
 
 
 def test_all_experts_observer_gives_the_same_routed_statistics(tiny_dirs):
+    from lab.perf.calib_cost import AllExpertsObserver, CalibCostConfig, ReapHookObserver, observe
     from slimwise.calibrate import ExpertObserver
     from slimwise.models import load_model
-    from slimwise.perf.calib_cost import AllExpertsObserver, CalibCostConfig, ReapHookObserver, observe
 
     model = load_model(tiny_dirs("qwen3_moe"))
     prompts = random_prompts(4, seed=3, lengths=(6, 6, 6, 6))
@@ -316,7 +318,7 @@ def test_sorted_observer_returns_exactly_the_models_own_experts_output(tiny_dirs
 
 
 def test_calib_cost_end_to_end_on_tiny_model(tiny_dirs, tmp_path):
-    from slimwise.perf.calib_cost import CalibCostConfig, run_calib_cost
+    from lab.perf.calib_cost import CalibCostConfig, run_calib_cost
 
     r = run_calib_cost(
         CalibCostConfig(

@@ -1,24 +1,29 @@
 """The `slimwise` command line: the full core flow and its error handling.
 
 Each test runs its first command as a real process (`python -m slimwise.cli`: exit code, stdout and stderr as
-a user sees them) and the rest in this process through `slimwise.cli.main`, the same entry point without the
-9-11 s of importing torch and transformers again per command (measured on a 2-core AVX2-only VM: these three
-tests took 153 s as eight plus four plus four processes).
+a user sees them) and the rest in this process through `slimwise.cli.main`, the same entry point without
+importing torch and transformers again per command, which dominates a tiny model's command
+(docs/history/measurement-notes.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tiny import save_tiny_model
 
-from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+from lab.testbed.tokenizer import build_tokenizer
+from slimwise.testbed import export_jsonl, make_split
 
 SLIMWISE = [sys.executable, "-m", "slimwise.cli"]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args, check=True):
@@ -57,8 +62,11 @@ def workdir(tmp_path_factory):
 
 def test_help_lists_subcommands():
     out = run("--help").stdout
-    for name in ("calibrate", "plan", "prune", "generate", "demo"):
+    for name in ("calibrate", "plan", "prune", "generate", "demo", "bench"):
         assert name in out
+    # the perf studies are the lab's (`python -m lab.perf.cli`), not the product's
+    listed = re.findall(r"^    ([a-z-]+)(?:\s|$)", out, re.M)
+    assert "bench" in listed and not {"roofline", "calib-cost", "policy-quality"} & set(listed), listed
 
 
 def test_core_flow(workdir, capsys):
@@ -140,34 +148,123 @@ def _subparser(name: str):
     return build_parser()._subparsers._group_actions[0].choices[name]
 
 
-def _config_class(command: str):
+def _config_classes(command: str) -> tuple:
+    """The config dataclasses whose fields make `command`'s options (each class's every option field)."""
+    from slimwise.calibrate import CalibrateCommand, CalibrationConfig
+    from slimwise.demo import DemoConfig
     from slimwise.distill import DistillConfig
+    from slimwise.distill_config import DistillCommand
+    from slimwise.engines.reference import GenerateCommand, GenerationConfig
     from slimwise.evaluation.config import EvalConfig
     from slimwise.perf.bench_config import BenchConfig
+    from slimwise.plan_config import PlanCommand, PruneCommand
     from slimwise.serving.config import ServeConfig
 
-    return {"eval": EvalConfig, "bench": BenchConfig, "serve": ServeConfig, "distill": DistillConfig}[command]
+    return {"calibrate": (CalibrateCommand, CalibrationConfig), "plan": (PlanCommand,),
+            "prune": (PruneCommand,), "generate": (GenerateCommand, GenerationConfig),
+            "distill": (DistillCommand, DistillConfig), "eval": (EvalConfig,),
+            "serve": (ServeConfig,), "bench": (BenchConfig,), "demo": (DemoConfig,)}[command]
 
 
 #: where a command line's default differs from its config's on purpose: `slimwise serve` logs routing counters
 CLI_DEFAULTS = {("serve", "log_every"): 100}
+#: the options written by hand in slimwise/cli.py (or perf/cli.py), not fields of a config: those the command
+#: reads into several fields (eval's MODEL list and --route, serve's --plan), eval's --no-calib-mixes and
+#: bench's --from-json
+HAND_WRITTEN = {"eval": {"models", "no_calib_mixes", "route"}, "serve": {"plan"}, "bench": {"from_json"}}
 
 
-@pytest.mark.parametrize("command", ["eval", "bench", "serve", "distill"])
+def check_options_have_field_defaults(parser, config_classes, cli_defaults=None) -> None:
+    """Every option field of `config_classes` is an option of `parser`, and with only the required arguments
+    given it parses to the field's default (`cli_defaults`: field name -> a deliberate command-line default):
+    argparse's own default is that default -- None included -- except for a flag (store_true) and an option
+    with `convert` or `append` (None: the field keeps its default), and `config_from_args` gives it back."""
+    import dataclasses
+
+    from slimwise.options import default_of, dest_of, option_fields, values_from_args
+
+    actions = {a.dest: a for a in parser._actions}
+    required = [a for a in parser._actions if a.required]
+    argv = [w for a in required for w in ([a.option_strings[0]] if a.option_strings else []) + ["x"]]
+    args = parser.parse_args(argv)
+    for config_cls in config_classes:
+        fields = option_fields(config_cls)
+        values = values_from_args(config_cls, args)
+        assert fields, config_cls
+        for name, f in fields.items():
+            where = f"{config_cls.__name__}.{name}"
+            assert dest_of(f) in actions, f"{where} is not an option"
+            default = default_of(f)
+            action = actions[dest_of(f)]
+            if default is dataclasses.MISSING:  # required: the value given
+                assert values[name] == (["x"] if action.nargs == "+" else "x"), where
+                continue
+            expected = (cli_defaults or {}).get(name, default)
+            if isinstance(action, argparse._StoreTrueAction):  # a flag flips its field's default
+                assert action.default is False, where
+            elif "convert" in f.metadata or f.metadata.get("action") == "append":
+                assert action.default is None, where
+            else:
+                assert action.default == expected and type(action.default) is type(expected), where
+            assert values.get(name, default) == expected, where
+
+
+@pytest.mark.parametrize("command", ["calibrate", "plan", "prune", "generate", "distill", "eval", "serve",
+                                     "bench", "demo"])
 def test_every_option_field_is_an_option_with_the_fields_default(command):
     """A field whose metadata makes it an option is on its command line, defaulting to the field's default
-    (the one declaration)."""
+    (the one declaration), for every field, those defaulting to None included; and every other option is one
+    of the few written by hand."""
     from slimwise.options import dest_of, option_fields
 
-    config_cls = _config_class(command)
-    defaults = config_cls(**({"model": "m"} if command == "serve" else {}))
-    actions = {a.dest: a for a in _subparser(command)._actions}
-    fields = option_fields(config_cls)
-    assert fields and {dest_of(f) for f in fields.values()} <= set(actions)
-    for name, f in fields.items():
-        action = actions[dest_of(f)]
-        if f.type != "bool" and action.default is not None:
-            assert action.default == CLI_DEFAULTS.get((command, name), getattr(defaults, name)), name
+    parser, classes = _subparser(command), _config_classes(command)
+    check_options_have_field_defaults(parser, classes,
+                                      {n: v for (c, n), v in CLI_DEFAULTS.items() if c == command})
+    declared = {dest_of(f) for cls in classes for f in option_fields(cls).values()}
+    written = {a.dest for a in parser._actions if a.dest != "help"} - declared
+    assert written == HAND_WRITTEN.get(command, set())
+
+
+def test_the_defaults_check_fails_on_a_wrong_default():
+    """The check above can fail: an option whose command-line default is not its field's, a None default
+    that parses to something else, a field that is not an option."""
+    from dataclasses import dataclass, field
+
+    from slimwise.options import add_dataclass_options
+
+    @dataclass
+    class Toy:
+        size: int = field(default=3, metadata={"type": int, "help": None})
+        name: str | None = field(default=None, metadata={"help": None})
+
+    good = argparse.ArgumentParser()
+    add_dataclass_options(good, Toy)
+    check_options_have_field_defaults(good, (Toy,))
+    for size, name in ((4, None), (3, "x")):
+        wrong = argparse.ArgumentParser()
+        wrong.add_argument("--size", type=int, default=size)
+        wrong.add_argument("--name", default=name)
+        with pytest.raises(AssertionError, match="Toy.(size|name)"):
+            check_options_have_field_defaults(wrong, (Toy,))
+    missing = argparse.ArgumentParser()
+    add_dataclass_options(missing, Toy, ("size",))
+    with pytest.raises(AssertionError, match="Toy.name is not an option"):
+        check_options_have_field_defaults(missing, (Toy,))
+
+
+def test_library_configs_are_their_options_defaults():
+    """`calibrate` and `generate` build the library's configs from the options: with no option given, those
+    are the configs' own defaults (the one declaration), plus what the command sets itself."""
+    from slimwise.calibrate import CalibrationConfig
+    from slimwise.engines.reference import GenerationConfig
+    from slimwise.options import config_from_args
+
+    args = _subparser("calibrate").parse_args(["m", "--data", "d", "--out", "o"])
+    assert config_from_args(CalibrationConfig, args) == CalibrationConfig()
+    args = _subparser("generate").parse_args(["m", "--prompts", "p"])
+    assert config_from_args(GenerationConfig, args) == GenerationConfig()
+    args = _subparser("generate").parse_args(["m", "--prompts", "p", "--stop", "a", "--stop", "b"])
+    assert config_from_args(GenerationConfig, args).stop == ("a", "b")
 
 
 def test_options_helper_flags_conversions_and_explicit_values():
@@ -247,26 +344,31 @@ def test_kv_dir_cap_is_one_serve_option(capsys, monkeypatch):
 
 @pytest.mark.slow  # three Python processes, one of them training
 def test_testbed_entry_points_run_as_modules(tmp_path):
-    """`python -m slimwise.testbed.train` and `python -m slimwise.testbed.evaluate` (the commands model cards
-    print) run as real processes: a tiny run without evaluation, then its evaluation, then its card."""
+    """The lab's entry points run as real processes from the repository root (the lab is not installed):
+    `python -m lab.testbed.train` (a tiny run without evaluation), `python -m lab.testbed.evaluate` (its
+    evaluation, then its card) and `python -m lab.perf.cli` (a roofline, and a refusal in one line)."""
     tiny = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     run_dir = tmp_path / "run"
 
-    def module(name, *args):
+    def module(name, *args, code=0):
         proc = subprocess.run([sys.executable, "-m", name, *map(str, args)], capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
+                              timeout=600, cwd=ROOT)
+        assert proc.returncode == code, proc.stderr
+        return proc.stdout if code == 0 else proc.stderr
 
     overrides = [x for k, v in tiny.items() for x in ("--override", f"{k}={v}")]
-    out = module("slimwise.testbed.train", "--backbone", "a", "--out", run_dir, "--max-steps", "2",
+    out = module("lab.testbed.train", "--backbone", "a", "--out", run_dir, "--max-steps", "2",
                  "--samples-per-family", "1", "--family-weights", "add=1", "--threads", "1", "--eval-n", "1",
                  "--heldout-n", "1", "--no-progress", "--no-eval", *overrides)
     assert out.strip().endswith(str(run_dir)) and not (run_dir / "eval.json").exists()
     config = json.loads((run_dir / "train_config.json").read_text())
     assert config["model_overrides"] == tiny and config["family_weights"] == {"add": 1.0}
     assert not config["progress"] and config["max_steps"] == 2
-    out = module("slimwise.testbed.evaluate", "evaluate", run_dir, "--dtype", "float32")
+    out = module("lab.testbed.evaluate", "evaluate", run_dir, "--dtype", "float32")
     assert out.startswith("test: ") and (run_dir / "eval.json").is_file()
-    assert module("slimwise.testbed.evaluate", "card", run_dir).strip() == str(run_dir / "README.md")
+    assert module("lab.testbed.evaluate", "card", run_dir).strip() == str(run_dir / "README.md")
+    out = module("lab.perf.cli", "roofline", "--preset", "cpu", "--hardware", "h100", "--batch", "1", "8")
+    assert "weights-only ceiling" in out and "## h100" in out
+    err = module("lab.perf.cli", "roofline", "--config", tmp_path / "missing.json", code=2)
+    assert err.startswith("python -m lab.perf.cli: error: config ") and err.count("\n") == 1, err

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
 EVAL_REPORTS = sorted(RESULTS.rglob("report.json"))
 BENCH_REPORTS = sorted(p for p in (RESULTS / "perf").glob("bench-*.json") if p.with_suffix(".md").exists())
-CHECKPOINTS = sorted(p for p in (ROOT / "slimwise" / "testbed" / "checkpoints").iterdir() if p.is_dir())
+CHECKPOINTS = sorted((p for root in (ROOT / "slimwise" / "testbed", ROOT / "lab" / "testbed")
+                      for p in (root / "checkpoints").iterdir() if p.is_dir()), key=lambda p: p.name)
 
 
 def test_there_is_something_to_compare():
@@ -45,7 +46,7 @@ def test_bench_report_rerenders(path):
 
 @pytest.mark.parametrize("ckpt", CHECKPOINTS, ids=lambda p: p.name)
 def test_model_card_rerenders(ckpt, tmp_path):
-    from slimwise.testbed.evaluate import write_card
+    from lab.testbed.evaluate import write_card
 
     copy = tmp_path / ckpt.name
     shutil.copytree(ckpt, copy)

@@ -19,11 +19,12 @@ from tiny import save_tiny_model
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.distill import DistillConfig, init_delta
-from slimwise.engines.vllm_engine import content_sha256, pruned_gates_overrides, slimwise_overrides
 from slimwise.export_stream import export_checkpoint
+from slimwise.fingerprint import content_sha256
 from slimwise.models import load_model
 from slimwise.plan import PrunePlan
 from slimwise.serving.config import ServeConfig
+from slimwise.serving.overrides import pruned_gates_overrides, slimwise_overrides
 from slimwise.serving.server import (
     EXPORT_MARKER,
     _decode_checkpoint,

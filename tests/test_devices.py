@@ -47,12 +47,61 @@ def test_cpu_placement_is_the_plain_load_and_gpu_dtype_defaults_to_bf16():
     assert auto_dtype_on("cpu", "bfloat16") is None
 
 
-def test_load_model_on_cpu_device_equals_the_default_load():
-    plain = load_model("testbed-a", dtype="float32")
+def _computation(model, tok, prompts: list[str]) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """What a placement must not change: greedy tokens (full mode), teacher-forced logits along them."""
+    from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+
+    with PhaseSplitEngine(model, tok) as engine:
+        gens = engine.generate(prompts, "full", GenerationConfig(max_new_tokens=8, batch_size=len(prompts)))
+    with torch.no_grad():
+        logits = [model(torch.tensor([g.prompt_ids + g.token_ids], device=input_device(model))).logits.cpu()
+                  for g in gens]
+    return [g.token_ids for g in gens], logits
+
+
+def _differences(got, want) -> list[str]:
+    """Which of tokens and logits differ (bit for bit) between two `_computation`s."""
+    out = ["tokens"] if got[0] != want[0] else []
+    if any(not torch.equal(a, b) for a, b in zip(got[1], want[1], strict=True)):
+        out.append("logits")
+    return out
+
+
+def test_device_cpu_is_placed_through_devices_and_computes_the_plain_load(monkeypatch, tmp_path):
+    """`--device cpu` is resolved by `devices.resolve_device` and placed by `devices.placement` (at the
+    command line and in `load_model`), and the model it places computes what transformers' own plain load of
+    the checkpoint computes, token for token and logit for logit. The comparison bites: a wrong placement of
+    the same weights (the same device in half precision, as a GPU's `--dtype auto` loads them) differs."""
+    from transformers import AutoModelForCausalLM
+
+    from slimwise import devices
+    from slimwise.cli import main
+    from slimwise.models import load_tokenizer, resolve_model_dir
+    from slimwise.testbed import make_split
+
+    resolved = []
+    real = devices.resolve_device
+    monkeypatch.setattr(devices, "resolve_device", lambda spec: resolved.append(spec) or real(spec))
+    tok = load_tokenizer("testbed-a")
+    prompts = [s.prompt for s in make_split("calib", 1, seed=0, domain="arithmetic")][:4]
+    assert len(prompts) >= 2
+    plain = AutoModelForCausalLM.from_pretrained(resolve_model_dir("testbed-a"), dtype=torch.float32,
+                                                 local_files_only=True).eval()
+    reference = _computation(plain, tok, prompts)
     placed = load_model("testbed-a", dtype="float32", device="cpu")
-    assert input_device(placed) == torch.device("cpu")
-    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), placed.state_dict().values(),
-                                                 strict=True))
+    assert resolved == ["cpu"] and input_device(placed) == torch.device("cpu")
+    assert _differences(_computation(placed, tok, prompts), reference) == []
+    wrong = load_model("testbed-a", dtype="bfloat16", device="cpu")
+    assert "logits" in _differences(_computation(wrong, tok, prompts), reference)
+
+    resolved.clear()
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    assert main(["generate", "testbed-a", "--device", "cpu", "--dtype", "float32", "--mode", "full",
+                 "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "8",
+                 "--batch-size", str(len(prompts)), "--out", str(tmp_path / "out.jsonl")]) == 0
+    assert resolved == ["cpu"]
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [r["token_ids"] for r in rows] == reference[0]
 
 
 def test_commands_take_device_and_refuse_a_missing_gpu(tmp_path):
@@ -75,13 +124,20 @@ def test_commands_take_device_and_refuse_a_missing_gpu(tmp_path):
     assert not (tmp_path / "s.safetensors").exists()
 
 
-def test_gpu_check_smoke_runs_on_cpu(tmp_path):
-    """The prepared GPU check with tiny sizes on the CPU, as a user runs it: every section runs, every check
-    passes and the JSON names its environment (so the script cannot rot between GPU sessions)."""
+@pytest.fixture(scope="module")
+def smoke_report(tmp_path_factory) -> dict:
+    """The prepared GPU check's JSON from a run with tiny sizes on the CPU, as a user runs it."""
+    out = tmp_path_factory.mktemp("gpu-check")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu",
-                           "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                           "--smoke", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    return json.loads((out / "gpu_check.json").read_text())
+
+
+def test_gpu_check_smoke_runs_on_cpu(smoke_report):
+    """The prepared GPU check with tiny sizes on the CPU: every section runs, every check passes and the JSON
+    names its environment (so the script cannot rot between GPU sessions)."""
+    report = smoke_report
     assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["errors"]
     assert set(report["sections"]) == {"testbed", "synthetic"}
     assert len(report["checks"]) == 16 and all(c["ok"] for c in report["checks"])
@@ -99,11 +155,35 @@ def test_gpu_check_smoke_runs_on_cpu(tmp_path):
     assert dist["first_loss_equal"] and dist["loss_max_rel_diff"] == 0.0  # the CPU is deterministic
 
 
-def test_published_gpu_check_passed():
-    """The published H200 run: every check passed, on CUDA, and it is the schema this script writes."""
-    report = json.loads((ROOT / "docs/results/gpu/gpu_check_h200.json").read_text())
-    assert report["schema"] == "slimwise-gpu-check/1" and report["ok"] and not report["smoke"]
-    assert report["env"]["gpu"] == "NVIDIA H200" and report["env"]["device"] == "cuda"
+#: checks `scripts/gpu_check.py` gained after the published H200 run (docs/results/gpu.md lists them under
+#: "What did not run on a GPU"), and the one it renamed since: published name -> the name it writes today
+ADDED_SINCE_PUBLISHED = ("testbed-c float32 spread: layer-streamed statistics equal the in-memory pass",
+                         "testbed-c float32 spread: layer-streamed log-probs equal the in-memory scoring")
+RENAMED_SINCE_PUBLISHED = {
+    "testbed-c float32 spread over placements: calibration counts equal the whole model's":
+        "testbed-c float32 spread: calibration counts equal the whole model's"}
+
+
+def test_published_gpu_check_is_todays_check_less_what_was_added_since(smoke_report):
+    """The published H200 run is a passed, full-size CUDA run of the schema this script writes, and its checks
+    are today's checks, in today's order, less the checks added since and with the one renamed check mapped:
+    a check the script drops, adds or renames again, or a published JSON edited by hand, fails here until the
+    lists above and docs/results/gpu.md say what the published run did and did not check."""
+    published = json.loads((ROOT / "docs/results/gpu/gpu_check_h200.json").read_text())
+    assert published["schema"] == smoke_report["schema"] and set(published) == set(smoke_report)
+    assert published["ok"] and not published["smoke"] and not published["errors"]
+    assert published["env"]["gpu"] == "NVIDIA H200" and published["env"]["device"] == "cuda"
+    assert set(published["sections"]) == set(smoke_report["sections"])
+    assert all(c["ok"] for c in published["checks"])
+    names = [c["name"] for c in published["checks"]]
+    today = [c["name"] for c in smoke_report["checks"]]
+    assert set(RENAMED_SINCE_PUBLISHED) <= set(names) and not set(RENAMED_SINCE_PUBLISHED) & set(today)
+    assert set(ADDED_SINCE_PUBLISHED) <= set(today) and not set(ADDED_SINCE_PUBLISHED) & set(names)
+    assert [RENAMED_SINCE_PUBLISHED.get(n, n) for n in names] == [n for n in today
+                                                                   if n not in ADDED_SINCE_PUBLISHED]
+    page = (ROOT / "docs/results/gpu.md").read_text()
+    assert f"all {len(names)} checks passed" in page
+    assert "layer-streamed passes" in page.split("## What did not run on a GPU")[1]
 
 
 def test_a_model_spread_over_memory_and_disk_computes_what_the_whole_model_does():

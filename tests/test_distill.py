@@ -14,6 +14,7 @@ from conftest import ALL_FAMILIES, TINY_INIT, random_prompts
 from test_pipeline import cache_tensors
 from tiny import build_tiny_model
 
+from lab.testbed.tokenizer import build_tokenizer
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
@@ -23,7 +24,7 @@ from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.errors import SlimWiseError
 from slimwise.export import export_pruned, load_pruned
 from slimwise.models import load_model, load_tokenizer
-from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+from slimwise.testbed import export_jsonl, make_split
 from slimwise.trainable import ATTENTION_TARGETS, DENSE_MLP_TARGETS
 
 GREEDY = GenerationConfig(max_new_tokens=12, batch_size=4)
@@ -137,13 +138,8 @@ def test_auto_lora_targets_pick_the_shared_expert_where_there_is_one(setup, fami
 def test_trainable_set_registry():
     """Sets act in registry order (what optimizer checkpoints index by); a taken name is refused; every LoRA
     target `auto` can pick has a vLLM module to be served colocated on."""
-    from slimwise.trainable import (
-        TRAINABLE_SETS,
-        VLLM_LORA_TARGETS,
-        TrainableSet,
-        register_set,
-        trainable_sets,
-    )
+    from slimwise.serving.delta_hooks import VLLM_INSTALLERS, VLLM_LORA_TARGETS
+    from slimwise.trainable import TRAINABLE_SETS, TrainableSet, register_set, trainable_sets
 
     assert list(TRAINABLE_SETS) == ["router", "norm", "lora"]
     assert [s.name for s in trainable_sets(("lora", "router"))] == ["router", "lora"]
@@ -157,6 +153,7 @@ def test_trainable_set_registry():
         register_set(Another)
     assert type(TRAINABLE_SETS["norm"]).__name__ == "NormSet"
     assert set(ATTENTION_TARGETS + DENSE_MLP_TARGETS) <= set(VLLM_LORA_TARGETS)
+    assert set(VLLM_INSTALLERS) == set(TRAINABLE_SETS)  # every set is served colocated
 
 
 @pytest.mark.parametrize("family", ALL_FAMILIES)

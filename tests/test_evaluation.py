@@ -13,6 +13,7 @@ import torch
 from conftest import random_prompts
 from tiny import save_tiny_model
 
+from lab.testbed.tokenizer import build_tokenizer
 from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
 from slimwise.engines.reference import Generation, GenerationConfig, PhaseSplitEngine
@@ -42,12 +43,11 @@ from slimwise.evaluation.plots import PLOTS
 from slimwise.evaluation.report import write_markdown
 from slimwise.models import load_model, load_tokenizer
 from slimwise.plan import PrunePlan, make_plan
-from slimwise.testbed import build_tokenizer
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
-    """Tiny models run fastest single-threaded; on a shared box more threads only contend (10-40x slower)."""
+    """Tiny models run fastest single-threaded; on a shared box more threads only contend."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -110,7 +110,7 @@ def test_plan_cli_writes_an_ep_balanced_plan(tiny_dirs, tmp_path, capsys):
 
 
 def test_ep_roofline_balanced_beats_free_and_full_equals_itself():
-    from slimwise.perf.ep import INTERCONNECTS, predict_ep, random_plan_imbalance
+    from lab.perf.ep import INTERCONNECTS, predict_ep, random_plan_imbalance
     from slimwise.perf.presets import preset_config
     from slimwise.perf.roofline import HARDWARE, RooflineConfig
 

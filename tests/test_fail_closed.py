@@ -77,10 +77,10 @@ def test_self_check_and_exact_row_counts_under_chunks_prefix_hits_and_mixed_plan
 
 
 def test_an_engine_whose_mask_is_not_applied_refuses(plans, monkeypatch):
-    from slimwise.serving.routing import DecodeRouting
+    from slimwise.serving import gate_hooks
 
     model_dir, _, named = plans
-    monkeypatch.setattr(DecodeRouting, "_install", lambda self, gate, *args, **kwargs: None)
+    monkeypatch.setattr(gate_hooks, "mask_hook", lambda routing, gate, *args, **kwargs: None)
     engine = VllmEngine(model_dir, named["half"])
     with pytest.raises(SlimWiseError, match=r"self-check failed .*plan 'default': 0 of its 6 rows masked"):
         engine.generate(PROMPTS[:1], "slimwise", CONFIG)

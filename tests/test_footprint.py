@@ -61,6 +61,21 @@ def test_trainable_row_counts_the_sets_starting_tensors(name, testbed_a):
     assert fp.bytes_of("trainable delta + grads + AdamW") == 20 * elements
 
 
+def test_every_trainable_set_says_what_it_holds():
+    """The footprint sums what each chosen set reports (`TrainableSet.memory`), so every registered set
+    reports it, and the distill row is the sum of the chosen sets' rows, set by set."""
+    from slimwise.trainable import TRAINABLE_SETS, TrainableSet
+
+    assert all(type(s).memory is not TrainableSet.memory for s in TRAINABLE_SETS.values())
+
+    def trainable(*params):
+        return footprint("testbed-c", "distill", dtype="float32", distill=DistillConfig(params=params)) \
+            .bytes_of("trainable delta + grads + AdamW")
+
+    alone = [trainable(name) for name in TRAINABLE_SETS]
+    assert all(alone) and trainable(*TRAINABLE_SETS) == sum(alone)
+
+
 def test_preset_weights_match_the_roofline_census():
     roof = RooflineConfig.from_hf(preset_config(PRESET)).total_params
     fp = footprint(PRESET, "calibrate")

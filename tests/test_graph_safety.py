@@ -467,7 +467,7 @@ class FirstLayer(nn.Module):
 def test_distilled_delta(kinds, kept, norm, tmp_path, monkeypatch):
     import vllm.distributed
 
-    # `_install_lora` refuses tensor parallelism; no TP group exists without an engine
+    # `delta_hooks.install_lora` refuses tensor parallelism; no TP group exists without an engine
     monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)
     settings = {PLAN_KEY: plan(kept), DELTA_KEY: _delta(tmp_path, kept, _delta_tensors(kinds))}
     model, routing = routed(softmax_router(), settings, norm=norm)

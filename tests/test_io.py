@@ -60,7 +60,7 @@ def test_atomic_dir_replaces_whole_and_cleans_after_a_killed_run(tmp_path):
 def test_cli_expected_failures_are_one_line(tmp_path, capsys, monkeypatch):
     """An OS-level failure (here: a directory procfs will not create) is one line and exit 2, not a traceback;
     SLIMWISE_DEBUG=1 gives the traceback instead. An output path under a regular file is refused by name."""
-    from slimwise.cli import main
+    from lab.perf.cli import main
     from slimwise.errors import DEBUG_ENV
 
     monkeypatch.delenv(DEBUG_ENV, raising=False)
@@ -69,11 +69,13 @@ def test_cli_expected_failures_are_one_line(tmp_path, capsys, monkeypatch):
     argv = ["roofline", "--preset", "qwen3-30b-a3b", "--hardware", "h200", "--out", str(blocker / "sub")]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("slimwise: error: ") and "\n" not in err and f"{blocker} is a file" in err
+    assert err.startswith("python -m lab.perf.cli: error: ") and "\n" not in err
+    assert f"{blocker} is a file" in err
     argv[-1] = "/proc/slimwise-no-such-dir/sub"
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("slimwise: error: ") and "\n" not in err and "/proc/slimwise-no-such-dir" in err
+    assert err.startswith("python -m lab.perf.cli: error: ") and "\n" not in err
+    assert "/proc/slimwise-no-such-dir" in err
     monkeypatch.setenv(DEBUG_ENV, "1")
     with pytest.raises(OSError):
         main(argv)

@@ -59,8 +59,9 @@ def test_sensitivity_plan_spends_the_per_layer_budget():
 
 def test_plan_cli_measures_and_writes(tmp_path):
     """`slimwise plan --budget-model` as a user runs it: a process, text prompts in a JSONL file."""
+    from lab.testbed.tokenizer import build_tokenizer
     from slimwise.models import load_model
-    from slimwise.testbed import build_tokenizer, export_jsonl, make_split
+    from slimwise.testbed import export_jsonl, make_split
 
     model_dir = save_tiny_model("qwen3_moe", tmp_path / "model", seed=0, initializer_range=0.15)
     tokenizer = build_tokenizer(model_dir)

@@ -21,6 +21,7 @@ from conftest import random_prompts  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from tiny import save_tiny_model  # noqa: E402
 
+from lab.testbed.tokenizer import build_tokenizer  # noqa: E402
 from slimwise.calibrate import CalibrationConfig, calibrate  # noqa: E402
 from slimwise.criteria import plan_from_stats  # noqa: E402
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine  # noqa: E402
@@ -29,7 +30,7 @@ from slimwise.evaluation.lm_eval_bridge import SlimWiseLM  # noqa: E402
 from slimwise.export import export_pruned  # noqa: E402
 from slimwise.masking import ExpertMask  # noqa: E402
 from slimwise.models import load_model, load_tokenizer  # noqa: E402
-from slimwise.testbed import EOS_TOKEN, build_tokenizer, make_split  # noqa: E402
+from slimwise.testbed import EOS_TOKEN, make_split  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from slimwise.testbed import build_tokenizer
+from lab.testbed.tokenizer import build_tokenizer
 from slimwise.testbed.long_tasks import (
     LENGTHS,
     LONG_DOMAIN,

@@ -184,7 +184,7 @@ def test_stop_strings_eos_and_length(tmp_path):
     """Text prompts: stop strings cut the output (not included), EOS ends a row, max_new_tokens truncates."""
     from tiny import save_tiny_model
 
-    from slimwise.testbed import build_tokenizer
+    from lab.testbed.tokenizer import build_tokenizer
 
     tok = build_tokenizer(tmp_path / "m")
     save_tiny_model("qwen3_moe", tmp_path / "m", initializer_range=0.15, vocab_size=len(tok),

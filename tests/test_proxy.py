@@ -827,7 +827,7 @@ def test_cpu_kv_budget_is_sized_from_the_model_and_the_users_choice_wins(monkeyp
 
 def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, tmp_path):
     """`slimwise serve` on CPU without --dtype (or with auto): the checkpoint's dtype where the CPU has bf16
-    matrix instructions, float32 for a bf16 checkpoint where it has none (measured 1.5x faster there), bf16
+    matrix instructions, float32 for a bf16 checkpoint where it has none (faster there: docs/serving.md), bf16
     always for the hybrids (vLLM's CPU Gated DeltaNet kernel is bf16 only); the user's dtype wins."""
     import json
 
@@ -898,7 +898,7 @@ def test_server_commands_name_the_model_as_typed_and_carry_the_tokenizer_and_cpu
     assert overrides["slimwise_substitutes"] == str((Path.cwd() / "stats.safetensors").resolve())
     # --disaggregated --gates drop/substitute: the decode instance's overrides name the gates file (the served
     # run: tests/test_vllm_serve.py::test_disaggregated_serve_with_substitute_gates, make test-matrix)
-    from slimwise.engines.vllm_engine import pruned_gates_overrides
+    from slimwise.serving.overrides import pruned_gates_overrides
 
     assert pruned_gates_overrides(qwen, "g.safetensors") == {
         "architectures": ["SlimWiseQwen3MoeForCausalLM"],

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from tiny import TINY_CONFIGS, build_tiny_model, tiny_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lab.perf.cli import add_roofline_parser
 from slimwise.adapters import get_adapter
 from slimwise.errors import SlimWiseError
-from slimwise.perf.cli import PRESET_NAMES, add_roofline_parser
+from slimwise.perf.bench_config import PRESET_NAMES
 from slimwise.perf.presets import (
     PRESETS,
     apply_routing_skew,
@@ -395,10 +397,11 @@ def test_cli_preset_names_match_and_parser_is_light():
     import subprocess
     import sys
 
-    code = ("import argparse, sys; from slimwise.perf.cli import add_roofline_parser; "
+    code = ("import argparse, sys; from lab.perf.cli import add_roofline_parser; "
             "add_roofline_parser(argparse.ArgumentParser().add_subparsers()); "
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout  # the lab imports from the root
     assert out.split() == ["False", "False"]
 
 
@@ -410,7 +413,7 @@ def test_measure_cpu_is_quick_and_positive():
 # ----- sensitivity of the prediction -------------------------------------------------------------------
 
 def test_sensitivity_rows_recompute_from_the_curves(rc36):
-    from slimwise.perf.sensitivity import (
+    from lab.perf.sensitivity import (
         Scenario,
         batch_floor,
         budget,

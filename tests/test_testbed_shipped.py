@@ -46,7 +46,7 @@ EOS = 0  # the testbed tokenizer's <|endoftext|>, checked below; both engines st
 CONFIG = GenerationConfig(max_new_tokens=48, batch_size=16, eos_token_id=EOS)
 #: Card checks run in the dtype the card records, where this CPU runs it natively: a float32 card (testbed-c)
 #: in float32 everywhere; a bf16 card in bf16 where the CPU has bf16 matrix instructions, and exactly upcast
-#: to float32 where it has none (AVX2 only: bf16 is emulated there, about 4x slower, and the upcast scores
+#: to float32 where it has none (AVX2 only: bf16 is emulated there, far slower, and the upcast scores
 #: within 2 problems of the bf16 card per family; see docs/reproducibility.md). So the card test depends on
 #: the CPU only through that choice, and its tolerance is in problems, not in floating-point shares.
 CARD_TOLERANCE = 3  # problems per family (of the card's 100): bf16 kernels round differently between CPUs
@@ -183,9 +183,9 @@ def test_the_cards_command_trains_this_run(name):
     shipped files (train_config.json): the command is the recipe, not a paraphrase of it."""
     import shlex
 
+    from lab.testbed.train import build_parser
+    from lab.testbed.train_config import TRAIN_OPTIONS, TrainConfig
     from slimwise.options import config_from_args
-    from slimwise.testbed.train import build_parser
-    from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
 
     path = embedded_model_dir(name)
     command = re.search(r"^- command: `([^`]+)`", (path / "README.md").read_text(), re.M).group(1)
@@ -206,7 +206,7 @@ def test_the_cards_command_trains_this_run(name):
 def test_slimwise_loads_the_tokenizer_as_saved(name):
     """Template words are single tokens, as the model was trained; AutoTokenizer next to testbed-c's
     qwen3_5_moe_text config would substitute Qwen3.5's tokenizer class and spell them out."""
-    from slimwise.testbed.tokenizer import load_tokenizer as testbed_tokenizer
+    from lab.testbed.tokenizer import load_saved_tokenizer as testbed_tokenizer
 
     path = embedded_model_dir(name)
     for tok in (load_tokenizer(path), testbed_tokenizer(path)):
@@ -230,14 +230,13 @@ def test_the_card_is_the_model_and_meets_the_bars(name):
     AVX512-BF16 CPU. 30-60 s per model."""
     from transformers import AutoModelForCausalLM
 
-    from slimwise.testbed.evaluate import evaluate_model
+    from lab.testbed.evaluate import evaluate_model
 
     card = card_eval(name)["test"]
     path = embedded_model_dir(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=card_dtype(card)).eval()
     # the checkpoint's own tokenizer (AutoTokenizer would swap in Qwen3.5's class next to testbed-c's config)
-    # batch 128 (the card used 32): 1.7x faster here (testbed-c 90 -> 51 s), per-family figures equal but one
-    # (testbed-a base 69% vs 68%: bf16 padding), inside the tolerance below
+    # batch 128 (the card used 32): faster, and inside the tolerance below (docs/history/test-tolerances.md)
     r = evaluate_model(model=model, tokenizer=load_tokenizer(path), split="test",
                        n_per_family=card["n_per_family"], seed=card["seed"],
                        max_new_tokens=card["max_new_tokens"], batch_size=128)
@@ -285,8 +284,10 @@ def test_pruning_band_on_a_fresh_sample(name):
 
 @pytest.fixture(scope="module")
 def reference():
-    """name -> (prompts, 50% REAP plan from decode-phase calibration, empty plan,
-    reference tokens per mode)."""
+    """name -> (text prompts, 50% REAP plan from decode-phase calibration, empty plan,
+    reference tokens per mode). The prompts are text, as a user sends them (the OpenAI client, `LLM.generate`
+    with strings): each engine encodes them with the checkpoint's own tokenizer, so a tokenizer that differs
+    between transformers and vLLM shows as different tokens."""
     cache: dict = {}
 
     def get(name: str):
@@ -295,14 +296,15 @@ def reference():
             tok = load_tokenizer(path)
             assert tok.eos_token_id == EOS
             model = load_model(path, dtype="float32")  # vLLM below runs float32 too: token-exact comparison
-            enc = [tok.encode(s.prompt, add_special_tokens=False) for s in make_split("test", 2, seed=3)]
+            prompts = [s.prompt for s in make_split("test", 2, seed=3)]
             calib = [tok.encode(s.prompt, add_special_tokens=False)
                      for s in make_split("calib", 4, seed=0, domain="arithmetic")]
             stats = calibrate(model, calib, config=CalibrationConfig(max_new_tokens=48), progress=False)
             plan = plan_from_stats(stats, "reap", 0.5)
-            engine = PhaseSplitEngine(model, plan=plan)
-            ref = {m: [o.token_ids for o in engine.generate(enc, m, CONFIG)] for m in ("full", "slimwise")}
-            cache[name] = (enc, plan, plan_from_stats(stats, "reap", 0.0), ref)
+            engine = PhaseSplitEngine(model, tok, plan=plan)
+            ref = {m: [o.token_ids for o in engine.generate(prompts, m, CONFIG)]
+                   for m in ("full", "slimwise")}
+            cache[name] = (prompts, plan, plan_from_stats(stats, "reap", 0.0), ref)
         return cache[name]
 
     return get
@@ -322,7 +324,8 @@ def test_vllm_equals_transformers_and_plugin_equals_reference(name, reference):
         assert [o.token_ids for o in engine.generate(prompts, "full", CONFIG)] == ref["full"]  # stock vLLM
         assert [o.token_ids for o in engine.generate(prompts, "slimwise", CONFIG)] == ref["slimwise"]
         c = engine.counters()[0]
-        n_prompt = sum(len(p) for p in prompts)
+        tok = load_tokenizer(embedded_model_dir(name))
+        n_prompt = sum(len(tok.encode(p, add_special_tokens=False)) for p in prompts)
         n_fed_back = sum(len(t) - 1 for t in ref["slimwise"])
         assert (c["pruned_tokens"], c["full_tokens"]) == (n_fed_back, n_prompt)  # prompt tokens never pruned
     finally:
@@ -406,22 +409,24 @@ def test_vllm_serves_the_hybrid_backbone(reference):
 
     prompts, plan, _, ref = reference("testbed-c")
     assert ref["slimwise"] != ref["full"]  # the plan changes outputs
+    tok = load_tokenizer(embedded_model_dir("testbed-c"))
     engine = VllmEngine(embedded_model_dir("testbed-c"), plan, dtype="bfloat16", share_engine=True)
     try:
         got = {}
         for mode in ("full", "slimwise", "uniform"):
             got[mode] = [o.token_ids for o in engine.generate(prompts, mode, CONFIG)]
             c = engine.counters()[0]
-            n_prompt, n_fed_back = sum(len(p) for p in prompts), sum(len(t) - 1 for t in got[mode])
+            n_prompt = sum(len(tok.encode(p, add_special_tokens=False)) for p in prompts)
+            n_fed_back = sum(len(t) - 1 for t in got[mode])
             pruned = {"full": 0, "slimwise": n_fed_back, "uniform": n_prompt + n_fed_back}[mode]
             assert (c["pruned_tokens"], c["full_tokens"]) == (pruned, n_prompt + n_fed_back - pruned)
             assert c["position_mismatch_steps"] == 0
     finally:
         engine.close()
-    with PhaseSplitEngine(load_model(embedded_model_dir("testbed-c"), dtype="float32"),
+    with PhaseSplitEngine(load_model(embedded_model_dir("testbed-c"), dtype="float32"), tok,
                           plan=plan) as reference_engine:
         for mode in ("full", "slimwise", "uniform"):
-            gap = mean_gap(reference_engine, mode, got[mode], prompts)
+            gap = mean_gap(reference_engine, mode, got[mode], reference_engine.encode(prompts))
             assert gap <= MEAN_GAP, (mode, gap)
     same = {m: sum(a == b for a, b in zip(got[m], ref[m], strict=True)) / len(prompts) for m in ref}
     assert min(same.values()) >= 0.5, same  # whole sequences equal to the float32 reference's greedy ones
@@ -463,7 +468,7 @@ def test_small_eval_run_on_a_backbone(tmp_path):
 @pytest.mark.parametrize("name", LONG_NAMES)
 def test_the_long_prompt_card_states_its_figures(name):
     """The long-prompt table and bar of the card recomputed from eval.json's per-family counts."""
-    from slimwise.testbed.evaluate import LONG_BAR
+    from lab.testbed.evaluate import LONG_BAR
 
     path = embedded_model_dir(name)
     card, long = (path / "README.md").read_text(), card_eval(name)["long"]
@@ -487,7 +492,7 @@ def test_the_long_prompt_bar_on_a_fresh_sample(name):
     """The long families at the longest length on problems the card never saw (seed 1, 20 per family): within
     sample slack (0.15, about 2.4 standard errors on 60 problems) of the card's figure on 300, or of the 80%
     bar where the card is above it."""
-    from slimwise.testbed.evaluate import LONG_BAR, evaluate_long
+    from lab.testbed.evaluate import LONG_BAR, evaluate_long
 
     path = embedded_model_dir(name)
     card = card_eval(name)["long"]["lengths"][str(LENGTHS[-1])]["accuracy"]
@@ -503,8 +508,8 @@ def test_calibration_and_slimwise_decode_at_the_longest_prompt(name, recwarn):
     """Prompt-phase calibration counts every token of 1,024-character prompts (no truncation), and a plan
     from it decodes them in SlimWise mode without running past the positions the model has (the reference
     engine warns when it would)."""
+    from lab.testbed.tokenizer import encode_sample
     from slimwise.testbed.long_tasks import make_long_split
-    from slimwise.testbed.tokenizer import encode_sample
 
     path = embedded_model_dir(name)
     model, tok = load_model(path, dtype="float32"), load_tokenizer(path)

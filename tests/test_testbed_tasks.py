@@ -10,6 +10,8 @@ import string
 
 import pytest
 
+from lab.testbed.tokenizer import build_tokenizer, encode_sample, length_stats
+from lab.testbed.tokenizer import load_saved_tokenizer as load_tokenizer
 from slimwise.testbed import (
     DOMAINS,
     EOS_TOKEN,
@@ -17,15 +19,11 @@ from slimwise.testbed import (
     TARGET_DOMAIN,
     Grade,
     Sample,
-    build_tokenizer,
     check_disjoint,
-    encode_sample,
     export_jsonl,
     families_in_domain,
     grade,
-    length_stats,
     load_jsonl,
-    load_tokenizer,
     make_split,
     register_family,
     select_families,

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimwise.testbed.cpu_parallel import ThreadTuner
-from slimwise.testbed.tasks import FAMILIES, make_split
-from slimwise.testbed.train import (
+from lab.testbed.cpu_parallel import ThreadTuner
+from lab.testbed.train import (
     FAST_EXPERTS,
     STATE_FILE,
     RouterCapture,
@@ -32,6 +31,7 @@ from slimwise.testbed.train import (
     train,
     training_losses,
 )
+from slimwise.testbed.tasks import FAMILIES, make_split
 
 # A tiny model of each backbone: fast enough for a few training steps in a test.
 TINY = {
@@ -120,7 +120,7 @@ def test_aux_loss_is_one_for_uniform_routing_and_larger_when_collapsed():
 
 
 def test_pair_init_starts_spaced_and_bare_names_equal(tmp_path, tok):
-    from slimwise.testbed.train import word_pairs
+    from lab.testbed.train import word_pairs
 
     pairs = word_pairs(tok)
     assert ("Bob", " Bob") in [(tok.decode([a]), tok.decode([b])) for a, b in pairs] and len(pairs) >= 10
@@ -149,7 +149,7 @@ def test_training_losses_capture_every_moe_layer(tmp_path, tok):
 def test_packing_masks_prompts_and_isolates_samples(tmp_path, tok):
     cfg = tiny_config(tmp_path)
     samples = make_split("train", 1, seed=3, families=["add", "sort", "qa", "upper"])
-    from slimwise.testbed.tokenizer import encode_sample
+    from lab.testbed.tokenizer import encode_sample
 
     enc = [encode_sample(tok, s) for s in samples]
     batch = pack(enc, 256, tok.pad_token_id)
@@ -175,8 +175,8 @@ def test_hybrid_packing_would_leak_so_hybrids_train_one_sample_per_row(tmp_path,
     boundaries: the second sample of a packed row differs from the same sample alone. One sample per row
     (`pack_rows`, the default for hybrids) is exact, in any number of length-sorted micro-batches (at most
     `groups`), and the micro-batch losses add up to the one-batch loss."""
-    from slimwise.testbed.tokenizer import encode_sample
-    from slimwise.testbed.train import is_hybrid, packing_of
+    from lab.testbed.tokenizer import encode_sample
+    from lab.testbed.train import is_hybrid, packing_of
 
     cfg = tiny_config(tmp_path, "c")
     model = build_model(cfg, tok).eval()
@@ -229,7 +229,7 @@ def test_segmented_linear_attention_equals_each_sample_alone():
     one chunk, one sample over 2 chunks."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock
 
-    from slimwise.testbed.packed_linear_attention import (
+    from lab.testbed.packed_linear_attention import (
         segment_ids,
         segmented_causal_conv1d,
         segmented_chunk_gated_delta_rule,
@@ -268,8 +268,8 @@ def test_packed_hybrid_rows_train_exactly_what_one_sample_per_row_trains(tmp_pat
     packed loss differs (the state leaks). Outside the swap the stock functions are back."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as stock
 
-    from slimwise.testbed.packed_linear_attention import segment_aware_linear_attention
-    from slimwise.testbed.tokenizer import encode_sample
+    from lab.testbed.packed_linear_attention import segment_aware_linear_attention
+    from lab.testbed.tokenizer import encode_sample
 
     model = build_model(tiny_config(tmp_path, "c"), tok).train()
     capture = RouterCapture(model)
@@ -305,7 +305,7 @@ def test_packed_hybrid_rows_train_exactly_what_one_sample_per_row_trains(tmp_pat
 
 def test_batches_cover_all_families_and_are_deterministic(tmp_path, tok):
     cfg = tiny_config(tmp_path, samples_per_family=2)
-    from slimwise.testbed.train import step_samples
+    from lab.testbed.train import step_samples
 
     s0 = step_samples(cfg, 0)
     assert {s.family for s in s0} == set(FAMILIES) and len(s0) == 2 * len(FAMILIES)
@@ -386,8 +386,8 @@ def test_hybrid_backbone_trains_unpacked_and_exports_a_stock_checkpoint(tmp_path
     # template words out; SlimWise's loaders read the tokenizer as saved
     from transformers import AutoTokenizer
 
+    from lab.testbed.tokenizer import load_saved_tokenizer as load_tokenizer
     from slimwise.models import load_tokenizer as model_tokenizer
-    from slimwise.testbed.tokenizer import load_tokenizer
 
     text = "add 457+68\n"
     want = tok.encode(text, add_special_tokens=False)
@@ -439,7 +439,7 @@ def test_rank_shares_balance_the_padded_positions(tmp_path, tok):
     """Length-sorted micro-batches are dealt longest first to the less-loaded rank: each micro-batch lands on
     exactly one rank, both ranks compute the same split, and the busier rank carries less than with every
     other micro-batch (which gave one rank the two longest of four)."""
-    from slimwise.testbed.cpu_parallel import rank_batches
+    from lab.testbed.cpu_parallel import rank_batches
 
     cfg = tiny_config(tmp_path, "c", row_groups=4, samples_per_family=3, ranks=2)
     for step in range(3):
@@ -465,7 +465,7 @@ def test_rank_shares_sum_to_the_steps_gradient(tmp_path, tok, backbone):
     Row micro-batches (hybrids) are the same with one rank or two. A packed batch split by rows changes
     one thing, as gradient accumulation does: the load-balancing loss is taken per share
     (token-weighted), so it is off here."""
-    from slimwise.testbed.cpu_parallel import rank_batches
+    from lab.testbed.cpu_parallel import rank_batches
 
     aux = 0.0 if backbone == "a" else TrainConfig.aux_loss_coef
     cfg = tiny_config(tmp_path, backbone, row_groups=4, samples_per_family=2, ranks=2, aux_loss_coef=aux)
@@ -516,8 +516,8 @@ def test_muon_orthogonalises_each_expert_matrix_and_leaves_the_rest_to_adamw(tmp
     """`--optimizer muon`: hidden matrices and every expert's gate, up and down matrices get a Newton-Schulz
     orthogonalised momentum, scaled to AdamW's RMS; embeddings, head, routers, few-row gates and the conv stay
     on AdamW; the optimizer state survives a save and load (resume)."""
-    from slimwise.testbed.muon import MuonAdamW, muon_parameters, orthogonalize
-    from slimwise.testbed.train import make_optimizer
+    from lab.testbed.muon import MuonAdamW, muon_parameters, orthogonalize
+    from lab.testbed.train import make_optimizer
 
     # wide and tall: singular values in the quintic's band, not 1 exactly
     for shape in ((3, 32, 64), (3, 64, 32)):
@@ -574,7 +574,7 @@ def test_muon_orthogonalises_each_expert_matrix_and_leaves_the_rest_to_adamw(tmp
 
 
 def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
-    from slimwise.testbed.evaluate import evaluate_model
+    from lab.testbed.evaluate import evaluate_model
 
     model = build_model(tiny_config(tmp_path), tok).eval()
     model.set_experts_implementation("eager")
@@ -588,7 +588,7 @@ def test_evaluate_model_reports_families_domains_and_routing(tmp_path, tok):
 
 
 def test_train_command_refuses_zero_ranks_before_writing(tmp_path, capsys):
-    from slimwise.testbed.train import main as train_main
+    from lab.testbed.train import main as train_main
 
     with pytest.raises(SystemExit) as exc:
         train_main(["--backbone", "c", "--out", str(tmp_path / "run"), "--ranks", "0", "--no-progress"])
@@ -602,10 +602,10 @@ def test_a_cards_command_parses_back_to_every_option_it_was_made_from():
     import dataclasses
     import shlex
 
+    from lab.testbed.evaluate import train_command
+    from lab.testbed.train import build_parser
+    from lab.testbed.train_config import TRAIN_OPTIONS, TrainConfig
     from slimwise.options import config_from_args, option_fields
-    from slimwise.testbed.evaluate import train_command
-    from slimwise.testbed.train import build_parser
-    from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
 
     changed = TrainConfig(
         backbone="c", out="runs/x y", init_from="testbed-c", minutes=12.5, max_steps=7, seed=3, resume=True,
@@ -630,7 +630,7 @@ def test_a_cards_command_spells_run_directories_relative_to_where_they_live(tmp_
     """train stores absolute paths; a card spells them relative to the directory that holds them, the same
     from any working directory (CI re-renders the committed cards in another checkout), so its commands paste
     into any checkout; a shipped name stays a name."""
-    from slimwise.testbed.evaluate import shown_command, shown_runs, train_command
+    from lab.testbed.evaluate import shown_command, shown_runs, train_command
 
     tc = {"backbone": "a", "out": str(tmp_path / "runs" / "a2"), "init_from": str(tmp_path / "runs" / "a1")}
     expected = "python -m slimwise.testbed.train --backbone a --out a2 --init-from a1 --seed 0"
@@ -648,10 +648,10 @@ def test_a_cards_command_spells_run_directories_relative_to_where_they_live(tmp_
 
 
 def test_evaluate_command_writes_the_card_of_a_no_eval_run(tmp_path, capsys):
-    """`python -m slimwise.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
+    """`python -m lab.testbed.evaluate evaluate RUN --dtype float32` turns a `--no-eval` run into a
     carded model (eval.json and README.md, evaluated in the dtype asked); a directory that is no finished run
     gets one line and exit 2, and nothing is written."""
-    from slimwise.testbed.evaluate import main as card_main
+    from lab.testbed.evaluate import main as card_main
 
     bad = tmp_path / "empty"
     bad.mkdir()
@@ -689,7 +689,7 @@ def test_killing_the_training_command_stops_its_ranks(tmp_path):
 
     overrides = [a for k, v in TINY["c"].items() for a in ("--override", f"{k}={json.dumps(v)}")]
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "slimwise.testbed.train", "--backbone", "c",
+    proc = subprocess.Popen([sys.executable, "-m", "lab.testbed.train", "--backbone", "c",
                              "--out", str(out), "--minutes", "20", "--ranks", "2",
                              "--no-eval", "--no-progress", *overrides],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -721,10 +721,10 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     anything is written."""
     from transformers import AutoModelForCausalLM
 
+    from lab.testbed.evaluate import main as card_main
+    from lab.testbed.train import step_samples
     from slimwise.errors import SlimWiseError
-    from slimwise.testbed.evaluate import main as card_main
     from slimwise.testbed.long_tasks import LENGTHS, MIN_LENGTH
-    from slimwise.testbed.train import step_samples
 
     source = train(tiny_config(tmp_path / "src", max_steps=2))
     cfg = tiny_config(tmp_path, max_steps=2, init_from=str(source), family_weights={"lookup": 1, "chain": 2},

@@ -38,6 +38,7 @@ from test_vllm_plugin import VLLM_TINY, set_selection_bias
 from test_vllm_serve import free_port, launch, stop, wait_healthy
 from tiny import build_tiny_model
 
+from lab.testbed.tokenizer import build_tokenizer
 from slimwise.baseline_plans import random_plan
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
@@ -45,7 +46,7 @@ from slimwise.embedded import EMBEDDED, embedded_model_dir
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.models import is_hybrid, load_model, load_tokenizer
 from slimwise.plan import PrunePlan
-from slimwise.testbed import build_tokenizer, make_split
+from slimwise.testbed import make_split
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"  # the committed plans a user would serve

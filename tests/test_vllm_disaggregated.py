@@ -124,8 +124,8 @@ def test_pruned_decode_instance_decodes_with_the_full_routers_gates(family, gate
     from vllm import SamplingParams
 
     from slimwise.decode_gates import DecodeGates
-    from slimwise.engines.vllm_engine import pruned_gates_overrides
     from slimwise.gate_sidecar import write_gate_sidecar
+    from slimwise.serving.overrides import pruned_gates_overrides
 
     model = build_tiny_model(family, seed=0, initializer_range=TINY_INIT, **VLLM_TINY.get(family, {}))
     model.save_pretrained(tmp_path / "full")

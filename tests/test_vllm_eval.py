@@ -7,8 +7,8 @@ import json
 import pytest
 from tiny import save_tiny_model
 
+from lab.testbed.tokenizer import build_tokenizer
 from slimwise.cli import main as cli_main
-from slimwise.testbed import build_tokenizer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.vllm_in_process]
 

@@ -333,7 +333,7 @@ def test_deepseek_selection_mask_equals_reference_router():
 
     from vllm.model_executor.layers.fused_moe.router.cpu_router import _grouped_topk
 
-    from slimwise.serving.routing import masked_grouped_topk
+    from slimwise.serving.gate_hooks import masked_grouped_topk
 
     model = build_tiny_model("deepseek_v3", seed=0, initializer_range=TINY_INIT)
     router = model.model.layers[1].mlp.gate

@@ -1,4 +1,4 @@
-"""`slimwise policy-quality`: the load-aware policy in a real vLLM engine, against concurrency."""
+"""`python -m lab.perf.cli policy-quality`: the load-aware policy in a real vLLM engine, against load."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from lab.perf.cli import main as cli_main
 from slimwise.calibrate import CalibrationConfig, calibrate
-from slimwise.cli import main as cli_main
 from slimwise.criteria import plan_from_stats
 from slimwise.models import load_model, load_tokenizer
 from slimwise.testbed import TARGET_DOMAIN, make_split

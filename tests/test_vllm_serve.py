@@ -27,11 +27,12 @@ import pytest
 from openai import APIStatusError, OpenAI
 from tiny import save_tiny_model
 
+from lab.testbed.tokenizer import build_tokenizer
 from slimwise.calibrate import CalibrationConfig, calibrate
 from slimwise.criteria import plan_from_stats
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.models import load_model, load_tokenizer
-from slimwise.testbed import build_tokenizer, make_split
+from slimwise.testbed import make_split
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 VLLM_ARGS = ["--dtype", "float32", "--enforce-eager", "--kv-cache-memory-bytes", str(256 << 20)]
@@ -427,8 +428,8 @@ def test_disaggregated_serve_with_substitute_gates(served):
 # a user's site breaks the gate hook in every process of the server (what a MoE kernel that routes from the
 # raw logits amounts to): the server must refuse to serve, not serve the full model
 UNMASKED_SITE = """
-from slimwise.serving.routing import DecodeRouting
-DecodeRouting._install = lambda self, gate, *args, **kwargs: None
+from slimwise.serving import gate_hooks
+gate_hooks.mask_hook = lambda routing, gate, *args, **kwargs: None
 """
 
 

@@ -43,8 +43,8 @@ def grouped_topk_ids(choice: torch.Tensor, pruned: torch.Tensor, groups: int, to
     `topk_group` of `groups` contiguous groups, with `pruned` ([E] or [N, E]) unselectable: set to -inf before
     the group scores and again after the group mask (see the module docstring). Group score: sum of the top-2
     (`top2`, biased sigmoid routers) or the max (`max`, DeepSeek-V2-style softmax routers). The reference
-    engine (`DeepseekV3Adapter.route`) and the vLLM plugin (`serving.routing.masked_grouped_topk`) both select
-    here."""
+    engine (`DeepseekV3Adapter.route`) and the vLLM plugin (`serving.gate_hooks.masked_grouped_topk`) both
+    select here."""
     n, experts = choice.shape
     choice = choice.masked_fill(pruned, float("-inf"))
     if groups > 1:

@@ -28,11 +28,13 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from slimwise.adapters import get_adapter
-from slimwise.decode_gates import PLAIN, DecodeGates
+from slimwise.argtypes import integer, number
+from slimwise.decode_gates import PLAIN, DecodeGates, GateOptions
 from slimwise.delta import apply_delta
 from slimwise.devices import input_device
 from slimwise.errors import SlimWiseError
 from slimwise.fingerprint import fingerprints_match, model_fingerprint
+from slimwise.load_options import LoadOptions
 from slimwise.masking import ExpertMask
 from slimwise.plan import PrunePlan
 
@@ -62,13 +64,17 @@ _CACHE_FIELDS = (
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    batch_size: int = 16
+    """Sampling and batching of one `generate` call, and the one declaration of those options of `slimwise
+    generate` (a field with help in its metadata is an option: `slimwise.options`)."""
+
+    max_new_tokens: int = field(default=128, metadata={"type": integer(1), "help": None})
+    temperature: float = field(default=0.0, metadata={"type": number(0), "help": "0 = greedy"})
+    top_p: float = field(default=1.0, metadata={"type": number(0, 1, lo_open=True), "help": None})
+    top_k: int = field(default=0, metadata={"type": integer(0), "help": None})
+    seed: int = field(default=0, metadata={"type": integer(0), "help": None})
+    stop: tuple[str, ...] = field(default=(), metadata={
+        "action": "append", "convert": tuple, "render": list, "help": "stop string (repeatable)"})
+    batch_size: int = field(default=16, metadata={"type": integer(1), "help": None})
     eos_token_id: int | list[int] | None = None  # default: tokenizer's, else the model's
     progress: bool = False
 
@@ -91,6 +97,22 @@ class GenerationConfig:
         ]
         if problems:
             raise SlimWiseError(f"generation settings: {'; '.join(problems)}")
+
+
+@dataclass
+class GenerateCommand(GateOptions, LoadOptions):
+    """`slimwise generate`'s own options, around `GenerationConfig`'s: the model, what prunes its decoder
+    (a plan's masked view, or a pruned checkpoint), the mode, the gates, the prompts and the output."""
+
+    plan: str | None = field(default=None, metadata={
+        "help": "prune plan (the pruned decoder is a masked view of the model)"})
+    decode_model: str | None = field(default=None, metadata={
+        "help": "a pruned checkpoint to decode with instead of the masked view"})
+    mode: str = field(default="slimwise", metadata={"choices": ["full", "uniform", "slimwise"], "help": None})
+    prompts: str = field(kw_only=True, metadata={
+        "required": True, "help": ".jsonl ('prompt' field) or .txt (one per line)"})
+    out: str | None = field(default=None, metadata={
+        "help": "write generations as JSONL here instead of printing"})
 
 
 @dataclass

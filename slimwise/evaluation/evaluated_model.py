@@ -49,7 +49,7 @@ def load_evaluated_model(model: str | Path, dtype: str, engine: str, device: str
     t0 = time.perf_counter()
     device = resolve_device(device)
     # "auto": the dtype this CPU runs fastest (slimwise.hardware): vLLM's for engine vllm, which the reference
-    # matches; for the HF engine float32 where bf16 would be emulated (4x slower on an AVX2-only CPU). On a
+    # matches; for the HF engine float32 where bf16 would be emulated (docs/serving.md, "dtype on CPU"). On a
     # GPU, load_model's own auto (bf16).
     if device == "cpu" and max_memory is None:
         dtype = resolve_dtype(dtype, path, engine=engine)[0]

@@ -267,7 +267,7 @@ def _plan_for(model, config: BenchConfig, log: Callable[[str], None]):
 
 def make_variants(config: BenchConfig, model_dir: Path, plan, plan_path: Path,
                   pruned_dir: Path | None) -> list[Variant]:
-    from slimwise.engines.vllm_engine import slimwise_overrides
+    from slimwise.serving.overrides import slimwise_overrides
 
     arch = (json.loads((model_dir / "config.json").read_text()).get("architectures") or [None])[0]
     kept = plan.num_kept if plan.is_uniform else max(len(v) for v in plan.kept_experts.values())

@@ -1,6 +1,7 @@
 """What `slimwise bench` measures (`BenchConfig`), the one declaration of its options (a field's metadata
 makes it an option, slimwise.options), and the synthetic presets' names. Standard library only, so that
-building the bench and roofline parsers imports neither torch nor transformers (checked by a test)."""
+building the bench (and the lab's roofline) parsers imports neither torch nor transformers (checked by a
+test)."""
 
 from __future__ import annotations
 

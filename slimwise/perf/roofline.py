@@ -206,7 +206,7 @@ def stored_expert_bytes(model_dir, hf_config) -> int | None:
 
     if not quantization_config(hf_config):
         return None
-    from slimwise.export_stream import stored_tensors, weight_files
+    from slimwise.safetensors_files import stored_tensors, weight_files
 
     stored = stored_tensors(weight_files(Path(model_dir)))
     return sum(s.nbytes for name, s in stored.items() if ".layers." in name and ".experts." in name)

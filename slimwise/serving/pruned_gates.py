@@ -22,18 +22,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slimwise.decode_gate_ops import decode_prerouted, encode_prerouted, substitution
+from slimwise.decode_gate_ops import decode_prerouted, encode_prerouted
 from slimwise.errors import SlimWiseError
 from slimwise.gate_sidecar import GateSidecar, LayerGates
+from slimwise.hooks import first_output, with_first_output
+from slimwise.serving.gate_hooks import install_substitution, selection_router
 
 logger = logging.getLogger("vllm.slimwise")  # printed by vLLM's log config, as serving/routing.py
 
 
-def install_pruned_gates(model: nn.Module, path: str, gate_names: dict[int, str],
-                         selection_router) -> list[str]:
+def install_pruned_gates(model: nn.Module, path: str, gate_names: dict[int, str]) -> list[str]:
     """Install the gates file at `path` on `model`'s MoE gates (`gate_names`: layer -> gate module name);
-    returns the hooked gate names. `selection_router(model, name)` is not None for grouped routers, which the
-    file refuses to serve."""
+    returns the hooked gate names. Grouped routers (`gate_hooks.selection_router`) are refused."""
     sidecar = GateSidecar.load(path)
     missing = set(sidecar.layers) - set(gate_names)
     if missing:
@@ -97,12 +97,12 @@ def _install_gate(gate: nn.Module, route, kept: torch.Tensor, num_experts: int) 
     first = int(kept[0])  # the full model's id of the checkpoint's expert 0: a row with no kept slot's filler
 
     def hook(module, args, output):
-        logits = output[0] if isinstance(output, tuple) else output
+        logits = first_output(output)
         weights, ids, slot_pruned = route(args[0], logits)
         placeholder = torch.full_like(ids[:, 0], first)
         encoded = encode_prerouted(weights, ids, slot_pruned, placeholder, num_experts, logits.dtype)
         out = encoded.index_select(1, module.slimwise_kept)
-        return (out, *output[1:]) if isinstance(output, tuple) else out
+        return with_first_output(output, out)
 
     gate.register_forward_hook(hook)
 
@@ -119,19 +119,7 @@ def _install_router(router) -> None:
 
 def _install_substitution(block: nn.Module, gate: nn.Module, route, lg: LayerGates, num_experts: int) -> None:
     """`substitute`: the block output gains sum over pruned slots of weight x vector, the routing recomputed
-    from the block's input (the gate's own forward, without its hook)."""
-    hidden_size = lg.vectors.shape[-1]
-    table = torch.zeros(num_experts, hidden_size, dtype=torch.float32)
+    from the block's input (`gate_hooks.install_substitution`, the colocated hook)."""
+    table = torch.zeros(num_experts, lg.vectors.shape[-1], dtype=torch.float32)
     table[lg.pruned] = lg.vectors.float()
-    block.register_buffer("slimwise_substitutes", table.to(gate.weight.device), persistent=False)
-
-    def hook(module, args, output):
-        hidden = args[0].reshape(-1, hidden_size)
-        raw = gate.forward(hidden)
-        weights, ids, slot_pruned = route(hidden, raw[0] if isinstance(raw, tuple) else raw)
-        extra = substitution(weights, ids, slot_pruned, module.slimwise_substitutes)
-        out = output[0] if isinstance(output, tuple) else output
-        out = out + extra.to(out.dtype).view_as(out)
-        return (out, *output[1:]) if isinstance(output, tuple) else out
-
-    block.register_forward_hook(hook)
+    install_substitution(block, gate, table, route)

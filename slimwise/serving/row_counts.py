@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slimwise.hooks import first_output
+
 
 @torch.library.custom_op("slimwise::count_rows", mutates_args=("counts",))
 def count_rows(counts: torch.Tensor, row_plan: torch.Tensor, masked: torch.Tensor) -> None:
@@ -32,7 +34,7 @@ def install_row_counter(gate: nn.Module, routing) -> None:
     sees the masked logits)."""
 
     def hook(module, args, output):
-        logits = output[0] if isinstance(output, tuple) else output
+        logits = first_output(output)
         n = logits.shape[0]
         torch.ops.slimwise.count_rows(routing.rows_seen, routing.row_plan[:n],
                                       torch.isneginf(logits).any(dim=-1))

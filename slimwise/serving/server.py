@@ -26,7 +26,6 @@ from pathlib import Path
 import httpx
 
 from slimwise.argtypes import option_value
-from slimwise.engines.vllm_engine import slimwise_overrides
 from slimwise.errors import SlimWiseError
 from slimwise.hardware import cpu_binding_env, parallel_ranks
 from slimwise.io import pid_alive
@@ -35,6 +34,7 @@ from slimwise.plan import PrunePlan, check_plan_for_checkpoints
 from slimwise.serving import shm
 from slimwise.serving.config import ServeConfig
 from slimwise.serving.models import is_hybrid
+from slimwise.serving.overrides import slimwise_overrides
 from slimwise.serving.routing import describe_plan
 from slimwise.serving.tokenizer import TOKENIZER_MODE, check_tokenizer, check_tokenizer_before_start
 
@@ -208,7 +208,7 @@ def cpu_fix_args(model_dir: str, args: list[str]) -> list[str]:
     a fix for vLLM on CPU (DeepSeek-V3's MLA rotary: `serving.models.CPU_ROPE_FIX`; stock vLLM-CPU
     gives other tokens than transformers there, so both instances would), else nothing; nothing either
     when the user passes overrides."""
-    from slimwise.engines.vllm_engine import full_model_overrides
+    from slimwise.serving.overrides import full_model_overrides
 
     if option_value(args, "--hf-overrides") is not None:
         return []
@@ -251,10 +251,9 @@ def checkpoint_identity(model_dir: str | Path) -> str:
     Not by path or modification time: the same files at another path, or copied, give the same key. What it
     misses: a weight value changed outside the sampled windows with no other file changed (an in-place edit
     of a non-layer tensor, say); such an edit needs a new --decode-cache-dir or the export removed."""
-    from slimwise.engines.vllm_engine import file_sha256
-    from slimwise.export_stream import read_header
-    from slimwise.fingerprint import checkpoint_fingerprint
+    from slimwise.fingerprint import checkpoint_fingerprint, file_sha256
     from slimwise.models import resolve_model_dir
+    from slimwise.safetensors_files import read_header
 
     root = Path(resolve_model_dir(model_dir))
     h = hashlib.sha256(f"layers {checkpoint_fingerprint(root)}\n".encode())
@@ -291,11 +290,11 @@ def decode_export_key(cfg: ServeConfig, plan: PrunePlan) -> tuple[str, dict]:
     """(key, what it hashes) of the decode checkpoint `cfg` and `plan` export: the full model's
     `checkpoint_identity`, the plan's `plan_hash` (kept experts and the weights they index) and the delta's
     files' bytes (`content_sha256`; deltas are a few MB), never a path."""
-    from slimwise.delta import plan_hash
-    from slimwise.engines.vllm_engine import content_sha256
+    from slimwise.delta import delta_dir, plan_hash
+    from slimwise.fingerprint import content_sha256
 
     inputs = {"format": EXPORT_FORMAT, "model": checkpoint_identity(cfg.model), "plan": plan_hash(plan),
-              "delta": content_sha256(cfg.delta) if cfg.delta else None}
+              "delta": content_sha256(delta_dir(cfg.delta)) if cfg.delta else None}
     if cfg.delta and inputs["delta"] is None:
         raise SlimWiseError(f"--distilled {cfg.delta}: nothing there; pass the directory `slimwise distill` "
                             "wrote")
@@ -360,7 +359,7 @@ def _decode_gates_file(cfg: ServeConfig, plan: PrunePlan) -> Path:
     checkpoint, the plan and the --substitutes statistics (a few router rows and vectors per layer), under a
     key of their content (the statistics file's bytes, not its path)."""
     from slimwise.delta import plan_hash
-    from slimwise.engines.vllm_engine import content_sha256
+    from slimwise.fingerprint import content_sha256
     from slimwise.gate_sidecar import write_gate_sidecar
 
     gates = cfg.decode_gates
@@ -778,7 +777,7 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
     common = ["--served-model-name", name, *tokenizer_args(cfg.vllm_args), *cfg.vllm_args]
     prefill_fix, decode_fix = (cpu_fix_args(d, cfg.vllm_args) for d in (cfg.model, decode_dir))
     if not cfg.decode_gates.plain:  # the decode instance routes with the full router's gates: its file
-        from slimwise.engines.vllm_engine import pruned_gates_overrides
+        from slimwise.serving.overrides import pruned_gates_overrides
 
         decode_fix = ["--hf-overrides",
                       json.dumps(pruned_gates_overrides(decode_dir, _decode_gates_file(cfg, plan)))]

@@ -3,7 +3,7 @@
 Why: with tensor parallelism on the CPU backend, every vLLM engine creates shared-memory segments: the CPU
 all-reduce's (`vllm_dist_<id>-tp:...-cpushm_<rank>`, 4 MB in use each) and the executor's message queues
 (Python `psm_<id>` segments). vLLM's shutdown force-kills its workers, so their destructors never unlink them:
-measured here, every TP=2 engine leaves 2 to 4 segments and about 8 MB of memory behind, for good. On a
+every TP engine leaves segments and their memory behind, for good (docs/history/measurement-notes.md). On a
 machine with a small /dev/shm (64 MB is Docker's default) a few runs fill it, and the next TP engine dies
 during start-up.
 

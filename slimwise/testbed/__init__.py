@@ -1,7 +1,8 @@
-"""Embedded testbed: a verifiable task suite and a tiny tokenizer for training small MoE models.
+"""Embedded testbed: a verifiable task suite for the small MoE models SlimWise ships.
 
 The tasks (arithmetic, lists, text) give exact answers with worked solutions, so a pruned model's decode
-quality can be measured per domain without external data or large models.
+quality can be measured per domain without external data or large models (`slimwise eval`, `slimwise demo`).
+Training the models and building their tokenizer is the lab's (lab.testbed), outside the installed package.
 """
 
 from slimwise.testbed.tasks import (
@@ -26,13 +27,6 @@ from slimwise.testbed.tasks import (
     select_families,
     write_splits,
 )
-from slimwise.testbed.tokenizer import (
-    PAD_TOKEN,
-    build_tokenizer,
-    encode_sample,
-    length_stats,
-    load_tokenizer,
-)
 
 __all__ = [
     "ANSWER_MARKER",
@@ -40,21 +34,16 @@ __all__ = [
     "EOS_TOKEN",
     "FAMILIES",
     "LEVELS",
-    "PAD_TOKEN",
     "SPLITS",
     "TARGET_DOMAIN",
     "Grade",
     "Sample",
     "TaskFamily",
-    "build_tokenizer",
     "check_disjoint",
-    "encode_sample",
     "export_jsonl",
     "families_in_domain",
     "grade",
-    "length_stats",
     "load_jsonl",
-    "load_tokenizer",
     "make_split",
     "parse_answer",
     "register_family",

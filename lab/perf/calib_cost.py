@@ -1,4 +1,5 @@
-"""`slimwise calib-cost`: the statistics pass (`ExpertObserver`) against all-experts observers, in tokens/s.
+"""`python -m lab.perf.cli calib-cost`: the statistics pass (`ExpertObserver`) against all-experts observers,
+in tokens/s.
 
 SlimWise's `ExpertObserver` runs each expert only on the tokens routed to it, sorted by expert, as the
 model's own experts forward does. Two all-experts baselines run every expert on every token:

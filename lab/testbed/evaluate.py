@@ -26,20 +26,21 @@ from string import Template
 import torch
 import torch.nn.functional as F
 
-from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
-from slimwise.errors import SlimWiseError
-from slimwise.io import atomic_dir, atomic_write_text
-from slimwise.options import argv_of, command_of
-from slimwise.testbed.backbones import (
+from lab.testbed.backbones import (
     CARD_NAMES,
     copy_model_files,
     count_parameters,
     moe_blocks,
 )
+from lab.testbed.tokenizer import encode_sample
+from lab.testbed.train_config import ALWAYS_SPELLED, TRAIN_OPTIONS, TrainConfig
+from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
+from slimwise.errors import SlimWiseError
+from slimwise.io import atomic_dir, atomic_write_text
+from slimwise.models import load_tokenizer
+from slimwise.options import argv_of, command_of
 from slimwise.testbed.long_tasks import LENGTHS, LONG_DOMAIN, LONG_FAMILIES, make_long_split
 from slimwise.testbed.tasks import DOMAINS, FAMILIES, Sample, grade, make_split
-from slimwise.testbed.tokenizer import encode_sample, load_tokenizer
-from slimwise.testbed.train_config import ALWAYS_SPELLED, TRAIN_OPTIONS, TrainConfig
 
 #: The routing-load bound of a shipped testbed: in every MoE layer, the busiest expert's share of the routed
 #: assignments is at most this multiple of the uniform share 1/E (the card reports it, the shipped-model tests
@@ -525,7 +526,7 @@ def card_fields(out: Path, name: str, train_config: dict, summary: dict, test: d
         "limitations": _limitations(cfg, test, heldout),
         "pruning": _pruning_section(pruning), "routing": _routing_section(test),
         "tokenizer_class": "PreTrainedTokenizerFast" if hybrid else "AutoTokenizer",
-        "where": f"slimwise/testbed/checkpoints/{EMBEDDED[name]}" if name in EMBEDDED else str(out),
+        "where": shipped_where(name) if name in EMBEDDED else str(out),
         "tokenizer_note": _paragraph("tokenizer_note") if hybrid else "",
     }
 
@@ -609,11 +610,18 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
     return out / "README.md"
 
 
+#: the module the shipped backbones were trained with, before training moved to the lab (lab.testbed.train,
+#: same options); a run of the lab's module renders this name too until its cards record their own command
+TRAINED_AS = "python -m slimwise.testbed.train"
+
+
 def train_command(tc: dict, out: Path) -> str:
-    """The `python -m slimwise.testbed.train` command line of a run's train_config (its non-default options,
-    from the option declarations), ready to paste into a shell; run directories as `shown_command` prints
-    them."""
-    return shown_command(command_of("python -m slimwise.testbed.train",
+    """The training command line of a run's train_config (its non-default options, from the option
+    declarations), ready to paste into a shell; run directories as `shown_command` prints them.
+
+    It names the module as `TRAINED_AS`, the path every committed card's backbone was trained under: a card
+    records the command that was run, and the committed cards re-render bit for bit."""
+    return shown_command(command_of(TRAINED_AS,
                                     argv_of(TrainConfig, {"out": str(out), **tc}, TRAIN_OPTIONS,
                                             always=ALWAYS_SPELLED)))
 
@@ -670,21 +678,37 @@ def card_name(train_config: dict, out: Path) -> str:
     return f"{base}-long" if trains_long(train_config) and base in CARD_NAMES.values() else base
 
 
+def shipped_dir(name: str) -> Path:
+    """Where the checkpoint of embedded `name` lives (or will): the package's checkpoints for the one the
+    wheel ships (already there), else the lab's."""
+    from slimwise.embedded import CHECKPOINTS, EMBEDDED, LAB_CHECKPOINTS
+
+    sub = EMBEDDED[name]
+    return (CHECKPOINTS if (CHECKPOINTS / sub).is_dir() else LAB_CHECKPOINTS) / sub
+
+
+def shipped_where(name: str) -> str:
+    """`shipped_dir` relative to a source checkout's root, as the card's usage snippet names it."""
+    path = shipped_dir(name)
+    return path.relative_to(path.parents[3]).as_posix()
+
+
 def ship(run_dir: str | os.PathLike, name: str) -> Path:
-    """Copy a trained model's shippable files into the package
-    (slimwise/testbed/checkpoints/<dir>), atomically."""
-    from slimwise.embedded import CHECKPOINTS, EMBEDDED
+    """Copy a trained model's shippable files where its embedded name resolves, atomically: into the package
+    (slimwise/testbed/checkpoints/<dir>) for the checkpoint it ships, else into the lab's
+    (lab/testbed/checkpoints/<dir>)."""
+    from slimwise.embedded import EMBEDDED
 
     if name not in EMBEDDED:
         raise SlimWiseError(f"unknown embedded name {name!r}; choose one of {sorted(EMBEDDED)}")
-    dst = CHECKPOINTS / EMBEDDED[name]
+    dst = shipped_dir(name)
     with atomic_dir(dst) as tmp:
         copy_model_files(run_dir, tmp)
     return dst
 
 
 def build_card_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.evaluate",
+    p = argparse.ArgumentParser(prog="python -m lab.testbed.evaluate",
                                 description="model cards of trained testbed backbones")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("card",
@@ -693,7 +717,7 @@ def build_card_parser() -> argparse.ArgumentParser:
     c.add_argument("--pruning-report", help="report.json of `slimwise eval` on this model (target domain)")
     c.add_argument("--pruning-command", default="slimwise eval", help="the command that wrote the report")
     c.add_argument("--ship", metavar="NAME",
-                   help="then copy the model into the package as NAME (an embedded name, e.g. testbed-a)")
+                   help="then copy the model where embedded NAME resolves (e.g. testbed-a: the package)")
     e = sub.add_parser("evaluate", help="evaluate a trained model directory (a run with --no-eval) and write "
                                         "its eval.json and README.md")
     e.add_argument("model_dir")
@@ -704,7 +728,7 @@ def build_card_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m slimwise.testbed.evaluate card|evaluate ...` with `argv` (default: sys.argv); the exit
+    """`python -m lab.testbed.evaluate card|evaluate ...` with `argv` (default: sys.argv); the exit
     code."""
     args = build_card_parser().parse_args(argv)
     out = Path(args.model_dir)
@@ -723,7 +747,7 @@ def _evaluate_run(out: Path, dtype: str) -> int:
     config = out / "train_config.json"
     if not (config.is_file() and (out / "train_summary.json").is_file()):
         print(f"error: {out} has no train_config.json and train_summary.json: pass the --out directory of a "
-              "finished `python -m slimwise.testbed.train` run", file=sys.stderr)
+              "finished `python -m lab.testbed.train` run", file=sys.stderr)
         return 2
     result = evaluate_and_write_card(out, json.loads(config.read_text()), dtype=dtype)
     t = result["test"]

@@ -47,8 +47,8 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         """One step. Under torch.distributed (the trainer's data-parallel ranks, which hold identical summed
         gradients) each rank orthogonalises a share of the tensors, balanced by size, and broadcasts
-        its updates: Newton-Schulz is ~0.4 s a step on one core for testbed-c, so computing it on
-        every rank would cost ~25%."""
+        its updates: Newton-Schulz is a large share of a step on one core, so computing it on every rank
+        would cost a large share of each step (figures: docs/history/testbeds.md, "Trainer kernels")."""
         items = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0

@@ -1,5 +1,5 @@
 """What a testbed training run varies (`TrainConfig`), and the one declaration of the options of
-`python -m slimwise.testbed.train`: a field's metadata makes it an option (slimwise.options)."""
+`python -m lab.testbed.train`: a field's metadata makes it an option (slimwise.options)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from lab.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
+from lab.testbed.fast_experts import FAST_EXPERTS
 from slimwise.argtypes import integer, number
 from slimwise.options import argument_text
-from slimwise.testbed.backbones import BACKBONES, DEFAULT_FAMILY_WEIGHTS
-from slimwise.testbed.fast_experts import FAST_EXPERTS
 
 #: the options before --no-eval, in the order --help lists them and a model card's command spells them
 #: (`evaluate.train_command`): what the run starts from, its budget, its processes, the tokenizer and rows,
@@ -45,7 +45,7 @@ def _model_overrides_text(overrides: dict) -> list[str]:
 
 @dataclass
 class TrainConfig:
-    """A training run. The metadata of a field makes it an option of `python -m slimwise.testbed.train`
+    """A training run. The metadata of a field makes it an option of `python -m lab.testbed.train`
     (slimwise.options)."""
 
     backbone: str = field(default="a", metadata={
@@ -109,13 +109,13 @@ class TrainConfig:
     optimizer: str = field(default="adamw", metadata={
         "choices": ("adamw", "muon"),
         "help": "muon: Muon on hidden matrices and expert stacks, AdamW on the rest "
-                "(slimwise/testbed/muon.py)"})
+                "(lab/testbed/muon.py)"})
     # runtime
     threads: int = field(default=0, metadata={  # re-measured every 100 steps (see ThreadTuner)
         "type": int, "help": "torch threads; 0 = auto (1 or 2, re-measured)"})
     ranks: int = field(default=1, metadata={  # measured in cpu_parallel.py
         "type": integer(1),
-        "help": "data-parallel processes of one thread each (see slimwise/testbed/cpu_parallel.py)"})
+        "help": "data-parallel processes of one thread each (see lab/testbed/cpu_parallel.py)"})
     experts_implementation: str = field(default=FAST_EXPERTS, metadata={
         "flag": "--experts-impl", "help": f"{FAST_EXPERTS} | grouped_mm | eager | ..."})
     checkpoint_minutes: float = 5.0

@@ -20,14 +20,14 @@ elapsed / budget), so a run always finishes its schedule inside the budget howev
 
 Gated-DeltaNet on a CPU: flash-linear-attention and causal-conv1d (the fast kernels transformers looks for)
 are CUDA/Triton packages, so transformers runs its torch fallbacks. For training it takes the chunked kernel
-(`torch_chunk_gated_delta_rule`, chunk 64), which was 2-5x faster here than the per-token recurrent one
-(fwd + bwd of one 4-head layer, 5,616 positions: 278 ms chunked, 1,299 ms recurrent, outputs equal to 2e-7).
+(`torch_chunk_gated_delta_rule`, chunk 64), which is faster than the per-token recurrent one with outputs
+equal up to float rounding (figures: docs/history/testbeds.md, "Trainer kernels").
 
 Training uses a fast CPU experts implementation (`fast_experts.py`, `slimwise_sorted`); the model is switched
 back to the `eager` implementation before saving.
 
-    python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0
-    python -m slimwise.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0 --resume
+    python -m lab.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0
+    python -m lab.testbed.train --backbone a --out runs/testbed-a --minutes 45 --seed 0 --resume
 """
 
 from __future__ import annotations
@@ -54,21 +54,21 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers import GenerationConfig as HFGenerationConfig
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from lab.testbed import cpu_parallel as dp
+from lab.testbed.backbones import BACKBONES, backbone_config, moe_blocks
+from lab.testbed.cpu_parallel import ThreadTuner
+from lab.testbed.fast_experts import FAST_EXPERTS
+from lab.testbed.muon import Muon, MuonAdamW, muon_parameters
+from lab.testbed.packed_linear_attention import packed_sequences, segment_aware_linear_attention
+from lab.testbed.tokenizer import build_tokenizer, encode_sample, load_saved_tokenizer
+from lab.testbed.train_config import TRAIN_OPTIONS, TrainConfig
 from slimwise.errors import SlimWiseError
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_torch_save, atomic_write_text
 from slimwise.models import is_hybrid
 from slimwise.options import add_dataclass_options, config_from_args
-from slimwise.testbed import cpu_parallel as dp
-from slimwise.testbed.backbones import BACKBONES, backbone_config, moe_blocks
-from slimwise.testbed.cpu_parallel import ThreadTuner
-from slimwise.testbed.fast_experts import FAST_EXPERTS
 from slimwise.testbed.long_tasks import LONG_FAMILIES, draw_long_samples
-from slimwise.testbed.muon import Muon, MuonAdamW, muon_parameters
-from slimwise.testbed.packed_linear_attention import packed_sequences, segment_aware_linear_attention
 from slimwise.testbed.tasks import FAMILIES, make_split
-from slimwise.testbed.tokenizer import build_tokenizer, encode_sample, load_tokenizer
-from slimwise.testbed.train_config import TRAIN_OPTIONS, TrainConfig
 
 STATE_FILE = "train_state.pt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -310,8 +310,8 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimiz
     """AdamW (with `optimizer="muon"`: Muon on the matrices `muon.muon_parameters` picks, AdamW on the rest);
     weight decay on matrices and expert tensors, none on norms, biases and embeddings.
 
-    Fused (one kernel over all tensors): on testbed-c's 6.9M parameters a step took 12 ms instead of foreach's
-    53 (AVX2 EPYC, 1 thread), about 3% of a data-parallel step; same update up to float rounding."""
+    Fused (one kernel over all tensors): a small share of a data-parallel step, a fraction of foreach's; same
+    update up to float rounding (figures: docs/history/testbeds.md, "Trainer kernels")."""
     if config.optimizer not in ("adamw", "muon"):
         raise ValueError(f"unknown optimizer {config.optimizer!r}; choose adamw or muon")
     on_muon = muon_parameters(model) if config.optimizer == "muon" else {}
@@ -463,7 +463,7 @@ def prepare_tokenizer(out: Path, spaced_pairs: bool = True, init_from: Path | No
         names = tuple(f.name for f in sorted(src.iterdir()))
     for name in names:
         shutil.copy2(src / name, out / name)
-    return load_tokenizer(out)
+    return load_saved_tokenizer(out)
 
 
 def train(config: TrainConfig) -> Path:
@@ -504,7 +504,7 @@ def _start_rank(lead: bool, config: TrainConfig, out: Path):
                  if lead else None)
     dp.barrier()  # the other ranks read the files rank 0 wrote
     if tokenizer is None:
-        tokenizer = load_tokenizer(out)
+        tokenizer = load_saved_tokenizer(out)
     model = build_model(config, tokenizer)
     optimizer = make_optimizer(model, config)
     state_path = out / STATE_FILE
@@ -639,8 +639,8 @@ def final_loss(history: list[dict]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The options of `python -m slimwise.testbed.train`, from TrainConfig's fields (TRAIN_OPTIONS)."""
-    p = argparse.ArgumentParser(prog="python -m slimwise.testbed.train",
+    """The options of `python -m lab.testbed.train`, from TrainConfig's fields (TRAIN_OPTIONS)."""
+    p = argparse.ArgumentParser(prog="python -m lab.testbed.train",
                                 description="train a testbed backbone")
     add_dataclass_options(p, TrainConfig, TRAIN_OPTIONS)
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation and model card")
@@ -649,9 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m slimwise.testbed.train`: train a backbone, then (unless --no-eval) evaluate it and write its
+    """`python -m lab.testbed.train`: train a backbone, then (unless --no-eval) evaluate it and write its
     card."""
-    from slimwise.testbed.evaluate import evaluate_and_write_card
+    from lab.testbed.evaluate import evaluate_and_write_card
 
     args = build_parser().parse_args(argv)
     config = config_from_args(TrainConfig, args)

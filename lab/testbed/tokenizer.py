@@ -7,8 +7,9 @@ is in the vocabulary and decoding just concatenates tokens, so any ASCII text ro
 saved as a plain `tokenizer.json` + `tokenizer_config.json` + `special_tokens_map.json`, which
 `transformers.AutoTokenizer` (and therefore vLLM) loads as a PreTrainedTokenizerFast, except next to a
 Qwen3.5/3.6-MoE config (testbed-c): there AutoTokenizer substitutes the family's Qwen3_5Tokenizer, whose own
-pre-tokenizer splits the template words into characters. `PreTrainedTokenizerFast.from_pretrained` loads it as
-saved everywhere (`load_tokenizer`).
+pre-tokenizer splits the template words into characters. `slimwise.models.load_tokenizer` loads it as saved
+from a model directory (PreTrainedTokenizerFast over its tokenizer.json), `load_saved_tokenizer` from a
+directory without a model.
 """
 
 from __future__ import annotations
@@ -130,16 +131,13 @@ def build_tokenizer(
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
-    return load_tokenizer(out)
+    return load_saved_tokenizer(out)
 
 
-def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
-    """The saved testbed tokenizer, as saved.
-
-    Not AutoTokenizer: next to a model config of some families (qwen3_5_moe_text among them) AutoTokenizer
-    replaces the saved PreTrainedTokenizerFast with the family's own class, which rebuilds the pre-tokenizer
-    and normaliser and splits the testbed's template words into characters.
-    """
+def load_saved_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """The tokenizer files of a directory that need not hold a model (a run directory before its first
+    checkpoint, the builder's output), as saved. A model directory's tokenizer is `slimwise.models.
+    load_tokenizer`'s: the same object for these files, but that one resolves a model first."""
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
