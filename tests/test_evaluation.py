@@ -110,7 +110,7 @@ def test_accuracy_and_bootstrap():
     d = paired_difference([1, 1, 1, 0], [0, 1, 1, 0])
     assert d["diff"] == pytest.approx(0.25) and d["ci_low"] <= 0.25 <= d["ci_high"]
     same = paired_difference([1, 0, 1], [1, 0, 1])
-    assert same == {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    assert same == {"diff": 0.0, "ci_low": 0.0, "ci_high": 0.0, "a_only": 0, "b_only": 0, "p_exact": 1.0}
 
 
 def test_kl_divergence_known_values():

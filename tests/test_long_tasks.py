@@ -132,3 +132,13 @@ def test_bad_arguments():
         make_long_split("test", 1, 256, families=["add"])
     with pytest.raises(ValueError, match="length"):
         make_long_split("test", 1, MIN_LENGTH - 1)
+
+
+def test_long_final_split_never_draws_a_test_problem_an_earlier_run_drew():
+    from slimwise.testbed.long_tasks import LONG_FINAL_EXCLUDES
+
+    final = make_long_split("final", 20, 256, seed=0)
+    assert len(final) == 20 * len(LONG_FAMILIES) and final == make_long_split("final", 20, 256, seed=0)
+    earlier = {s.prompt for seed in LONG_FINAL_EXCLUDES["seeds"]
+               for s in make_long_split("test", LONG_FINAL_EXCLUDES["per_family"], 256, seed)}
+    assert not earlier & {s.prompt for s in final}

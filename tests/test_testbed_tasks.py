@@ -486,3 +486,26 @@ def test_exclude_draws_a_disjoint_sample_from_the_same_stream():
     assert {s.prompt for s in other}.isdisjoint(s.prompt for s in base) and len(other) == len(base)
     again = make_split("test", 30, seed=1, domain="arithmetic", exclude={s.prompt for s in base})
     assert [s.prompt for s in again] == [s.prompt for s in other]  # deterministic
+
+
+def test_final_split_never_draws_a_problem_an_earlier_sample_drew():
+    """The reserved final split (docs/results/protocol.md): trained sizes in the test buckets, deterministic,
+    and disjoint from every test and edge sample any earlier run drew -- the plain seeds at the largest size,
+    and the replication samples drawn disjoint from seed 0 -- checked against those samples drawn here."""
+    from slimwise.testbed.tasks import FINAL_EXCLUDES
+
+    final = make_split("final", 48, seed=0, domain="arithmetic")
+    assert final == make_split("final", 48, seed=0, domain="arithmetic")
+    assert all(90 <= split_bucket(s.prompt) < 100 and s.level == "train" for s in final)
+    n = FINAL_EXCLUDES["per_family"]
+    earlier = [make_split(split, n, seed, domain="arithmetic", allow_fewer=True)
+               for split in FINAL_EXCLUDES["splits"] for seed in FINAL_EXCLUDES["seeds"]]
+    chain = make_split("test", n, 0, domain="arithmetic")
+    for seed in FINAL_EXCLUDES["replicates"]:
+        chain += make_split("test", n, seed, domain="arithmetic", exclude={s.prompt for s in chain},
+                            allow_fewer=True)
+    seen = {s.prompt for sample in earlier for s in sample} | {s.prompt for s in chain}
+    assert not seen & {s.prompt for s in final}
+    # without the exclusion the same stream would have drawn earlier problems: the check can fail
+    plain = make_split("test", 48, seed=0, domain="arithmetic")
+    assert {s.prompt for s in plain} <= seen

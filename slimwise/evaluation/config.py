@@ -69,9 +69,11 @@ class EvalConfig(GateOptions):
     families: tuple[str, ...] = field(default=(), metadata={
         "type": comma_list(str), "help": "comma-separated testbed families"})
     split: str = field(default="test", metadata={
-        "choices": ["test", "edge", "heldout", "calib"],
+        "choices": ["test", "edge", "heldout", "calib", "final"],
         "help": "testbed split: test; edge (the hardest trained sizes, e.g. 4-digit operands, never a test "
-                "problem); heldout (beyond training: 5-6 digits, which the testbeds cannot solve); calib"})
+                "problem); heldout (beyond training: 5-6 digits, which the testbeds cannot solve); calib; "
+                "final (trained sizes no earlier sample drew, reserved for the final tables: "
+                "docs/results/protocol.md)"})
     # 240 target-domain problems: about ±6 pp at 50% accuracy, default sweep < 20 min
     n_per_family: int = field(default=48, metadata={
         "flag": "--per-family", "type": integer(1),

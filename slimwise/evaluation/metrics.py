@@ -3,6 +3,7 @@ model, and teacher-forced KL(full || mode) over the full model's own continuatio
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -33,10 +34,47 @@ def accuracy_metrics(correct: Sequence[bool], seed: int = 0, n_boot: int = 2000)
 
 def paired_difference(a: Sequence[bool], b: Sequence[bool], n_boot: int = 2000,
                       seed: int = 0) -> dict[str, float]:
-    """Mean of a - b over the same samples with a paired bootstrap interval (resamples samples, not runs)."""
+    """Mean of a - b over the same samples with a paired bootstrap interval (resamples samples, not runs),
+    and McNemar's exact test on the same pairs (`a_only`, `b_only`, `p_exact`: see `mcnemar_exact`)."""
     diff = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     lo, hi = bootstrap_ci(diff, n_boot=n_boot, seed=seed)
-    return {"diff": float(diff.mean()) if diff.size else float("nan"), "ci_low": lo, "ci_high": hi}
+    return {"diff": float(diff.mean()) if diff.size else float("nan"), "ci_low": lo, "ci_high": hi,
+            **mcnemar_exact(a, b)}
+
+
+def mcnemar_exact(a: Sequence[bool], b: Sequence[bool]) -> dict[str, float]:
+    """McNemar's exact test of two paired 0/1 outcomes: only the discordant pairs carry information; under
+    equal accuracy the problems a alone solves are Binomial(discordant, 1/2). Two-sided p = twice the smaller
+    tail, capped at 1 (1 when no pair is discordant)."""
+    if len(a) != len(b):
+        raise ValueError(f"paired outcomes differ in length: {len(a)} and {len(b)}")
+    a_only = sum(bool(x) and not bool(y) for x, y in zip(a, b, strict=True))
+    b_only = sum(bool(y) and not bool(x) for x, y in zip(a, b, strict=True))
+    n, k = a_only + b_only, min(a_only, b_only)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return {"a_only": a_only, "b_only": b_only, "p_exact": min(1.0, 2 * tail)}
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family's p-values (same order as given): the i-th smallest is
+    multiplied by (m - i), never decreasing along the order and capped at 1. Rejecting adjusted p < alpha
+    bounds the family-wise error at alpha whatever the dependence between the tests."""
+    order = sorted(range(len(pvalues)), key=lambda i: pvalues[i])
+    adjusted = [0.0] * len(pvalues)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(pvalues) - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def significant(d: dict, sign: int) -> bool:
+    """Whether a paired difference is significantly above (sign 1) or below (-1) zero: McNemar's exact p,
+    Holm-adjusted over its table, below 0.05 where the report has it; else (reports written before it) the
+    bootstrap interval excluding 0."""
+    if "p_holm" in d:
+        return d["p_holm"] < 0.05 and d["diff"] * sign > 0
+    return d["ci_low"] > 0 if sign > 0 else d["ci_high"] < 0
 
 
 def length_metrics(generations: Sequence[Generation], max_new_tokens: int) -> dict[str, float]:

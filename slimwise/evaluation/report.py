@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from slimwise.evaluation.config import calib_mix_label
+from slimwise.evaluation.metrics import significant
 from slimwise.io import atomic_write_text
 
 # ----------------------------------------------------------------------------------------------------------
@@ -26,11 +27,13 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
 
 
 def signed_pp(d: dict | None) -> str:
-    """A paired difference as "+x.x pp [lo, hi]", marked where the interval excludes 0."""
+    """A paired difference as "+x.x pp [lo, hi]" (with "p=..." where the report holds the Holm-adjusted
+    exact p), marked where it is significant (`metrics.significant`)."""
     if not d:
         return "–"
-    mark = " **↑**" if d["ci_low"] > 0 else (" **↓**" if d["ci_high"] < 0 else "")
-    return f"{100 * d['diff']:+.1f} pp [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]{mark}"
+    mark = " **↑**" if significant(d, 1) else (" **↓**" if significant(d, -1) else "")
+    p = f" p={d['p_holm']:.2g}" if "p_holm" in d else ""
+    return f"{100 * d['diff']:+.1f} pp [{100 * d['ci_low']:+.1f}, {100 * d['ci_high']:+.1f}]{p}{mark}"
 
 
 def run_criteria(report: dict) -> list[str]:
@@ -149,7 +152,9 @@ def _comparison_lines(report: dict) -> list[str]:
     comps = [c for c in report["comparisons"] if "slimwise_minus_uniform" in c]
     if not comps:
         return []
-    lines = [f"- SlimWise − uniform accuracy (paired bootstrap 95% CI) over {len(comps)} plans: "
+    test = ("McNemar's exact test, Holm-adjusted over the paired table, p < 0.05"
+            if "p_holm" in comps[0]["slimwise_minus_uniform"] else "paired bootstrap 95% CI")
+    lines = [f"- SlimWise − uniform accuracy ({test}) over {len(comps)} plans: "
              f"significantly higher in {s['slimwise_better']}, significantly lower in {s['slimwise_worse']}, "
              f"not distinguishable in {s['no_significant_difference']} (point estimate higher in "
              f"{s['slimwise_higher_point_estimate']}, lower in {s['slimwise_lower_point_estimate']})."]
@@ -307,12 +312,16 @@ def write_markdown(report: dict, path: str | Path) -> Path:
     lines += _md_table(TABLE_HEADER, main_table(report))
     lines += fallback_lines(report)
     if report["comparisons"]:
-        lines += ["", "## Paired accuracy differences", "",
-                  "Same problems, paired bootstrap 95% interval; **↑**/**↓** mark "
-                  "intervals that exclude 0.", ""]
         keys = ["slimwise_minus_uniform", "slimwise_minus_full", "uniform_minus_full"]
         keys += [k for k in ("distilled_minus_slimwise", "distilled_minus_uniform", "distilled_minus_full")
                  if any(k in c for c in report["comparisons"])]
+        cells = [c[k] for c in report["comparisons"] for k in c if "_minus_" in k]
+        lines += ["", "## Paired accuracy differences", "",
+                  f"Same problems, paired bootstrap 95% interval and McNemar's exact p, Holm-adjusted over "
+                  f"the {len(cells)} differences of this table; **↑**/**↓** mark p < 0.05."
+                  if all("p_holm" in d for d in cells) else
+                  "Same problems, paired bootstrap 95% interval; **↑**/**↓** mark "
+                  "intervals that exclude 0.", ""]
         rows = []
         for c in sorted(report["comparisons"], key=lambda c: (c["criterion"], str(c["phase"]), c["ratio"])):
             rows.append([c["criterion"], str(c["phase"]), f"{c['ratio']:.2f}",

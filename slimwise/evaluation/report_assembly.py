@@ -22,7 +22,7 @@ import torch
 from slimwise.engines.reference import GenerationConfig
 from slimwise.evaluation.config import SCHEMA, EvalConfig
 from slimwise.evaluation.evaluated_model import EvaluatedModel
-from slimwise.evaluation.metrics import paired_difference
+from slimwise.evaluation.metrics import holm, paired_difference, significant
 from slimwise.evaluation.samples import GradedSample, domain_of
 from slimwise.io import atomic_write_text, dumps_compact
 
@@ -51,7 +51,12 @@ def paired_comparisons(full_metrics: dict, runs: list[dict], n_boot: int, seed: 
                 row[f"{a}_minus_{b}"] = paired_difference(modes[a]["correct"], modes[b]["correct"], n_boot,
                                                           seed)
         out.append(row)
+    # the table is one family: every paired difference in it gets its Holm-adjusted exact p
+    cells = [d for row in out for k, d in row.items() if "_minus_" in k]
+    for d, p in zip(cells, holm([d["p_exact"] for d in cells]), strict=True):
+        d["p_holm"] = p
     return out
+
 
 
 def model_section(subject: EvaluatedModel) -> dict[str, Any]:
@@ -97,13 +102,13 @@ def distilled_section(config: EvalConfig, delta: Any) -> dict[str, Any] | None:
 
 
 def summary_section(comparisons: list[dict], full_metrics: dict, n: int) -> dict[str, Any]:
-    """Counts of plans where SlimWise beats, loses to or ties uniform (95% paired intervals)."""
+    """Counts of plans where SlimWise beats, loses to or ties uniform (`significant`)."""
     sw = [c["slimwise_minus_uniform"] for c in comparisons if "slimwise_minus_uniform" in c]
     return {
         "plans": len(comparisons),
-        "slimwise_better": sum(c["ci_low"] > 0 for c in sw),
-        "slimwise_worse": sum(c["ci_high"] < 0 for c in sw),
-        "no_significant_difference": sum(c["ci_low"] <= 0 <= c["ci_high"] for c in sw),
+        "slimwise_better": sum(significant(c, 1) for c in sw),
+        "slimwise_worse": sum(significant(c, -1) for c in sw),
+        "no_significant_difference": sum(not significant(c, 1) and not significant(c, -1) for c in sw),
         "slimwise_higher_point_estimate": sum(c["diff"] > 0 for c in sw),
         "slimwise_lower_point_estimate": sum(c["diff"] < 0 for c in sw),
         "full_accuracy": full_metrics["accuracy"],

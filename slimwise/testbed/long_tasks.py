@@ -22,6 +22,7 @@ train, calib and test never share a prompt.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections.abc import Callable, Iterable
@@ -41,6 +42,9 @@ from slimwise.testbed.tasks import (
 )
 
 LONG_DOMAIN = "long"
+#: the long final split never draws a problem of these test samples (the seeds any published run or decision
+#: used, at the largest size any drew per family and length)
+LONG_FINAL_EXCLUDES = {"seeds": (0, 5), "per_family": 150}
 #: the prompt lengths the measurement sweeps (characters; about as many tokens)
 LENGTHS = (64, 256, 512, 1024)
 MIN_LENGTH = 48
@@ -146,7 +150,8 @@ def gen_infer(rng: random.Random, length: int) -> tuple[str, str, str]:
 def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
                     families: Iterable[str] | None = None) -> list[Sample]:
     """Deterministic, deduplicated samples of one split at one prompt length, grouped by family; the split's
-    hash buckets as in `tasks.make_split`."""
+    hash buckets as in `tasks.make_split`. The final split never draws a problem of the test samples at the
+    same length in `LONG_FINAL_EXCLUDES` (docs/results/protocol.md)."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
     names = list(LONG_FAMILIES) if families is None else list(families)
@@ -159,13 +164,14 @@ def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
     lo, hi = SPLIT_BUCKETS[split]
     samples = []
     for name in names:
+        excluded = touched_long_prompts(name, length) if split == "final" else frozenset()
         rng = random.Random(f"slimwise-testbed-long:{seed}:{split}:{length}:{name}")
         seen: set[str] = set()
         for _ in range(200 * n_per_family + 1000):
             if len(seen) == n_per_family:
                 break
             prompt, target, answer = LONG_FAMILIES[name](rng, length)
-            if prompt in seen or not lo <= split_bucket(prompt) < hi:
+            if prompt in seen or prompt in excluded or not lo <= split_bucket(prompt) < hi:
                 continue
             samples.append(Sample(f"{split}-long-{name}-{length}-{len(seen):05d}", name, LONG_DOMAIN, prompt,
                                   target, answer, {"length": length}, split, "train"))
@@ -173,6 +179,15 @@ def make_long_split(split: str, n_per_family: int, length: int, seed: int = 0,
         else:
             raise RuntimeError(f"{name}: only {len(seen)} distinct {split} problems at length {length}")
     return samples
+
+
+@functools.lru_cache(maxsize=64)
+def touched_long_prompts(family: str, length: int) -> frozenset[str]:
+    """The prompts of one long family at one length that the test samples in `LONG_FINAL_EXCLUDES` hold (a
+    sample of n is the first n of its seeded stream, so the largest size covers the smaller ones)."""
+    n = LONG_FINAL_EXCLUDES["per_family"]
+    return frozenset(s.prompt for seed in LONG_FINAL_EXCLUDES["seeds"]
+                     for s in make_long_split("test", n, length, seed, [family]))
 
 
 def draw_long_samples(family: str, n: int, seed: int, max_length: int, split: str = "train",

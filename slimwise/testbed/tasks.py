@@ -7,11 +7,14 @@ several domains so that expert pruning calibrated on one domain can be evaluated
 
 Splits are disjoint by construction: each problem is assigned to a split by hashing its prompt into 100
 buckets (train 0-79, calib 80-89, test 90-99); the held-out split reuses the test buckets but draws from a
-harder difficulty range that lies beyond the training range.
+harder difficulty range that lies beyond the training range. The final split (docs/results/protocol.md) draws
+trained sizes from the test buckets too, and never a problem of the test or edge samples any earlier run drew
+(`FINAL_EXCLUDES`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,16 +32,21 @@ DOMAINS = ("arithmetic", "lists", "text")
 ANSWER_MARKER = "#### "
 EOS_TOKEN = "<|endoftext|>"
 LEVELS = ("train", "heldout", "edge")
-SPLITS = ("train", "calib", "test", "heldout", "edge")
+SPLITS = ("train", "calib", "test", "heldout", "edge", "final")
 # Half-open bucket ranges of sha256(prompt) % 100; "heldout" and "edge" share the
-# test buckets (other difficulty).
+# test buckets (other difficulty); "final" shares them and excludes what earlier samples drew.
 SPLIT_BUCKETS: dict[str, tuple[int, int]] = {
     "train": (0, 80),
     "calib": (80, 90),
     "test": (90, 100),
     "heldout": (90, 100),
     "edge": (90, 100),
+    "final": (90, 100),
 }
+#: the final split never draws a problem of these samples: the test and edge splits at every seed any decision
+#: or published table used, at the largest size any drew (200 per family), and the replication samples drawn
+#: disjoint from test seed 0 (`replicates`: seeds 1 and 2 in turn, each excluding what came before)
+FINAL_EXCLUDES = {"splits": ("test", "edge"), "seeds": (0, 1, 2, 5), "replicates": (1, 2), "per_family": 200}
 
 Difficulty = dict[str, int]
 Ranges = dict[str, tuple[int, int]]
@@ -449,6 +457,9 @@ def make_split(
         raise ValueError(f"unknown difficulty {level!r}; expected one of {LEVELS}")
     lo, hi = SPLIT_BUCKETS[split]
     excluded = set(exclude)
+    if split == "final":
+        families = list(families) if families is not None else None
+        excluded |= touched_prompts(tuple(select_families(families, domain)))
     # its problems are of trained sizes, in the test buckets: never one of the test sample's
     if split == "edge":
         families = list(families) if families is not None else None
@@ -477,6 +488,21 @@ def make_split(
             samples.append(Sample(sid, name, fam.domain, prompt, target, answer, knobs, split, level))
             seen.add(prompt)
     return samples
+
+
+@functools.lru_cache(maxsize=8)
+def touched_prompts(families: tuple[str, ...]) -> frozenset[str]:
+    """The prompts of `families` that the samples in `FINAL_EXCLUDES` hold: what the final split never draws.
+    A test sample of n problems is the first n of its seeded stream, so the largest size covers every smaller
+    one; an edge sample's draws are in the larger edge sample or in the test sample that one skips."""
+    n, out = FINAL_EXCLUDES["per_family"], set()
+    for split in FINAL_EXCLUDES["splits"]:
+        for seed in FINAL_EXCLUDES["seeds"]:
+            out |= {s.prompt for s in make_split(split, n, seed, families, allow_fewer=True)}
+    chain = {s.prompt for s in make_split("test", n, 0, families, allow_fewer=True)}
+    for seed in FINAL_EXCLUDES["replicates"]:
+        chain |= {s.prompt for s in make_split("test", n, seed, families, exclude=chain, allow_fewer=True)}
+    return frozenset(out | chain)
 
 
 def check_disjoint(*splits: Iterable[Sample | Mapping | str]) -> bool:
