@@ -3,7 +3,9 @@ Holm's correction over a table's family of comparisons, checked against hand-com
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +63,16 @@ def test_reports_without_exact_p_keep_the_bootstrap_rule():
     d = {"diff": 0.1, "ci_low": 0.01, "ci_high": 0.2}
     assert significant(d, 1) and signed_pp(d) == "+10.0 pp [+1.0, +20.0] **↑**"
     assert set(paired_difference([1, 0], [0, 0], n_boot=10)) >= {"diff", "ci_low", "ci_high", "p_exact"}
+
+
+def test_the_fair_baseline_table_re_renders_from_its_per_problem_outcomes(tmp_path):
+    """docs/results/fair-baseline.md is a pure function of the committed per-problem outcomes: the analysis
+    run afresh writes the same bytes, and its verdict follows the rule (a lead at every calibration seed)."""
+    from experiments import fair_baseline
+
+    root = Path(__file__).resolve().parents[1]
+    fair_baseline.main(["--source", str(root / fair_baseline.SOURCE), "--out", str(tmp_path)])
+    assert (tmp_path / "fair-baseline.md").read_text() == (root / "docs/results/fair-baseline.md").read_text()
+    report = json.loads((tmp_path / "fair-baseline.json").read_text())
+    for row in report["rows"]:
+        assert row["lead"] == all(c["diff"] > 0 and c["p_holm"] < 0.05 for c in row["seeds"].values())
