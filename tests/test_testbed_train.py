@@ -758,8 +758,11 @@ def test_continued_training_with_long_families_starts_from_the_model_and_cards_t
     # the run it continued is a stage of its card, kept in eval.json: the card keeps it once that run is gone
     assert f"It is `{source.name}` (itself trained from scratch) continued" in card
     assert "- the last of 2 stages, each run's `--init-from` the one before" in card
+    # both runs ran lab.testbed.train, which their train_summary.json records; cards of the shipped backbones,
+    # trained before it moved, keep slimwise.testbed.train (their summaries name no entry)
+    assert "- command: `python -m lab.testbed.train --backbone a " in card
     stage = next(line for line in card.splitlines() if line.startswith("  1. `"))
-    assert stage.startswith(f"  1. `python -m slimwise.testbed.train --backbone a --out {source.name} "
+    assert stage.startswith(f"  1. `python -m lab.testbed.train --backbone a --out {source.name} "
                             "--override")
     assert "--max-steps 2 --seed 0" in stage and "--warmup-steps 2" in stage and "`: steps 2, tokens" in stage
     stages = json.loads((out / "eval.json").read_text())["earlier_stages"]

@@ -604,24 +604,29 @@ def write_card(out: str | os.PathLike, command: str | None = None) -> Path:
         if stages:
             ev["earlier_stages"] = stages
             atomic_write_text(out / "eval.json", json.dumps(ev, indent=2) + "\n")
-    command = command or train_command(tc, out)
+    summary = json.loads((out / "train_summary.json").read_text())
+    command = command or train_command(tc, out, trained_as(summary))
     atomic_write_text(out / "README.md", format_card(out, name, tc, ev["train"], ev["test"], ev["heldout"],
                                                      command, ev.get("pruning"), ev.get("long"), stages))
     return out / "README.md"
 
 
-#: the module the shipped backbones were trained with, before training moved to the lab (lab.testbed.train,
-#: same options); a run of the lab's module renders this name too until its cards record their own command
+#: how a run was invoked when its train_summary.json does not say: every committed card's backbone was
+#: trained as this module, before training moved to the lab (`ENTRY`, same options)
 TRAINED_AS = "python -m slimwise.testbed.train"
 
 
-def train_command(tc: dict, out: Path) -> str:
-    """The training command line of a run's train_config (its non-default options, from the option
-    declarations), ready to paste into a shell; run directories as `shown_command` prints them.
+def trained_as(summary: dict) -> str:
+    """The command a run's train_summary.json records (`ENTRY` for runs of lab.testbed.train), else
+    `TRAINED_AS`: a card prints the command that was run, so committed cards re-render bit for bit."""
+    return summary.get("entry", TRAINED_AS)
 
-    It names the module as `TRAINED_AS`, the path every committed card's backbone was trained under: a card
-    records the command that was run, and the committed cards re-render bit for bit."""
-    return shown_command(command_of(TRAINED_AS,
+
+def train_command(tc: dict, out: Path, entry: str = TRAINED_AS) -> str:
+    """The training command line of a run's train_config (its non-default options, from the option
+    declarations) as `entry` ran it, ready to paste into a shell; run directories as `shown_command` prints
+    them."""
+    return shown_command(command_of(entry,
                                     argv_of(TrainConfig, {"out": str(out), **tc}, TRAIN_OPTIONS,
                                             always=ALWAYS_SPELLED)))
 
@@ -665,7 +670,7 @@ def earlier_stages(tc: dict) -> list[dict]:
             break
         parent = json.loads((run / "train_config.json").read_text())
         summary = json.loads((run / "train_summary.json").read_text())
-        stages.insert(0, {"out": str(run), "command": train_command(parent, run),
+        stages.insert(0, {"out": str(run), "command": train_command(parent, run, trained_as(summary)),
                           "init_from": parent.get("init_from"), "steps": summary["steps"],
                           "tokens": summary["tokens"], "wall_seconds": summary["wall_seconds"]})
         source = parent.get("init_from")

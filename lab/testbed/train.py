@@ -61,7 +61,7 @@ from lab.testbed.fast_experts import FAST_EXPERTS
 from lab.testbed.muon import Muon, MuonAdamW, muon_parameters
 from lab.testbed.packed_linear_attention import packed_sequences, segment_aware_linear_attention
 from lab.testbed.tokenizer import build_tokenizer, encode_sample, load_saved_tokenizer
-from lab.testbed.train_config import TRAIN_OPTIONS, TrainConfig
+from lab.testbed.train_config import ENTRY, TRAIN_OPTIONS, TrainConfig
 from slimwise.errors import SlimWiseError
 from slimwise.hooks import ForwardWrappers
 from slimwise.io import atomic_torch_save, atomic_write_text
@@ -606,7 +606,7 @@ def _train_rank(rank: int, world: int, config: TrainConfig) -> Path:
     summary = {"steps": run.step, "wall_seconds": run.elapsed, "tokens": run.tokens,
                "tokens_per_second": run.tokens / max(run.elapsed, 1e-9), "packing": packing,
                "positions": run.positions if not config.resume else None,
-               "final_loss": final_loss(run.history)}
+               "final_loss": final_loss(run.history), "entry": ENTRY}
     atomic_write_text((out / "train_summary.json"), json.dumps(summary, indent=2) + "\n")
     model.eval()
     save_model(model, tokenizer, out)

@@ -20,6 +20,8 @@ TRAIN_OPTIONS = ("backbone", "out", "init_from", "model_overrides", "minutes", "
                  "warmup_steps", "optimizer", "samples_per_family", "long_max_length", "long_top_share",
                  "family_weights", "experts_implementation", "eval_n_per_family", "heldout_n_per_family")
 #: spelled on a card's command even at their defaults
+#: how a run of this trainer is invoked, recorded in its train_summary.json (its card prints it)
+ENTRY = "python -m lab.testbed.train"
 ALWAYS_SPELLED = ("backbone", "out", "seed")
 
 
