@@ -23,6 +23,7 @@ from slimwise.criteria import plan_from_stats
 from slimwise.engines.reference import GenerationConfig, PhaseSplitEngine
 from slimwise.hardware import BF16_ONLY_ON_CPU, describe, resolve_dtype
 from slimwise.models import load_model, load_tokenizer, resolve_model_dir
+from slimwise.serving.platform import vllm_on_cpu
 from slimwise.testbed import TARGET_DOMAIN, make_split
 
 TESTBEDS = ("testbed-a", "testbed-b", "testbed-c")
@@ -38,7 +39,7 @@ def vllm_dtypes(name: str) -> list[str]:
     """vLLM's `--dtype auto` on this CPU, and float32 where vLLM's CPU kernels for the family have it (the
     hybrids' Gated DeltaNet kernel is bf16 only)."""
     model_dir = resolve_model_dir(name)
-    auto = resolve_dtype("auto", model_dir)[0]
+    auto = resolve_dtype("auto", model_dir, vllm_on_cpu())[0]
     hybrid = json.loads((model_dir / "config.json").read_text()).get("model_type") in BF16_ONLY_ON_CPU
     return [auto] if hybrid or auto == "float32" else [auto, "float32"]
 

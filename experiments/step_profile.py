@@ -109,6 +109,7 @@ def run(
         start_engine,
     )
     from slimwise.perf.timing import make_prompts, shutdown_llm, vocab_size
+    from slimwise.serving.platform import vllm_on_cpu
 
     out = Path(out_dir)
     config = BenchConfig(
@@ -123,7 +124,7 @@ def run(
         in_process=True,
     )
     model_dir = prepare_model(config)
-    used, why = hardware.resolve_dtype(dtype, model_dir)
+    used, why = hardware.resolve_dtype(dtype, model_dir, vllm_on_cpu())
     config = replace(config, dtype=used)
     plan, plan_path, pruned_dir = prepare_plan(config, model_dir, out)
     kwargs = engine_kwargs(config, str(model_dir))

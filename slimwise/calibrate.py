@@ -383,11 +383,12 @@ def vllm_continuations(model_dir, prompts: Sequence[str] | Sequence[Sequence[int
     this under an `if __name__ == "__main__":` guard."""
     from slimwise.engines.vllm_engine import VllmEngine
     from slimwise.hardware import resolve_dtype
+    from slimwise.serving.platform import vllm_on_cpu
 
     prompts = list(prompts)[: config.max_samples] if config.max_samples else list(prompts)
     if config.phase == "prompt":
         return [[] for _ in prompts]
-    engine = VllmEngine(model_dir, None, tokenizer, dtype=resolve_dtype(dtype, model_dir)[0],
+    engine = VllmEngine(model_dir, None, tokenizer, dtype=resolve_dtype(dtype, model_dir, vllm_on_cpu())[0],
                         engine_kwargs=engine_kwargs)
     try:
         gen = GenerationConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,

@@ -440,6 +440,7 @@ def _eval_mix(args) -> None:
     from slimwise.evaluation.mix import MixConfig, evaluate_mix, mix_table
     from slimwise.hardware import resolve_dtype
     from slimwise.models import resolve_model_dir
+    from slimwise.serving.platform import vllm_on_cpu
 
     if args.engine != "vllm":
         raise SlimWiseError("--route evaluates a traffic mix in one vLLM engine: add --engine vllm")
@@ -458,7 +459,7 @@ def _eval_mix(args) -> None:
     config = MixConfig(plans=plans, routes=routes, data=args.data, grader=args.grader, split=args.split,
                        n_per_family=args.per_family, max_samples=args.max_samples, seed=args.seed,
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                       dtype=resolve_dtype(args.dtype, model_dir)[0], out_dir=args.out)
+                       dtype=resolve_dtype(args.dtype, model_dir, vllm_on_cpu())[0], out_dir=args.out)
     print(mix_table(evaluate_mix(str(model_dir), config)))
 
 

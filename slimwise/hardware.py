@@ -62,24 +62,20 @@ def choose_cpu_dtype(checkpoint_dtype: str | None, model_type: str | None = None
     )
 
 
-def vllm_on_cpu() -> bool:
-    """Whether vLLM's platform here is its CPU backend (False without vLLM)."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:
-        return False
-    return bool(current_platform.is_cpu())
-
-
 def resolve_dtype(dtype: str, model_dir: str | Path, on_cpu: bool | None = None,
                   engine: str = "vllm") -> tuple[str, str]:
     """(dtype, why) an engine gets for a requested dtype. "auto" on vLLM's CPU backend goes through
     `choose_cpu_dtype` with the checkpoint's dtype and model type; engine "hf" (the transformers reference,
     which runs on the CPU) through `choose_cpu_dtype` without the model type, as torch has no bf16-only
-    kernels. Anything else is kept."""
+    kernels. Anything else is kept. `on_cpu`: whether vLLM runs on its CPU backend, which a caller resolving
+    "auto" for engine "vllm" must say (`slimwise.serving.platform.vllm_on_cpu()`: this module never imports
+    vLLM)."""
     if dtype != "auto":
         return dtype, "as requested"
-    if engine == "vllm" and not (vllm_on_cpu() if on_cpu is None else on_cpu):
+    if engine == "vllm" and on_cpu is None:
+        raise TypeError("resolve_dtype('auto', engine='vllm') needs on_cpu "
+                        "(slimwise.serving.platform.vllm_on_cpu())")
+    if engine == "vllm" and not on_cpu:
         return dtype, "vLLM's auto (the checkpoint's dtype)"
     import json
 
@@ -121,7 +117,6 @@ __all__ = [
     "describe",
     "machine_line",
     "resolve_dtype",
-    "vllm_on_cpu",
 ]
 
 
@@ -153,12 +148,13 @@ def parallel_ranks(args: list[str]) -> int:
     )
 
 
-def cpu_binding_env(ranks: int, on_cpu: bool | None = None, environ=None) -> dict[str, str]:
+def cpu_binding_env(ranks: int, on_cpu: bool, environ=None) -> dict[str, str]:
     """On vLLM's CPU backend with `ranks` local ranks (tensor x pipeline parallel): the per-rank core binding
     vLLM needs on a single-NUMA-node machine, where its default ("auto": one node per rank) refuses to start.
-    The user's own VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed."""
+    The user's own VLLM_CPU_OMP_THREADS_BIND wins; {} when nothing is needed. `on_cpu`: the caller's
+    `slimwise.serving.platform.vllm_on_cpu()`."""
     environ = os.environ if environ is None else environ
-    if ranks == 1 or THREADS_BIND_ENV in environ or not (vllm_on_cpu() if on_cpu is None else on_cpu):
+    if ranks == 1 or THREADS_BIND_ENV in environ or not on_cpu:
         return {}
     return {THREADS_BIND_ENV: cpu_thread_binding(ranks)}
 

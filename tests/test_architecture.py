@@ -182,10 +182,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: the modules that may import vLLM (module level, lazily or for type checking): the vLLM integration, and
 #: the bench's timed runs and kernel fits
 VLLM_IMPORTERS = ("slimwise.serving.*", "slimwise.engines.vllm_engine", "slimwise.perf.bench",
-                  "slimwise.perf.timing", "slimwise.perf.kernels",
-                  # `vllm_on_cpu` (a guarded probe: False without vLLM) under the CPU dtype and thread binding
-                  # defaults; belongs in serving once every caller passes `on_cpu`
-                  "slimwise.hardware")
+                  "slimwise.perf.timing", "slimwise.perf.kernels")
 
 
 def _matches(module: str, entry: str) -> bool:

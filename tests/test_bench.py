@@ -428,9 +428,11 @@ def test_bench_smoke_preset_structure_and_invariants(tmp_path):
         assert (tmp_path / "bench" / f.split("/")[-1]).stat().st_size > 0
     # --dtype auto (the default) resolved for this machine before any engine started, and recorded with it
     from slimwise.hardware import resolve_dtype
+    from slimwise.serving.platform import vllm_on_cpu
 
     assert r["dtype"]["requested"] == "auto" and r["dtype"]["used"] == r["engine"]["dtype"]
-    assert r["engine"]["dtype"] == resolve_dtype("auto", r["model_dir"])[0] and r["machine"]["cpu"]
+    assert r["engine"]["dtype"] == resolve_dtype("auto", r["model_dir"], vllm_on_cpu())[0]
+    assert r["machine"]["cpu"]
 
 
 def test_partial_results_resume_only_with_the_same_settings(tmp_path):

@@ -855,6 +855,11 @@ def test_cpu_dtype_keeps_the_checkpoints_unless_the_cpu_lacks_bf16(monkeypatch, 
     assert hardware.resolve_dtype("auto", str(hybrid), engine="hf")[0] == "float32"
     assert hardware.resolve_dtype("auto", model, engine="hf")[0] == "float32"
     assert hardware.resolve_dtype("bfloat16", model, engine="hf") == ("bfloat16", "as requested")
+    # hardware never asks vLLM where it runs: a vLLM caller resolving "auto" must say (serving.platform)
+    with pytest.raises(TypeError, match="needs on_cpu"):
+        hardware.resolve_dtype("auto", model)
+    assert hardware.resolve_dtype("auto", model, on_cpu=False) == ("auto",
+                                                                   "vLLM's auto (the checkpoint's dtype)")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "torch_dtype": "float32"}))
     assert cpu_dtype(str(tmp_path), [], on_cpu=True)[0] == "float32"
     cfg = ServeConfig(model=model, vllm_args=["--dtype", "auto", "--max-num-seqs", "8"])

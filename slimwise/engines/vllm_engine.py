@@ -54,7 +54,7 @@ class VllmEngine:
         on_cpu: bool | None = None,
     ):
         """`dtype` / `enforce_eager` None: the platform's default (`engine_defaults`); `on_cpu` None: whether
-        vLLM runs on its CPU backend here (`slimwise.hardware.vllm_on_cpu`)."""
+        vLLM runs on its CPU backend here (`slimwise.serving.platform.vllm_on_cpu`)."""
         require_known_vllm()
         self.count_experts = count_experts
         self.gates = gates  # what pruned rows' gates do, and the fallback (slimwise.decode_gates)
@@ -298,11 +298,11 @@ def engine_defaults(dtype: str | None = None, enforce_eager: bool | None = None,
     `engine_kwargs`, which win) over the platform's defaults (`CPU_DEFAULTS` on vLLM's CPU backend, none
     elsewhere; an explicit `gpu_memory_utilization` drops the CPU KV budget; expert counting defaults to eager
     mode) and the checkpoint's own tokenizer (`TOKENIZER_MODE`: vLLM's AutoTokenizer may swap in a family
-    class, serving/tokenizer.py). `on_cpu` None: `slimwise.hardware.vllm_on_cpu()`. Refuses, in one line, what
-    SlimWise's routing (`routed`) cannot serve: micro-batching, and counting on a GPU engine that is not
-    eager (`slimwise.serving.guards`)."""
-    from slimwise.hardware import vllm_on_cpu
+    class, serving/tokenizer.py). `on_cpu` None: `slimwise.serving.platform.vllm_on_cpu()`. Refuses, in one
+    line, what SlimWise's routing (`routed`) cannot serve: micro-batching, and counting on a GPU engine that
+    is not eager (`slimwise.serving.guards`)."""
     from slimwise.serving import guards
+    from slimwise.serving.platform import vllm_on_cpu
 
     on_cpu = vllm_on_cpu() if on_cpu is None else on_cpu
     chosen = {k: v for k, v in (("dtype", dtype), ("enforce_eager", enforce_eager)) if v is not None}
@@ -353,8 +353,9 @@ def _cpu_rank_binding(kwargs: dict):
     pipeline parallel ranks on a single-NUMA-node machine (`slimwise.hardware.cpu_binding_env`), then the
     environment as it was."""
     from slimwise.hardware import cpu_binding_env, scoped_environ
+    from slimwise.serving.platform import vllm_on_cpu
 
-    with scoped_environ(cpu_binding_env(parallel_ranks_of(kwargs))):
+    with scoped_environ(cpu_binding_env(parallel_ranks_of(kwargs), vllm_on_cpu())):
         yield
 
 

@@ -43,6 +43,7 @@ def load_evaluated_model(model: str | Path, dtype: str, engine: str, device: str
     from slimwise.devices import resolve_device
     from slimwise.hardware import resolve_dtype
     from slimwise.models import load_model, load_tokenizer, resolve_model_dir
+    from slimwise.serving.platform import vllm_on_cpu
 
     name = model_label(model)
     path = resolve_model_dir(model)
@@ -52,7 +53,7 @@ def load_evaluated_model(model: str | Path, dtype: str, engine: str, device: str
     # matches; for the HF engine float32 where bf16 would be emulated (docs/serving.md, "dtype on CPU"). On a
     # GPU, load_model's own auto (bf16).
     if device == "cpu" and max_memory is None:
-        dtype = resolve_dtype(dtype, path, engine=engine)[0]
+        dtype = resolve_dtype(dtype, path, vllm_on_cpu() if engine == "vllm" else None, engine=engine)[0]
     loaded = load_model(path, dtype=dtype, device=device, max_memory=max_memory)
     ran = str(loaded.dtype).removeprefix("torch.")
     tokenizer = load_tokenizer(path)

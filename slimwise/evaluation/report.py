@@ -274,7 +274,25 @@ def fallback_lines(report: dict) -> list[str]:
 
 
 def write_markdown(report: dict, path: str | Path) -> Path:
+    """report.md from report.json: a pure function of the report (committed reports re-render bit for bit)."""
     path = Path(path)
+    lines = _header_lines(report)
+    lines += ["", "## Summary", "", *summary_lines(report), "", *readme_table(report), ""]
+    lines += ["## Main table", "",
+              "Accuracy with a 95% bootstrap interval; Δ against the full model. Lengths in generated tokens "
+              "(EOS included). Experts/layer/step: distinct routed experts per MoE layer per decode step "
+              "over the batch's live rows (uniform-routing expectation E·(1−(1−k/E)^B) in brackets, E = "
+              "experts decode can use); MiB/step: the expert weights those imply, summed over layers.", ""]
+    lines += _md_table(TABLE_HEADER, main_table(report))
+    lines += fallback_lines(report)
+    for section in (_paired_lines, _other_domain_lines, _family_lines, _closing_lines):
+        lines += section(report)
+    atomic_write_text(path, "\n".join(lines))
+    return path
+
+
+def _header_lines(report: dict) -> list[str]:
+    """The model, tasks, generation, runtime, baseline and sample-size lines under the title."""
     m, t, g, tm = report["model"], report["tasks"], report["generation"], report["timing"]
     env, cfg = report["environment"], report.get("config", {})
     lines = [f"# SlimWise evaluation: {m['name']}", ""]
@@ -303,14 +321,12 @@ def write_markdown(report: dict, path: str | Path) -> Path:
     lines.append(f"Sample size: n = {t['n']} gives a 95% interval of about ±{100 * hw:.0f} pp at 50% "
                  "accuracy (less near 0% or 100%); paired differences between modes on the same "
                  "problems are tighter.")
-    lines += ["", "## Summary", "", *summary_lines(report), "", *readme_table(report), ""]
-    lines += ["## Main table", "",
-              "Accuracy with a 95% bootstrap interval; Δ against the full model. Lengths in generated tokens "
-              "(EOS included). Experts/layer/step: distinct routed experts per MoE layer per decode step "
-              "over the batch's live rows (uniform-routing expectation E·(1−(1−k/E)^B) in brackets, E = "
-              "experts decode can use); MiB/step: the expert weights those imply, summed over layers.", ""]
-    lines += _md_table(TABLE_HEADER, main_table(report))
-    lines += fallback_lines(report)
+    return lines
+
+
+def _paired_lines(report: dict) -> list[str]:
+    """The paired-differences table (exact p, Holm-adjusted over the table, where the report has them)."""
+    lines: list[str] = []
     if report["comparisons"]:
         keys = ["slimwise_minus_uniform", "slimwise_minus_full", "uniform_minus_full"]
         keys += [k for k in ("distilled_minus_slimwise", "distilled_minus_uniform", "distilled_minus_full")
@@ -328,6 +344,13 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                          *(signed_pp(c.get(k)) for k in keys)])
         lines += _md_table(["criterion", "calib", "ratio", *(k.replace("_minus_", " − ") for k in keys)],
                            rows)
+    return lines
+
+
+def _other_domain_lines(report: dict) -> list[str]:
+    """What each plan costs on the other domains' problems (reports with other-domain runs)."""
+    lines: list[str] = []
+    cfg = report.get("config", {})
     if report.get("other_domains"):
         od = report["other_domains"]
         fams_o = ", ".join(f"{f} {n}" for f, n in od["per_family"].items())
@@ -340,6 +363,13 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                               for x in cfg.get("calib_mixes") or ())
                   + "). SlimWise − uniform: paired bootstrap 95% interval on the other-domain problems.", ""]
         lines += transfer_table(report)
+    return lines
+
+
+def _family_lines(report: dict) -> list[str]:
+    """Accuracy per task family for every run, then every metric per family at the headline plan."""
+    lines: list[str] = []
+    t = report["tasks"]
     lines += ["", "## Accuracy per task family", ""]
     fams = t["families"]
     rows = [["full", "–", "–", "–", *(_pct(report["full"]["by_family"][f]["accuracy"], 0) for f in fams)]]
@@ -361,6 +391,12 @@ def write_markdown(report: dict, path: str | Path) -> Path:
                              _num(bf.get("first_diff_mean"), ".1f"), _num(bf.get("kl_mean"), ".4f")])
         lines += _md_table(["family", "mode", "accuracy [95% CI]", "len mean", "EOS", "truncated",
                             "len ratio", "exact match", "first diff", "KL"], rows)
+    return lines
+
+
+def _closing_lines(report: dict) -> list[str]:
+    """Plots, calibration runs and the metric definitions."""
+    lines: list[str] = []
     if report.get("plots"):
         lines += ["", "## Plots", ""]
         titles = {"accuracy_vs_ratio.png": "Accuracy against pruning ratio",
@@ -390,8 +426,7 @@ def write_markdown(report: dict, path: str | Path) -> Path:
               "prefill is the full model's).",
               "- decode traffic: router hooks count distinct experts chosen by the live rows of each decode "
               "step, per MoE layer; bytes = distinct × bytes of one expert.", ""]
-    atomic_write_text(path, "\n".join(lines))
-    return path
+    return lines
 
 
 def readme_table(report: dict) -> list[str]:

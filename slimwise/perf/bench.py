@@ -526,11 +526,12 @@ def _run_bench(config: BenchConfig, log: Callable[[str], None]) -> dict:
     from dataclasses import replace
 
     from slimwise import hardware
+    from slimwise.serving.platform import vllm_on_cpu
 
     out = Path(config.out_dir)
     model_dir = prepare_model(config, log)
     requested = config.dtype
-    dtype, why = hardware.resolve_dtype(config.dtype, model_dir)
+    dtype, why = hardware.resolve_dtype(config.dtype, model_dir, vllm_on_cpu())
     if requested == "auto":
         config = replace(config, dtype=dtype)
         log(f"dtype auto -> {dtype}: {why}")

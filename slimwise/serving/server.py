@@ -50,7 +50,7 @@ CPU_DEFAULT_MAX_NUM_SEQS = 128
 
 
 def _on_cpu() -> bool:
-    from slimwise.hardware import vllm_on_cpu
+    from slimwise.serving.platform import vllm_on_cpu
 
     return vllm_on_cpu()
 
@@ -680,7 +680,7 @@ def _serve_colocated(cfg: ServeConfig, plans: dict, sup: Supervisor) -> int:
     _summary(cfg, None if cfg.plans else plan,
              "PD-colocated (one engine: prompt tokens use all experts, generated tokens the kept ones)",
              budget)
-    env = cpu_binding_env(parallel_ranks(cfg.vllm_args))
+    env = cpu_binding_env(parallel_ranks(cfg.vllm_args), _on_cpu())
     if env:
         print(f"  threads:  {env} (one block of cores per tensor/pipeline-parallel rank; set "
               "VLLM_CPU_OMP_THREADS_BIND to choose)", flush=True)
@@ -765,7 +765,7 @@ def _start_instances(cfg: ServeConfig, plan, sup: Supervisor) -> tuple[str, str,
     prefill_url, decode_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     budget = {**_with_cpu_dtype(cfg, cfg.model), **_with_cpu_kv_budget(cfg, cfg.model, 2)}
     # each instance's ranks over the cores (the instances share them)
-    binding = cpu_binding_env(parallel_ranks(cfg.vllm_args))
+    binding = cpu_binding_env(parallel_ranks(cfg.vllm_args), _on_cpu())
     if binding:
         budget["threads"] = f"{binding} per instance (VLLM_CPU_OMP_THREADS_BIND to choose)"
     env = server_env(binding)
