@@ -4,11 +4,11 @@
 Reads the per-problem outcomes batch_budgets.py committed (docs/results/batch-budgets/batch-budgets.json:
 REAP, float32 reference engine, greedy, batch 32, 240 arithmetic problems of test seed 0; static SlimWise =
 decode-calibrated plan, uniform = both phases pruned with the plan calibrated on whole sequences, each over
-calibration seeds 0, 1, 2; testbed-a-long at 1,024 characters, 150 problems, calibration seed 0) and tests,
-per calibration seed, SlimWise against uniform with McNemar's exact test, Holm-corrected over every
-comparison of the table. A lead counts only where it is significant at every calibration seed (the rule
-docs/results/protocol.md pre-registers for the final split; this table is on the test split every earlier
-decision used).
+calibration seeds 0, 1, 2; testbed-a-long at 1,024 characters, 150 problems, calibration seed 0, with seeds
+1 and 2 from experiments.fair_long_seeds in docs/results/fair-baseline/) and tests, per calibration seed,
+SlimWise against uniform with McNemar's exact test, Holm-corrected over every comparison of the table. A
+lead counts only where it is significant at every calibration seed (the rule docs/results/protocol.md
+pre-registers for the final split; this table is on the test split every earlier decision used).
 
     python -m experiments.fair_baseline --out docs/results
 
@@ -25,6 +25,8 @@ from slimwise.evaluation.metrics import holm, mcnemar_exact
 from slimwise.io import atomic_write_text
 
 SOURCE = Path("docs/results/batch-budgets/batch-budgets.json")
+#: more calibration seeds of the long-prompt rows (`experiments.fair_long_seeds`: long-seed{S}.json)
+LONG_SEEDS = Path("docs/results/fair-baseline")
 MODELS = ("testbed-a", "testbed-b", "testbed-c")
 RATIOS = ("0.25", "0.5", "0.75")
 SEEDS = ("0", "1", "2")
@@ -37,8 +39,9 @@ def _cell(static: dict, uniform: dict) -> dict:
             "diff": static["accuracy"] - uniform["accuracy"], **test}
 
 
-def analyse(results: dict) -> dict:
-    """Every (model, ratio, calibration seed) comparison on short prompts and the long-prompt ones, with
+def analyse(results: dict, long_seeds: dict[str, dict] | None = None) -> dict:
+    """Every (model, ratio, calibration seed) comparison on short prompts and the long-prompt ones (seed 0
+    from `results`, the others from `long_seeds`: seed -> fair_long_seeds output on the same problems), with
     Holm's correction over all of them."""
     rows = []
     for model in MODELS:
@@ -49,9 +52,14 @@ def analyse(results: dict) -> dict:
             rows.append({"model": model, "prompt": "short", "ratio": float(ratio), "full": full,
                          "seeds": seeds})
     for long in (results["long_ratios"]["0.25"], results["long"], results["long_ratios"]["0.75"]):
+        seeds = {"0": _cell(long["static"], long["uniform"])}
+        for seed, extra in sorted((long_seeds or {}).items()):
+            if extra["full"]["correct"] != long["full"]["correct"]:
+                raise ValueError(f"long-prompt seed {seed}: not the problems or the full model of seed 0")
+            cells = extra["ratios"][f"{long['ratio']:g}"]
+            seeds[seed] = _cell(cells["static"], cells["uniform"])
         rows.append({"model": "testbed-a-long", "prompt": f"{long['length']} chars", "ratio": long["ratio"],
-                     "full": long["full"]["accuracy"],
-                     "seeds": {"0": _cell(long["static"], long["uniform"])}})
+                     "full": long["full"]["accuracy"], "seeds": seeds})
     cells = [c for r in rows for c in r["seeds"].values()]
     for c, p in zip(cells, holm([c["p_exact"] for c in cells]), strict=True):
         c["p_holm"] = p
@@ -59,7 +67,7 @@ def analyse(results: dict) -> dict:
         signs = {c["diff"] > 0 and c["p_holm"] < ALPHA for c in r["seeds"].values()}
         r["lead"] = signs == {True}
     return {"source": str(SOURCE), "machine": results.get("machine"), "alpha": ALPHA,
-            "comparisons": len(cells), "rows": rows}
+            "long_seeds": ["0", *sorted(long_seeds or {})], "comparisons": len(cells), "rows": rows}
 
 
 def _pct(x: float) -> str:
@@ -79,7 +87,8 @@ def markdown(report: dict) -> str:
         "decode pruned with the plan calibrated on decode tokens; uniform = classic pruning of both phases "
         "with the plan calibrated on whole sequences, as classic pruners calibrate. 240 arithmetic problems "
         "of test seed 0 (short prompts), batch 32; testbed-a-long: 150 problems at 1,024 characters, "
-        "calibration seed 0 only.",
+        f"calibration seeds {', '.join(report['long_seeds'])} (seeds other than 0: "
+        "`python -m experiments.fair_long_seeds`, per-problem outcomes in fair-baseline/).",
         "",
         "Per calibration seed: accuracy SlimWise / uniform, the discordant problems (SlimWise only : "
         f"uniform only) and McNemar's exact p, Holm-adjusted over all {report['comparisons']} comparisons of "
@@ -101,17 +110,19 @@ def markdown(report: dict) -> str:
     lines += ["", f"Leads that hold at every calibration seed after Holm: {', '.join(leads) or 'none'}.",
               "",
               "Caveats: the test split served every earlier decision (docs/results/protocol.md); the final "
-              "tables will come from the reserved final split. The long-prompt rows have one calibration "
-              "seed, so their lead is one seed's.", ""]
+              "tables will come from the reserved final split.", ""]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", type=Path, default=SOURCE)
+    parser.add_argument("--long-seeds", type=Path, default=LONG_SEEDS, help="folder of long-seed*.json")
     parser.add_argument("--out", type=Path, required=True, help="folder for fair-baseline.md / .json")
     args = parser.parse_args(argv)
-    report = analyse(json.loads(args.source.read_text()))
+    long_seeds = {p.stem.removeprefix("long-seed"): json.loads(p.read_text())
+                  for p in sorted(args.long_seeds.glob("long-seed*.json"))}
+    report = analyse(json.loads(args.source.read_text()), long_seeds)
     report["source"] = str(SOURCE if args.source.resolve() == SOURCE.resolve() else args.source)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "fair-baseline.json", json.dumps(report, indent=1) + "\n")
