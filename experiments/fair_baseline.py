@@ -39,10 +39,12 @@ def _cell(static: dict, uniform: dict) -> dict:
             "diff": static["accuracy"] - uniform["accuracy"], **test}
 
 
-def analyse(results: dict, long_seeds: dict[str, dict] | None = None) -> dict:
+def analyse(results: dict, long_seeds: dict[str, dict] | None = None,
+            by_length: dict[str, dict] | None = None) -> dict:
     """Every (model, ratio, calibration seed) comparison on short prompts and the long-prompt ones (seed 0
-    from `results`, the others from `long_seeds`: seed -> fair_long_seeds output on the same problems), with
-    Holm's correction over all of them."""
+    from `results`, the others from `long_seeds`: seed -> fair_long_seeds output on the same problems; the
+    shorter prompt lengths at 50% from `by_length`: seed -> its --by-length output), with Holm's correction
+    over all of them."""
     rows = []
     for model in MODELS:
         full = results["models"][model]["full"]["0"]["accuracy"]
@@ -51,6 +53,7 @@ def analyse(results: dict, long_seeds: dict[str, dict] | None = None) -> dict:
             seeds = {s: _cell(grid["static"][ratio][s], grid["uniform"][ratio][s]) for s in SEEDS}
             rows.append({"model": model, "prompt": "short", "ratio": float(ratio), "full": full,
                          "seeds": seeds})
+    rows += _length_rows(by_length or {})
     for long in (results["long_ratios"]["0.25"], results["long"], results["long_ratios"]["0.75"]):
         seeds = {"0": _cell(long["static"], long["uniform"])}
         for seed, extra in sorted((long_seeds or {}).items()):
@@ -67,7 +70,30 @@ def analyse(results: dict, long_seeds: dict[str, dict] | None = None) -> dict:
         signs = {c["diff"] > 0 and c["p_holm"] < ALPHA for c in r["seeds"].values()}
         r["lead"] = signs == {True}
     return {"source": str(SOURCE), "machine": results.get("machine"), "alpha": ALPHA,
-            "long_seeds": ["0", *sorted(long_seeds or {})], "comparisons": len(cells), "rows": rows}
+            "long_seeds": ["0", *sorted(long_seeds or {})], "by_length_seeds": sorted(by_length or {}),
+            "comparisons": len(cells), "rows": rows}
+
+
+def _length_rows(by_length: dict[str, dict]) -> list[dict]:
+    """testbed-a-long at 50% at each shorter prompt length, one comparison per calibration seed (the same
+    problems and full model at every seed: checked)."""
+    rows = []
+    seeds = sorted(by_length)
+    for length in sorted({int(n) for d in by_length.values() for n in d["lengths"]}):
+        cells = {s: by_length[s]["lengths"][str(length)] for s in seeds}
+        if len({json.dumps(c["full"]["correct"]) for c in cells.values()}) != 1:
+            raise ValueError(f"{length} characters: the seeds did not run the same problems")
+        first = cells[seeds[0]]
+        rows.append({"model": "testbed-a-long", "prompt": f"{length} chars",
+                     "ratio": by_length[seeds[0]]["ratio"], "full": first["full"]["accuracy"],
+                     "seeds": {s: _cell(c["static"], c["uniform"]) for s, c in cells.items()}})
+    return rows
+
+
+def _by_length_note(report: dict) -> str:
+    seeds = report.get("by_length_seeds")
+    return (f"; the shorter lengths at 50%: `python -m experiments.fair_long_seeds --by-length --seeds "
+            f"{' '.join(seeds)}`, 150 problems each." if seeds else ".")
 
 
 def _pct(x: float) -> str:
@@ -88,7 +114,8 @@ def markdown(report: dict) -> str:
         "with the plan calibrated on whole sequences, as classic pruners calibrate. 240 arithmetic problems "
         "of test seed 0 (short prompts), batch 32; testbed-a-long: 150 problems at 1,024 characters, "
         f"calibration seeds {', '.join(report['long_seeds'])} (seeds other than 0: "
-        "`python -m experiments.fair_long_seeds`, per-problem outcomes in fair-baseline/).",
+        "`python -m experiments.fair_long_seeds`, per-problem outcomes in fair-baseline/)"
+        + _by_length_note(report),
         "",
         "Per calibration seed: accuracy SlimWise / uniform, the discordant problems (SlimWise only : "
         f"uniform only) and McNemar's exact p, Holm-adjusted over all {report['comparisons']} comparisons of "
@@ -122,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     long_seeds = {p.stem.removeprefix("long-seed"): json.loads(p.read_text())
                   for p in sorted(args.long_seeds.glob("long-seed*.json"))}
-    report = analyse(json.loads(args.source.read_text()), long_seeds)
+    by_length = {p.stem.removeprefix("by-length-seed"): json.loads(p.read_text())
+                 for p in sorted(args.long_seeds.glob("by-length-seed*.json"))}
+    report = analyse(json.loads(args.source.read_text()), long_seeds, by_length)
     report["source"] = str(SOURCE if args.source.resolve() == SOURCE.resolve() else args.source)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "fair-baseline.json", json.dumps(report, indent=1) + "\n")

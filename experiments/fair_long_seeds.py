@@ -7,6 +7,10 @@ seed 0 there: 8 calibration problems per family at each prompt length, 32 new to
 sample drawn at other seeds; one calibration per seed and phase serves the three ratios.
 
     python -m experiments.fair_long_seeds --seeds 1 2
+    python -m experiments.fair_long_seeds --by-length --seeds 0 1 2
+
+`--by-length`: the same comparison at 50% at the shorter prompt lengths (64, 256 and 512 characters, 150 test
+problems each), one calibration per seed and phase for every length: where full prefill starts to pay.
 
 Writes OUT/long-seed{S}.json per seed (default OUT docs/results/fair-baseline; skipped when present): the
 per-problem outcomes `experiments.fair_baseline` reads beside the seed-0 rows batch_budgets.py committed.
@@ -68,11 +72,62 @@ def run_seed(out_dir: Path, seed: int) -> dict:
     return out
 
 
+SHORTER = (64, 256, 512)
+
+
+def length_path(out: Path, seed: int) -> Path:
+    return Path(out) / f"by-length-seed{seed}.json"
+
+
+def run_lengths(out_dir: Path, seed: int, lengths=SHORTER, ratio: float = 0.5) -> dict:
+    """{length: {"full", "uniform", "static": cell}} at `ratio` for one calibration seed."""
+    from dataclasses import replace as with_
+
+    from experiments.distill_bars import BarsConfig, evaluate_run
+    from slimwise.calibrate import CalibrationConfig, calibrate
+    from slimwise.criteria import plan_from_stats
+    from slimwise.engines.reference import PhaseSplitEngine
+    from slimwise.models import load_model, load_tokenizer
+    from slimwise.testbed.long_tasks import LENGTHS, make_long_split
+
+    path = length_path(out_dir, seed)
+    if path.is_file():
+        return json.loads(path.read_text())
+    model, tok = load_model(MODEL, dtype="float32"), load_tokenizer(MODEL)
+    bars = with_(BarsConfig(), max_new_tokens=48, batch_size=32)
+    calib = [s.prompt for n in LENGTHS for s in make_long_split("calib", 8, n, seed=seed)]
+    plans = {phase: plan_from_stats(calibrate(model, calib, tok, CalibrationConfig(phase=phase,
+                                                                                    max_new_tokens=32),
+                                              progress=False), "reap", ratio) for phase in ("decode", "all")}
+    out: dict = {"model": MODEL, "ratio": ratio, "calib_seed": seed, "lengths": {}}
+    for length in lengths:
+        tests = make_long_split("test", 50, length, seed=0)
+        with PhaseSplitEngine(model, tok) as engine:
+            full = evaluate_run(engine, tests, "full", bars)
+        cells = {"full": {"accuracy": full["accuracy"] / 100, "n": len(full["correct"]),
+                          "correct": full["correct"]}}
+        for name, phase, mode in (("uniform", "all", "uniform"), ("static", "decode", "slimwise")):
+            with PhaseSplitEngine(model, tok, plan=plans[phase]) as engine:
+                run = evaluate_run(engine, tests, mode, bars, full["token_ids"])
+            cells[name] = {"accuracy": run["accuracy"] / 100, "n": len(run["correct"]),
+                           "correct": run["correct"]}
+        out["lengths"][str(length)] = cells
+        print(seed, length, {k: round(100 * c["accuracy"], 1) for k, c in cells.items()}, flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(out))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--by-length", action="store_true", help="50%% at 64, 256 and 512 characters")
     args = parser.parse_args(argv)
+    if args.by_length:
+        for seed in args.seeds:
+            run_lengths(args.out, seed)
+        return
     for seed in args.seeds:
         out = run_seed(args.out, seed)
         print(seed, {r: {k: round(100 * c["accuracy"], 1) for k, c in cells.items()}
