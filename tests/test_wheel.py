@@ -74,19 +74,25 @@ def test_the_wheel_ships_the_product_and_the_demo_model_only(tmp_path):
         names = zf.namelist()
     assert wheel_problems(names, wheel.stat().st_size) == []
 
-    # installed from it (unpacked ahead of the checkout on the path): testbed-a resolves, the lab's names are
-    # refused in one line that says where they are
+    # installed from it (unpacked ahead of the checkout on the path): testbed-a resolves, and a user who asks
+    # the CLI for a lab model gets one line that says where it is, exit 2
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site)
+    env = {**os.environ, "PYTHONPATH": str(site)}
     code = ("import slimwise; from slimwise.embedded import available_embedded; "
-            "from slimwise.errors import SlimWiseError; from slimwise.models import resolve_model_dir\n"
-            "print(slimwise.__file__); print(available_embedded()); print(resolve_model_dir('testbed-a'))\n"
-            "try:\n    resolve_model_dir('testbed-b')\nexcept SlimWiseError as exc:\n    print(exc)")
+            "from slimwise.models import resolve_model_dir\n"
+            "print(slimwise.__file__); print(available_embedded()); print(resolve_model_dir('testbed-a'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})
+                          cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
-    where, names, demo, refusal = proc.stdout.splitlines()
+    where, names, demo = proc.stdout.splitlines()
     assert where.startswith(str(site)) and names == "['testbed-a']" and demo.startswith(str(site))
-    assert refusal.startswith("embedded model testbed-b is not in this install") \
+    (tmp_path / "p.jsonl").write_text('{"prompt": "add 1+2\\n"}\n')
+    proc = subprocess.run([sys.executable, "-m", "slimwise.cli", "generate", "testbed-b", "--mode", "full",
+                           "--prompts", "p.jsonl", "--out", "o.jsonl"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
+    [refusal] = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and not (tmp_path / "o.jsonl").exists(), proc.stderr
+    assert refusal.startswith("slimwise: error: embedded model testbed-b is not in this install") \
         and "lab/testbed/checkpoints/qwen2moe-b" in refusal, refusal
